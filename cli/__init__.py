@@ -1,0 +1,1 @@
+"""The ``fedge`` command line."""

@@ -1,0 +1,90 @@
+"""``fedge`` command line: ``fedge simulate`` (more subcommands come with the coordinator)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from fedge.errors import FedgeError
+
+EXIT_USAGE = 2
+
+
+def _simulate_parser(sub: Any) -> None:
+    p = sub.add_parser("simulate", help="run a simulated fleet on this machine",
+                       description="Run fedge's ServerApp and ClientApp over a simulated fleet.")
+    p.add_argument("--backend", default="inline", choices=["inline", "ray"],
+                   help="inline (default, in-process) or ray (Flower's simulation engine)")
+    p.add_argument("--rounds", type=int, help="run-config num-rounds")
+    p.add_argument("--clients-per-round", type=int, help="run-config clients-per-round")
+    p.add_argument("--fleet", help="profile mix like phone=60,laptop=30,gpu-box=10, or a TOML file")
+    p.add_argument("--dataset", help="digits | synthetic | npz | csv")
+    p.add_argument("--model", help="mlp | cnn | logreg")
+    p.add_argument("--strategy", help="fedavg")
+    p.add_argument("--seed", type=int, help="run-config seed")
+    p.add_argument("--run-dir", help="where to write the run (default runs/<name>)")
+    p.add_argument("--run-config", default="",
+                   help="more overrides, Flower style: \"key=value key2='text'\"")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="show Flower's own log lines")
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from fedge.config import parse_run_config_args
+    from fedge.simulation.runner import simulate
+
+    overrides: dict[str, Any] = parse_run_config_args(args.run_config)
+    flags = {"num-rounds": args.rounds, "clients-per-round": args.clients_per_round,
+             "dataset": args.dataset, "model": args.model, "strategy": args.strategy,
+             "seed": args.seed, "run-dir": args.run_dir}
+    overrides.update({k: v for k, v in flags.items() if v is not None})
+    if args.fleet:
+        key = "fleet-file" if args.fleet.endswith(".toml") else "fleet"
+        overrides[key] = args.fleet
+    if not args.verbose:
+        quiet_third_party_logs()
+    run_dir, summary = simulate(overrides, backend=args.backend, progress=not args.quiet)
+    onnx = summary.get("onnx", {})
+    print(f"run directory: {run_dir}")
+    print(f"rounds: {summary['rounds']}  simulated time: {summary['sim_time_s']:.1f} s  "
+          f"wall time: {summary['wall_time_s']:.1f} s  uplink: {summary['bytes_up'] / 1e6:.1f} MB"
+          f"  rejected updates: {summary['rejected']}")
+    if onnx:
+        print(f"model.onnx parity vs torch: max abs diff {onnx['max_abs_diff']:.1e}")
+    print(f"final accuracy: {summary['final_accuracy']:.4f}")
+    return 0
+
+
+def quiet_third_party_logs() -> None:
+    """Keep Flower's per-round INFO lines and the ONNX exporter's chatter off the console."""
+    for name in ("flwr", "onnx_ir", "onnxscript", "torch.onnx", "matplotlib"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("flwr").propagate = False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fedge`` argument parser."""
+    parser = argparse.ArgumentParser(prog="fedge", description="Federated learning on edge fleets.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _simulate_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; a refused input prints one line and exits with status 2."""
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return {"simulate": _simulate}[args.command](args)
+    except FedgeError as exc:
+        print(f"fedge: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

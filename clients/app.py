@@ -1,0 +1,146 @@
+"""The client SDK: turn a torch model and local data into a Flower ``ClientApp``.
+
+A device app calls :func:`make_client_app` with two functions of the Flower
+``Context``: one that builds its ``torch.nn.Module`` and one that returns its
+local data. The returned ``ClientApp`` runs unchanged in fedge's inline
+simulator, on Flower's Ray simulation engine, and under a SuperNode.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from torch import nn
+from torch.utils.data import Dataset
+
+from fedge import wire
+from fedge.clients.data import federated_data
+from fedge.clients.models import build_model, load_arrays, model_arrays
+from fedge.clients.profiles import parse_fleet
+from fedge.clients.training import as_dataset, evaluate, pick_device, train_local
+from fedge.config import resolve_run_config
+
+LocalData = Dataset | tuple[np.ndarray, np.ndarray]  # type: ignore[type-arg]
+ModelFn = Callable[[Context], nn.Module]
+DataFn = Callable[[Context], tuple[LocalData, LocalData | None]]
+
+log = logging.getLogger("fedge.clients")
+
+
+def make_client_app(
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    *,
+    config_defaults: Mapping[str, Any] | None = None,
+) -> ClientApp:
+    """Build a Flower ClientApp that trains ``model_fn(context)`` on ``data_fn(context)``.
+
+    Parameters
+    ----------
+    model_fn : Callable[[Context], nn.Module]
+        Returns the device's model (its architecture must match the coordinator's).
+    data_fn : Callable[[Context], tuple[train, test | None]]
+        Returns the device's local data: torch Datasets or ``(x, y)`` numpy pairs.
+        Without a test set, evaluation runs on the training data.
+    config_defaults : Mapping, optional
+        Run-config values used where the run does not set them.
+
+    Returns
+    -------
+    ClientApp
+        With ``@app.train()`` and ``@app.evaluate()`` handlers.
+    """
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        config = _effective_config(context, config_defaults)
+        instruction = msg.content[wire.CONFIG]
+        model = model_fn(context)
+        load_arrays(model, msg.content[wire.ARRAYS], source="global arrays")
+        train_data, _ = data_fn(context)
+        setting = {**config, **instruction}  # the coordinator's instruction wins
+        round_ = int(setting.get(wire.SERVER_ROUND, 0))
+        stats = train_local(
+            model,
+            as_dataset(train_data),
+            epochs=int(setting["local-epochs"]),
+            batch_size=int(setting["batch-size"]),
+            learning_rate=float(setting["learning-rate"]),
+            momentum=float(setting["momentum"]),
+            device=pick_device(str(config["device"])),
+            seed=int(config["seed"]) * 1_000_003 + round_ * 1009 + context.node_id % 1009,
+        )
+        meta = ConfigRecord({
+            wire.SERVER_ROUND: round_,
+            wire.PROFILE: device_profile_name(context, config),
+            wire.SAMPLES_PROCESSED: stats.samples_processed,
+            "steps": stats.steps,
+        })
+        metrics = MetricRecord({"train-loss": stats.loss, wire.NUM_EXAMPLES: stats.num_examples})
+        content = RecordDict({wire.ARRAYS: model_arrays(model), wire.METRICS: metrics,
+                              wire.REPLY_META: meta})
+        return Message(content, reply_to=msg)
+
+    @app.evaluate()
+    def evaluate_(msg: Message, context: Context) -> Message:
+        config = _effective_config(context, config_defaults)
+        model = model_fn(context)
+        load_arrays(model, msg.content[wire.ARRAYS], source="global arrays")
+        train_data, test_data = data_fn(context)
+        dataset = as_dataset(test_data if test_data is not None else train_data)
+        loss, accuracy = evaluate(model, dataset, device=pick_device(str(config["device"])))
+        metrics = MetricRecord({"eval-loss": loss, "eval-acc": accuracy,
+                                wire.NUM_EXAMPLES: len(dataset)})  # type: ignore[arg-type]
+        return Message(RecordDict({wire.METRICS: metrics}), reply_to=msg)
+
+    return app
+
+
+def _effective_config(context: Context, defaults: Mapping[str, Any] | None) -> dict[str, Any]:
+    merged = dict(defaults or {})
+    merged.update(context.run_config)
+    return resolve_run_config(merged)
+
+
+def device_profile_name(context: Context, config: Mapping[str, Any]) -> str:
+    """The device's profile: ``node_config["profile"]``, else the fleet's assignment."""
+    if "profile" in context.node_config:
+        return str(context.node_config["profile"])
+    fleet = parse_fleet(str(config["fleet"]), str(config["fleet-file"]))
+    partition_id = int(context.node_config.get("partition-id", 0))
+    assignment = fleet.assignment(int(config["seed"]))
+    return assignment[partition_id] if partition_id < len(assignment) else "unknown"
+
+
+def num_partitions(context: Context, config: Mapping[str, Any]) -> int:
+    """How many shards the data set is split into (the simulated fleet's size)."""
+    if "num-partitions" in context.node_config:
+        return int(context.node_config["num-partitions"])
+    return parse_fleet(str(config["fleet"]), str(config["fleet-file"])).size
+
+
+def make_default_client_app(config_defaults: Mapping[str, Any] | None = None) -> ClientApp:
+    """The ClientApp for fedge's built-in data sets and models (driven by run config)."""
+
+    def data_fn(context: Context) -> tuple[LocalData, LocalData | None]:
+        config = _effective_config(context, config_defaults)
+        data = federated_data(config, num_partitions(context, config))
+        return data.partitions[int(context.node_config.get("partition-id", 0))], None
+
+    def model_fn(context: Context) -> nn.Module:
+        config = _effective_config(context, config_defaults)
+        data = federated_data(config, num_partitions(context, config))
+        return build_model(str(config["model"]), data.num_features, data.num_classes)
+
+    return make_client_app(model_fn, data_fn, config_defaults=config_defaults)
+
+
+app = make_default_client_app()
+
+__all__ = ["app", "make_client_app", "make_default_client_app"]

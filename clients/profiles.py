@@ -1,0 +1,182 @@
+"""Device profiles (phone / laptop / gpu-box / custom) and fleets made of them.
+
+A profile is what the virtual clock charges a device for: download, compute and
+upload time. Fleets are mixes of profiles (``"phone=60,laptop=30,gpu-box=10"``
+or a TOML file). Both the coordinator and the device use this module: the
+device to know which budget it trains under, the simulator to time it.
+"""
+
+from __future__ import annotations
+
+import random
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedge.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What one class of device can do.
+
+    Attributes
+    ----------
+    name : str
+        Profile name, e.g. ``"phone"``.
+    compute_rate : float
+        Training throughput in samples per second (forward + backward).
+    uplink_mbps, downlink_mbps : float
+        Link bandwidth in Mbit/s.
+    memory_mb : int
+        Memory available to training, in MiB.
+    availability : float
+        Probability that the device is online in a given round.
+    """
+
+    name: str
+    compute_rate: float
+    uplink_mbps: float
+    downlink_mbps: float
+    memory_mb: int
+    availability: float = 1.0
+
+    def __post_init__(self) -> None:
+        for field in ("compute_rate", "uplink_mbps", "downlink_mbps"):
+            if getattr(self, field) <= 0:
+                raise ConfigError(f"profile '{self.name}': {field} must be > 0")
+        if not 0 < self.availability <= 1:
+            raise ConfigError(f"profile '{self.name}': availability must be in (0, 1]")
+
+    def download_seconds(self, nbytes: int) -> float:
+        """Seconds to receive ``nbytes`` over this profile's downlink."""
+        return nbytes * 8 / (self.downlink_mbps * 1e6)
+
+    def upload_seconds(self, nbytes: int) -> float:
+        """Seconds to send ``nbytes`` over this profile's uplink."""
+        return nbytes * 8 / (self.uplink_mbps * 1e6)
+
+    def compute_seconds(self, samples: int) -> float:
+        """Seconds to process ``samples`` training samples."""
+        return samples / self.compute_rate
+
+
+# Rough 2024-era figures for a small model: a phone is 100x slower than a GPU box
+# and has a thin, asymmetric uplink.
+BUILTIN_PROFILES: dict[str, DeviceProfile] = {
+    "phone": DeviceProfile("phone", compute_rate=200.0, uplink_mbps=2.0, downlink_mbps=10.0,
+                           memory_mb=2048, availability=0.7),
+    "laptop": DeviceProfile("laptop", compute_rate=2_000.0, uplink_mbps=20.0,
+                            downlink_mbps=50.0, memory_mb=8192, availability=0.9),
+    "gpu-box": DeviceProfile("gpu-box", compute_rate=20_000.0, uplink_mbps=100.0,
+                             downlink_mbps=500.0, memory_mb=32768, availability=1.0),
+}
+
+_TOML_FIELDS = {
+    "compute-rate": "compute_rate",
+    "uplink-mbps": "uplink_mbps",
+    "downlink-mbps": "downlink_mbps",
+    "memory-mb": "memory_mb",
+    "availability": "availability",
+}
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """A fleet: which profile each device (partition id) has.
+
+    Attributes
+    ----------
+    profiles : dict[str, DeviceProfile]
+        Every profile the fleet may name (built-in ones plus custom ones).
+    mix : tuple[tuple[str, int], ...]
+        ``(profile name, device count)`` in the order given.
+    """
+
+    profiles: dict[str, DeviceProfile]
+    mix: tuple[tuple[str, int], ...]
+
+    @property
+    def size(self) -> int:
+        """Number of devices."""
+        return sum(count for _, count in self.mix)
+
+    def assignment(self, seed: int) -> list[str]:
+        """Profile name of each partition id, shuffled reproducibly by ``seed``."""
+        names = [name for name, count in self.mix for _ in range(count)]
+        random.Random(seed).shuffle(names)
+        return names
+
+    def profile(self, name: str) -> DeviceProfile:
+        """Look up a profile, with a clear error for an unknown name."""
+        try:
+            return self.profiles[name]
+        except KeyError:
+            raise ConfigError(
+                f"unknown device profile '{name}'; known profiles: {', '.join(self.profiles)}"
+            ) from None
+
+
+def load_profiles_toml(path: str | Path) -> tuple[dict[str, DeviceProfile], dict[str, int]]:
+    """Read custom ``[profiles.NAME]`` tables and an optional ``[fleet]`` mix from TOML."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"fleet file '{path}' does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"fleet file '{path}' is not valid TOML: {exc}") from None
+    profiles = {name: _profile_from_table(name, table)
+                for name, table in data.get("profiles", {}).items()}
+    return profiles, dict(data.get("fleet", {}))
+
+
+def _profile_from_table(name: str, table: dict[str, object]) -> DeviceProfile:
+    unknown = set(table) - set(_TOML_FIELDS)
+    missing = set(_TOML_FIELDS) - {"availability"} - set(table)
+    if unknown or missing:
+        raise ConfigError(
+            f"profile '{name}': unknown keys {sorted(unknown)} / missing keys {sorted(missing)};"
+            f" a profile has {', '.join(_TOML_FIELDS)}"
+        )
+    kwargs = {_TOML_FIELDS[key]: value for key, value in table.items()}
+    return DeviceProfile(name=name, **kwargs)  # type: ignore[arg-type]
+
+
+def parse_fleet(spec: str, fleet_file: str = "") -> Fleet:
+    """Build a :class:`Fleet` from ``"phone=60,laptop=30"`` and/or a TOML fleet file.
+
+    A fleet file's ``[fleet]`` table replaces ``spec``; its ``[profiles.*]`` tables
+    add to (or override) the built-in profiles.
+    """
+    profiles = dict(BUILTIN_PROFILES)
+    mix: dict[str, int] = {}
+    if fleet_file:
+        custom, file_mix = load_profiles_toml(fleet_file)
+        profiles.update(custom)
+        mix = file_mix
+    if not mix:
+        mix = _parse_mix(spec)
+    for name, count in mix.items():
+        if name not in profiles:
+            raise ConfigError(
+                f"fleet names unknown profile '{name}'; known profiles: {', '.join(profiles)}"
+                " (define custom ones in a fleet TOML file's [profiles.NAME] table)"
+            )
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ConfigError(f"fleet count for '{name}' must be an integer >= 0, got {count!r}")
+    fleet = Fleet(profiles=profiles, mix=tuple(mix.items()))
+    if fleet.size == 0:
+        raise ConfigError(f"fleet '{spec}' has no devices; give counts like phone=60,laptop=30")
+    return fleet
+
+
+def _parse_mix(spec: str) -> dict[str, int]:
+    mix: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, count = part.partition("=")
+        if not sep or not count.strip().isdigit():
+            raise ConfigError(
+                f"fleet entry '{part}' is not NAME=COUNT; write e.g. phone=60,laptop=30,gpu-box=10"
+            )
+        mix[name.strip()] = mix.get(name.strip(), 0) + int(count)
+    return mix

@@ -1,0 +1,95 @@
+"""Local training and evaluation of a torch model on a device's data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from fedge.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """What one local training job did."""
+
+    loss: float
+    num_examples: int
+    samples_processed: int
+    steps: int
+
+
+def pick_device(preference: str = "auto") -> torch.device:
+    """CUDA, then Apple MPS, then CPU for ``"auto"``; an explicit choice must exist."""
+    available = {
+        "cuda": torch.cuda.is_available(),
+        "mps": bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()),
+        "cpu": True,
+    }
+    if preference == "auto":
+        return torch.device(next(name for name, ok in available.items() if ok))
+    if not available.get(preference, False):
+        raise ConfigError(f"device '{preference}' is not available here; use device='auto'")
+    return torch.device(preference)
+
+
+def as_dataset(data: Dataset | tuple[np.ndarray, np.ndarray]) -> Dataset:  # type: ignore[type-arg]
+    """Accept a torch Dataset or an ``(x, y)`` pair of numpy arrays."""
+    if isinstance(data, Dataset):
+        return data
+    x, y = data
+    return TensorDataset(torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y, dtype=torch.int64))
+
+
+def train_local(
+    model: nn.Module,
+    data: Dataset,  # type: ignore[type-arg]
+    *,
+    epochs: int,
+    batch_size: int,
+    learning_rate: float,
+    momentum: float,
+    device: torch.device,
+    seed: int,
+) -> TrainStats:
+    """Train ``model`` in place with SGD for ``epochs`` passes over ``data``."""
+    generator = torch.Generator().manual_seed(seed)
+    loader = DataLoader(data, batch_size=batch_size, shuffle=True, generator=generator)
+    model.to(device).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=momentum)
+    loss_fn = nn.CrossEntropyLoss()
+    total_loss, seen, steps = 0.0, 0, 0
+    for _ in range(epochs):
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            total_loss += loss.item() * len(y)
+            seen += len(y)
+            steps += 1
+    model.cpu()
+    return TrainStats(loss=total_loss / max(seen, 1), num_examples=len(data),  # type: ignore[arg-type]
+                      samples_processed=seen, steps=steps)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, data: Dataset, *, device: torch.device, batch_size: int = 512  # type: ignore[type-arg]
+) -> tuple[float, float]:
+    """Mean cross-entropy loss and accuracy of ``model`` on ``data``."""
+    model.to(device).eval()
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    total_loss, correct, seen = 0.0, 0, 0
+    for x, y in DataLoader(data, batch_size=batch_size):
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        total_loss += loss_fn(logits, y).item()
+        correct += int((logits.argmax(dim=1) == y).sum())
+        seen += len(y)
+    model.cpu()
+    return total_loss / max(seen, 1), correct / max(seen, 1)

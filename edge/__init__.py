@@ -1,0 +1,1 @@
+"""On-device inference: ONNX export of global models (runtime without torch: see runtime)."""

@@ -1,0 +1,149 @@
+"""The run configuration: embedded defaults, validation, CLI overrides.
+
+Keys are kebab-case as in Flower apps' ``[tool.flwr.app.config]``; the same
+defaults live in ``pyproject.toml`` so that ``flwr run .`` and ``fedge simulate``
+agree (a test checks they do). Flower hands apps a flat ``UserConfig``
+(``str | int | float | bool`` values), so the config stays a flat dict.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import shlex
+import tomllib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fedge.errors import ConfigError
+
+Scalar = bool | int | float | str
+
+DEFAULTS: dict[str, Scalar] = {
+    "num-rounds": 50,
+    "clients-per-round": 10,
+    "strategy": "fedavg",
+    "dataset": "digits",
+    "model": "cnn",
+    "partitioner": "dirichlet",
+    "dirichlet-alpha": 0.5,
+    "test-fraction": 0.2,
+    "fleet": "phone=60,laptop=30,gpu-box=10",
+    "fleet-file": "",
+    "local-epochs": 5,
+    "batch-size": 16,
+    "learning-rate": 0.05,
+    "momentum": 0.9,
+    "seed": 42,
+    "max-num-examples": 100000,
+    "min-train-replies": 2,
+    "round-timeout": 600.0,
+    "fraction-evaluate": 0.0,
+    "runs-root": "runs",
+    "run-name": "",
+    "run-dir": "",
+    "init-checkpoint": "",
+    "export-onnx": True,
+    "synthetic-alpha": 1.0,
+    "synthetic-beta": 1.0,
+    "data-path": "",
+    "device": "auto",
+}
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "strategy": ("fedavg",),
+    "dataset": ("digits", "synthetic", "npz", "csv"),
+    "model": ("mlp", "cnn", "logreg"),
+    "partitioner": ("dirichlet", "iid"),
+    "device": ("auto", "cpu", "cuda", "mps"),
+}
+
+_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "num-rounds": (lambda v: v >= 1, ">= 1"),
+    "clients-per-round": (lambda v: v >= 1, ">= 1"),
+    "dirichlet-alpha": (lambda v: v > 0, "> 0"),
+    "test-fraction": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "local-epochs": (lambda v: v >= 1, ">= 1"),
+    "batch-size": (lambda v: v >= 1, ">= 1"),
+    "learning-rate": (lambda v: v > 0, "> 0"),
+    "momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "max-num-examples": (lambda v: v >= 1, ">= 1"),
+    "min-train-replies": (lambda v: v >= 1, ">= 1"),
+    "round-timeout": (lambda v: v > 0, "> 0"),
+    "fraction-evaluate": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "synthetic-alpha": (lambda v: v >= 0, ">= 0"),
+    "synthetic-beta": (lambda v: v >= 0, ">= 0"),
+}
+
+# Keys that change the model's arrays or meaning: a checkpoint made under other
+# values of these cannot be continued.
+MODEL_KEYS = ("dataset", "model", "seed", "synthetic-alpha", "synthetic-beta", "data-path")
+
+
+def resolve_run_config(overrides: Mapping[str, Any] | None = None) -> dict[str, Scalar]:
+    """Merge ``overrides`` over :data:`DEFAULTS`, refusing unknown keys and bad values.
+
+    Raises
+    ------
+    ConfigError
+        Naming the key, the value and what is allowed.
+    """
+    config: dict[str, Scalar] = dict(DEFAULTS)
+    for key, value in (overrides or {}).items():
+        config[key] = _checked(key, value)
+    return config
+
+
+def _checked(key: str, value: Any) -> Scalar:
+    if key not in DEFAULTS:
+        close = difflib.get_close_matches(key, DEFAULTS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(
+            f"unknown run-config key '{key}'{hint}; allowed keys: {', '.join(sorted(DEFAULTS))}"
+        )
+    value = _coerced(key, value, DEFAULTS[key])
+    if key in CHOICES and value not in CHOICES[key]:
+        raise ConfigError(
+            f"run-config '{key}' = {value!r} is not allowed; use one of: "
+            + ", ".join(CHOICES[key])
+        )
+    if key in _RANGES and not _RANGES[key][0](value):
+        raise ConfigError(f"run-config '{key}' = {value!r} must be {_RANGES[key][1]}")
+    return value
+
+
+def _coerced(key: str, value: Any, default: Scalar) -> Scalar:
+    expected = type(default)
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, expected) and (expected is bool or not isinstance(value, bool)):
+        return value  # type: ignore[no-any-return]
+    raise ConfigError(
+        f"run-config '{key}' = {value!r} has type {type(value).__name__}; "
+        f"it must be a {expected.__name__} like the default {default!r}"
+    )
+
+
+def parse_run_config_args(text: str) -> dict[str, Scalar]:
+    """Parse Flower-style ``"key=value key2='text'"`` overrides (values as TOML).
+
+    A value that is not valid TOML is taken as a plain string, so
+    ``fleet=phone=10,laptop=5`` works without quotes.
+    """
+    overrides: dict[str, Scalar] = {}
+    for item in shlex.split(text):
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"run-config override '{item}' is not key=value")
+        try:
+            overrides[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            overrides[key.strip()] = raw
+    return overrides
+
+
+def config_fingerprint(config: Mapping[str, Scalar], keys: tuple[str, ...] = MODEL_KEYS) -> str:
+    """A short stable hash of the values of ``keys`` (what a checkpoint depends on)."""
+    chosen = {key: config.get(key) for key in keys}
+    return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,39 @@
+"""fedge's error hierarchy: every message says what went wrong and what to do."""
+
+from __future__ import annotations
+
+
+class FedgeError(Exception):
+    """Base class of every error fedge raises on purpose."""
+
+
+class ConfigError(FedgeError, ValueError):
+    """A run-config key, CLI flag, fleet or data set that cannot be used as given.
+
+    The CLI prints the message on one line and exits with status 2.
+    """
+
+
+class CheckpointMismatch(ConfigError):
+    """A checkpoint whose arrays or config do not match the model being run."""
+
+
+class UpdateRejected(FedgeError):
+    """A device's reply failed validation and was left out of aggregation.
+
+    Parameters
+    ----------
+    reason : str
+        Why the reply was rejected, in words an operator can act on.
+    node_id : int | None
+        The Flower node id of the sender, when known.
+    """
+
+    def __init__(self, reason: str, *, node_id: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.node_id = node_id
+
+
+class BundleVerificationError(FedgeError):
+    """An edge bundle failed signature, trust or hash verification."""

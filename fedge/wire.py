@@ -1,0 +1,34 @@
+"""Names both sides of a fedge round agree on (the coordinator <-> device contract).
+
+A train instruction carries ``ArrayRecord`` ``"arrays"`` and ``ConfigRecord``
+``"config"`` (Flower's FedAvg keys). A train reply carries exactly one
+``ArrayRecord``, one ``MetricRecord`` holding ``"num-examples"``, and the
+``ConfigRecord`` :data:`REPLY_META` with the round it answers, the device's
+profile and how many samples it processed (for the virtual clock).
+"""
+
+from __future__ import annotations
+
+from flwr.app import ConfigRecord, RecordDict
+
+ARRAYS = "arrays"
+CONFIG = "config"
+METRICS = "metrics"
+REPLY_META = "fedge"
+NUM_EXAMPLES = "num-examples"
+SERVER_ROUND = "server-round"
+PROFILE = "profile"
+SAMPLES_PROCESSED = "samples-processed"
+
+
+def reply_meta(content: RecordDict) -> ConfigRecord | None:
+    """The fedge meta record of a reply, or ``None`` when the sender did not add one."""
+    record = content.config_records.get(REPLY_META)
+    return record if isinstance(record, ConfigRecord) else None
+
+
+def payload_bytes(content: RecordDict) -> int:
+    """Bytes of array payload in a message (what dominates a round's traffic)."""
+    return sum(
+        len(array.data) for record in content.array_records.values() for array in record.values()
+    )

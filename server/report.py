@@ -1,0 +1,76 @@
+"""The run directory: effective config, per-round metrics, summary and plots.
+
+Every run writes ``<runs-root>/<run-name>/``: ``config.json``, ``metrics.jsonl``
+(one JSON object per round, round 0 being the initial model), ``summary.json``,
+``accuracy.png``, ``checkpoint.npz`` and ``model.onnx``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fedge.config import Scalar
+
+
+def run_dir_for(config: Mapping[str, Scalar]) -> Path:
+    """The run directory a config names (``run-dir``, else ``runs-root/run-name``)."""
+    if config["run-dir"]:
+        return Path(str(config["run-dir"]))
+    name = str(config["run-name"]) or (
+        f"{config['strategy']}-{config['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    return Path(str(config["runs-root"])) / name
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write JSON to ``path`` via a temporary file and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: Path, row: Mapping[str, Any]) -> None:
+    """Append one JSON line and flush it to disk (a reader may be following the file)."""
+    with path.open("a") as handle:
+        handle.write(json.dumps(row, sort_keys=True) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file; a partial last line (a writer mid-append) is skipped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def plot_accuracy(rows: list[Mapping[str, Any]], path: Path, title: str) -> None:
+    """Accuracy vs round and vs simulated time, side by side, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = [row["round"] for row in rows]
+    accuracy = [row["accuracy"] for row in rows]
+    sim_time = [row["sim_time_s"] for row in rows]
+    fig, (by_round, by_time) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    by_round.plot(rounds, accuracy, marker="o", markersize=3)
+    by_round.set(xlabel="round", ylabel="test accuracy", title="accuracy vs round")
+    by_time.plot(sim_time, accuracy, marker="o", markersize=3, color="tab:orange")
+    by_time.set(xlabel="simulated wall-clock time (s)", title="accuracy vs simulated time")
+    for axis in (by_round, by_time):
+        axis.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,173 @@
+"""Every device reply is checked here before it can touch the global model.
+
+Threat model: a device may be buggy or hostile. It can send arrays of the wrong
+names, shapes or dtypes, NaN/Inf values, an absurd or non-positive sample count
+(to dominate a weighted mean), a stale reply from an earlier round, or bytes
+that do not decode. Each such reply is rejected with a reason naming the
+problem, logged with the sender's node id, and left out; the rest of the round
+goes on. Validation cannot detect a well-formed but poisoned update: that is
+what robust aggregation (trimmed mean, median, Krum) is for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, RecordDict
+from numpy.typing import NDArray
+
+from fedge import wire
+from fedge.errors import UpdateRejected
+
+log = logging.getLogger("fedge.server.validation")
+
+ArraySpec = dict[str, tuple[tuple[int, ...], str]]
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """One reply that was left out, and why."""
+
+    node_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class AcceptedUpdate:
+    """A reply that passed validation, decoded."""
+
+    node_id: int
+    arrays: dict[str, NDArray[np.generic]]
+    weight: float
+    content: RecordDict
+
+
+@dataclass(frozen=True)
+class Failure(Rejection):
+    """A device that answered with an error instead of an update."""
+
+
+def spec_of(arrays: ArrayRecord) -> ArraySpec:
+    """Names, shapes and dtypes of the global arrays: what every update must match."""
+    return {name: (tuple(array.shape), str(array.dtype)) for name, array in arrays.items()}
+
+
+def check_arrays(arrays: Mapping[str, NDArray[np.generic]], spec: ArraySpec) -> None:
+    """Raise :class:`UpdateRejected` unless ``arrays`` match ``spec`` and are finite."""
+    missing, extra = sorted(set(spec) - set(arrays)), sorted(set(arrays) - set(spec))
+    if missing or extra:
+        raise UpdateRejected(f"array names differ from the global model: missing {missing}, "
+                             f"extra {extra}")
+    for name, value in arrays.items():
+        shape, dtype = spec[name]
+        if tuple(value.shape) != shape:
+            raise UpdateRejected(f"array '{name}' has shape {tuple(value.shape)}, expected {shape}")
+        if str(value.dtype) != dtype:
+            raise UpdateRejected(f"array '{name}' has dtype {value.dtype}, expected {dtype}")
+        if np.issubdtype(value.dtype, np.floating) and not np.all(np.isfinite(value)):
+            raise UpdateRejected(f"array '{name}' contains NaN or Inf")
+
+
+def check_num_examples(value: object, cap: int) -> int:
+    """Raise unless ``value`` is an int in ``[1, cap]``; return it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UpdateRejected(f"'{wire.NUM_EXAMPLES}' must be an int, got {value!r}")
+    if not 1 <= value <= cap:
+        raise UpdateRejected(f"'{wire.NUM_EXAMPLES}' = {value} is outside [1, {cap}] "
+                             "(max-num-examples)")
+    return value
+
+
+class ReplyValidator:
+    """Checks train replies against the global model and the current round.
+
+    Parameters
+    ----------
+    max_num_examples : int
+        Largest sample count one device may claim (caps its aggregation weight).
+    require_round_tag : bool
+        Require fedge's reply meta with ``server-round`` equal to the current round.
+        Turn off only for Flower clients that are not built with fedge's SDK.
+    """
+
+    def __init__(self, *, max_num_examples: int = 100_000, require_round_tag: bool = True) -> None:
+        self.max_num_examples = max_num_examples
+        self.require_round_tag = require_round_tag
+
+    def check(
+        self, content: RecordDict, *, server_round: int, spec: ArraySpec
+    ) -> tuple[dict[str, NDArray[np.generic]], float]:
+        """Validate one reply's content; return its decoded arrays and weight.
+
+        Raises
+        ------
+        UpdateRejected
+            Naming the first check the reply failed.
+        """
+        if len(content.array_records) != 1 or len(content.metric_records) != 1:
+            raise UpdateRejected(
+                f"a train reply needs exactly one ArrayRecord and one MetricRecord, got "
+                f"{len(content.array_records)} and {len(content.metric_records)}"
+            )
+        self._check_round(content, server_round)
+        metrics = next(iter(content.metric_records.values()))
+        if wire.NUM_EXAMPLES not in metrics:
+            raise UpdateRejected(f"the MetricRecord has no '{wire.NUM_EXAMPLES}'")
+        weight = check_num_examples(metrics[wire.NUM_EXAMPLES], self.max_num_examples)
+        for key, value in metrics.items():
+            values = value if isinstance(value, list) else [value]
+            if not all(math.isfinite(v) for v in values):
+                raise UpdateRejected(f"metric '{key}' is not finite")
+        arrays = _decoded(next(iter(content.array_records.values())))
+        check_arrays(arrays, spec)
+        return arrays, float(weight)
+
+    def _check_round(self, content: RecordDict, server_round: int) -> None:
+        meta = wire.reply_meta(content)
+        if meta is None:
+            if self.require_round_tag:
+                raise UpdateRejected(f"reply has no '{wire.REPLY_META}' record naming its round")
+            return
+        tagged = meta.get(wire.SERVER_ROUND)
+        if tagged != server_round:
+            raise UpdateRejected(f"reply is for round {tagged!r}, current round is {server_round}")
+
+    def screen(
+        self, server_round: int, replies: Iterable[Message], reference: ArrayRecord
+    ) -> Iterator[AcceptedUpdate | Rejection]:
+        """Judge one round's replies one at a time (lazily, so aggregation can stream).
+
+        Yields an :class:`AcceptedUpdate`, a :class:`Rejection` (failed validation,
+        logged) or a :class:`Failure` (the device replied with an error) per reply.
+        """
+        spec = spec_of(reference)
+        for message in replies:
+            node_id = message.metadata.src_node_id
+            if message.has_error():
+                yield Failure(node_id, f"device error: {message.error.reason}")
+                continue
+            try:
+                arrays, weight = self.check(message.content, server_round=server_round, spec=spec)
+            except UpdateRejected as exc:
+                log.warning("round %d: rejected update from node %d: %s",
+                            server_round, node_id, exc.reason)
+                yield Rejection(node_id, exc.reason)
+                continue
+            yield AcceptedUpdate(node_id, arrays, weight, message.content)
+
+
+def _decoded(record: ArrayRecord) -> dict[str, NDArray[np.generic]]:
+    arrays = {}
+    for name, array in record.items():
+        try:
+            value = array.numpy()
+        except Exception as exc:  # noqa: BLE001 - any decoding failure is the device's fault
+            raise UpdateRejected(f"array '{name}' does not decode: {exc}") from None
+        if tuple(value.shape) != tuple(array.shape) or str(value.dtype) != str(array.dtype):
+            raise UpdateRejected(f"array '{name}' bytes disagree with its declared shape/dtype")
+        arrays[name] = value
+    return arrays

@@ -1,0 +1,91 @@
+"""Aggregation math on plain numpy arrays. No Flower types in this module.
+
+An update is a mapping ``name -> np.ndarray`` (one entry per model tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+from numpy.typing import NDArray
+
+Arrays = Mapping[str, NDArray[np.generic]]
+
+
+class WeightedMeanAccumulator:
+    """Streaming weighted mean: ``sum_i w_i x_i / sum_i w_i``, one update at a time.
+
+    Memory is one float64 buffer per model tensor, O(model size), however many
+    updates are added; each update can be freed once :meth:`add` returns. This is
+    FedAvg's aggregation (McMahan et al., "Communication-Efficient Learning of
+    Deep Networks from Decentralized Data", AISTATS 2017).
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[str, NDArray[np.float64]] = {}
+        self._dtypes: dict[str, np.dtype[np.generic]] = {}
+        self.total_weight = 0.0
+        self.count = 0
+
+    def add(self, update: Arrays, weight: float) -> None:
+        """Add ``weight * update`` to the running sum.
+
+        Raises
+        ------
+        ValueError
+            If ``weight`` is not positive and finite, or the update's names or
+            shapes differ from the first update's.
+        """
+        if not np.isfinite(weight) or weight <= 0:
+            raise ValueError(f"weight must be positive and finite, got {weight}")
+        if not self._sums:
+            self._dtypes = {name: value.dtype for name, value in update.items()}
+            self._sums = {name: np.zeros(value.shape, np.float64) for name, value in update.items()}
+        elif update.keys() != self._sums.keys():
+            raise ValueError(f"update names {sorted(update)} differ from {sorted(self._sums)}")
+        for name, value in update.items():
+            buffer = self._sums[name]
+            if value.shape != buffer.shape:
+                raise ValueError(f"'{name}' has shape {value.shape}, expected {buffer.shape}")
+            buffer += weight * np.asarray(value, dtype=np.float64)
+        self.total_weight += weight
+        self.count += 1
+
+    def result(self) -> dict[str, NDArray[np.generic]]:
+        """The weighted mean, cast back to each tensor's original dtype."""
+        if self.count == 0:
+            raise ValueError("no updates were added; nothing to average")
+        return {
+            name: _cast(buffer / self.total_weight, self._dtypes[name])
+            for name, buffer in self._sums.items()
+        }
+
+
+def _cast(values: NDArray[np.float64], dtype: np.dtype[np.generic]) -> NDArray[np.generic]:
+    if np.issubdtype(dtype, np.integer):
+        values = np.rint(values)
+    return values.astype(dtype)
+
+
+def weighted_mean(updates: Iterable[Arrays], weights: Iterable[float]) -> dict[str, NDArray[np.generic]]:
+    """Weighted mean of a batch of updates (same result as the streaming accumulator)."""
+    accumulator = WeightedMeanAccumulator()
+    for update, weight in zip(updates, weights, strict=True):
+        accumulator.add(update, weight)
+    return accumulator.result()
+
+
+def weighted_mean_metrics(
+    metrics: Iterable[Mapping[str, float]], weights: Iterable[float]
+) -> dict[str, float]:
+    """Weighted mean of scalar metrics present in every entry (others are dropped)."""
+    rows, row_weights = list(metrics), list(weights)
+    if not rows:
+        return {}
+    common = set.intersection(*(set(row) for row in rows))
+    total = float(sum(row_weights))
+    return {
+        key: float(sum(w * float(row[key]) for row, w in zip(rows, row_weights, strict=True)) / total)
+        for key in sorted(common)
+    }
