@@ -61,7 +61,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def quiet_third_party_logs() -> None:
     """Keep Flower's per-round INFO lines and the ONNX exporter's chatter off the console."""
-    for name in ("flwr", "onnx_ir", "onnxscript", "torch.onnx", "matplotlib"):
+    for name in ("flwr", "onnx_ir", "onnxscript", "torch.onnx", "matplotlib", "alembic"):
         logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger("flwr").propagate = False
 

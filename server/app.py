@@ -38,14 +38,16 @@ log = logging.getLogger("fedge.server")
 TRAIN_KEYS = ("local-epochs", "batch-size", "learning-rate", "momentum")
 
 
-def make_server_app(config_defaults: Mapping[str, Any] | None = None) -> ServerApp:
+def make_server_app(
+    config_defaults: Mapping[str, Any] | None = None, *, progress: bool = True
+) -> ServerApp:
     """A ServerApp whose run config falls back to ``config_defaults`` then fedge's defaults."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         run_coordinator(grid, resolve_run_config({**(config_defaults or {}),
-                                                  **context.run_config}))
+                                                  **context.run_config}), progress=progress)
 
     return app
 

@@ -67,19 +67,19 @@ def simulate(
         grid = InlineGrid(make_default_client_app(), node_configs, config)
         run_dir = run_coordinator(grid, config, progress=progress)
     else:
-        run_dir = _run_on_ray(config, fleet.size)
+        run_dir = _run_on_ray(config, fleet.size, progress=progress)
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise RuntimeError(f"the run ended without writing {summary_path}; see the log above")
     return run_dir, json.loads(summary_path.read_text())
 
 
-def _run_on_ray(config: dict[str, Scalar], num_nodes: int) -> Path:
+def _run_on_ray(config: dict[str, Scalar], num_nodes: int, *, progress: bool) -> Path:
     """Flower's simulation engine; its Contexts carry no run config, so bind it here."""
     from flwr.simulation import run_simulation
 
     run_simulation(
-        server_app=make_server_app(config),
+        server_app=make_server_app(config, progress=progress),
         client_app=make_default_client_app(config),
         num_supernodes=num_nodes,
         backend_name="ray",

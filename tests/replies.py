@@ -1,0 +1,46 @@
+"""Build Flower train instructions and replies for unit tests."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+
+from fedge import wire
+
+
+def global_arrays() -> ArrayRecord:
+    """A tiny two-tensor 'model'."""
+    return ArrayRecord({"w": Array(np.zeros((2, 3), np.float32)), "b": Array(np.zeros(3, np.float32))})
+
+
+def instruction(node_id: int, server_round: int = 1) -> Message:
+    """A train instruction as FedAvg sends it."""
+    content = RecordDict({wire.ARRAYS: global_arrays(),
+                          wire.CONFIG: ConfigRecord({wire.SERVER_ROUND: server_round})})
+    message = Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
+    message.metadata.__dict__["_message_id"] = f"ins-{node_id}"
+    return message
+
+
+def train_reply(
+    node_id: int,
+    arrays: dict[str, np.ndarray],
+    num_examples: object = 10,
+    server_round: int = 1,
+    *,
+    meta: bool = True,
+) -> Message:
+    """A train reply from ``node_id`` carrying ``arrays``."""
+    content = RecordDict({
+        wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+        wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: num_examples, "train-loss": 0.5}),  # type: ignore[dict-item]
+    })
+    if meta:
+        content[wire.REPLY_META] = ConfigRecord({wire.SERVER_ROUND: server_round,
+                                                  wire.PROFILE: "phone", wire.SAMPLES_PROCESSED: 20})
+    return Message(content, reply_to=instruction(node_id, server_round))
+
+
+def good_arrays(value: float) -> dict[str, np.ndarray]:
+    """Arrays shaped like :func:`global_arrays`, all equal to ``value``."""
+    return {"w": np.full((2, 3), value, np.float32), "b": np.full(3, value, np.float32)}

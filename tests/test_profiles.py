@@ -1,0 +1,73 @@
+"""Device profiles and fleets."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from fedge.clients.profiles import BUILTIN_PROFILES, DeviceProfile, parse_fleet
+from fedge.errors import ConfigError
+
+
+def test_builtin_profiles_span_two_orders_of_magnitude() -> None:
+    rates = [p.compute_rate for p in BUILTIN_PROFILES.values()]
+    assert max(rates) / min(rates) == pytest.approx(100)
+
+
+def test_profile_times_are_hand_computable() -> None:
+    phone = DeviceProfile("p", compute_rate=100.0, uplink_mbps=1.0, downlink_mbps=8.0, memory_mb=1)
+    assert phone.upload_seconds(125_000) == pytest.approx(1.0)  # 1 Mbit over 1 Mbit/s
+    assert phone.download_seconds(1_000_000) == pytest.approx(1.0)  # 8 Mbit over 8 Mbit/s
+    assert phone.compute_seconds(250) == pytest.approx(2.5)
+
+
+def test_fleet_spec_and_seeded_assignment() -> None:
+    fleet = parse_fleet("phone=6, laptop=3,gpu-box=1")
+    assignment = fleet.assignment(seed=7)
+    assert fleet.size == 10
+    assert Counter(assignment) == {"phone": 6, "laptop": 3, "gpu-box": 1}
+    assert assignment == fleet.assignment(seed=7)
+
+
+def test_custom_profiles_from_toml(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.toml"
+    path.write_text(
+        '[profiles.watch]\ncompute-rate = 50\nuplink-mbps = 0.5\ndownlink-mbps = 1\nmemory-mb = 512\n'
+        '[fleet]\nwatch = 4\nphone = 2\n'
+    )
+    fleet = parse_fleet("ignored=1", str(path))
+    assert dict(fleet.mix) == {"watch": 4, "phone": 2}
+    assert fleet.profile("watch").compute_rate == 50
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("phone=10,toaster=3", "unknown profile 'toaster'"),
+        ("phone", "not NAME=COUNT"),
+        ("phone=-1", "not NAME=COUNT"),
+        ("phone=0", "no devices"),
+    ],
+)
+def test_bad_fleet_specs(spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_fleet(spec)
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[profiles.x]\ncompute-rate = 1\n", "missing keys"),
+        ("[profiles.x]\ncompute-rate = 1\nuplink-mbps = 1\ndownlink-mbps = 1\nmemory-mb = 1\nwat = 2\n",
+         "unknown keys"),
+        ("[profiles.x]\ncompute-rate = 0\nuplink-mbps = 1\ndownlink-mbps = 1\nmemory-mb = 1\n",
+         "compute_rate must be > 0"),
+        ("not toml [", "not valid TOML"),
+    ],
+)
+def test_bad_fleet_files(tmp_path: Path, toml: str, message: str) -> None:
+    (tmp_path / "f.toml").write_text(toml)
+    with pytest.raises(ConfigError, match=message):
+        parse_fleet("phone=1", str(tmp_path / "f.toml"))
