@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedge.clients.data import FederatedData, federated_data
@@ -83,7 +83,8 @@ def run_coordinator(grid: Grid, config: dict[str, Scalar], *, progress: bool = T
     model = build_model(str(config["model"]), data.num_features, data.num_classes,
                         seed=int(config["seed"]))
     if config["init-checkpoint"]:
-        load_arrays(model, ArrayRecord(load_checkpoint(str(config["init-checkpoint"])).arrays),
+        saved = load_checkpoint(str(config["init-checkpoint"])).arrays
+        load_arrays(model, ArrayRecord({name: Array(value) for name, value in saved.items()}),
                     source=f"checkpoint '{config['init-checkpoint']}'")
     strategy = build_strategy(config, fleet.size)
     run_dir = run_dir_for(config)

@@ -66,7 +66,7 @@ def test_more_devices_than_samples_is_a_clear_error() -> None:
 
 def test_digits_ship_with_scikit_learn() -> None:
     x, y = load_digits_arrays()
-    assert x.shape == (1797, 64) and x.dtype == np.float32 and 0 <= x.min() and x.max() <= 1
+    assert x.shape == (1797, 64) and x.dtype == np.float32 and x.min() >= 0 and x.max() <= 1
     assert set(np.unique(y)) == set(range(10))
 
 
