@@ -74,7 +74,7 @@ def make_client_app(
             learning_rate=float(setting["learning-rate"]),
             momentum=float(setting["momentum"]),
             device=pick_device(str(config["device"])),
-            seed=int(config["seed"]) * 1_000_003 + round_ * 1009 + context.node_id % 1009,
+            seed=_training_seed(context, int(config["seed"]), round_),
         )
         meta = ConfigRecord({
             wire.SERVER_ROUND: round_,
@@ -100,6 +100,12 @@ def make_client_app(
         return Message(RecordDict({wire.METRICS: metrics}), reply_to=msg)
 
     return app
+
+
+def _training_seed(context: Context, seed: int, server_round: int) -> int:
+    """Per device and round; from the partition id, so every backend draws the same batches."""
+    device = int(context.node_config.get("partition-id", context.node_id))
+    return (seed * 1_000_003 + server_round * 10_007 + device) % 2**63
 
 
 def _effective_config(context: Context, defaults: Mapping[str, Any] | None) -> dict[str, Any]:
