@@ -28,7 +28,7 @@ CASES = [
     (["--run-config", "num-round=3"], "unknown run-config key 'num-round' (did you mean 'num-rounds'?)"),
     (["--run-config", "learning-rate='fast'"], "run-config 'learning-rate' = 'fast'"),
     (["--fleet", "phone=3,toaster=2"], "fleet names unknown profile 'toaster'"),
-    (["--fleet", "phone=2000"], "cannot partition 1437 training samples across 2000 devices"),
+    (["--fleet", "phone=2000"], "cannot partition 1438 training samples across 2000 devices"),
     (["--clients-per-round", "9"], "clients-per-round = 9 exceeds the fleet's 5 devices"),
     (["--model", "resnet"], "'model' = 'resnet' is not allowed; use one of: mlp, cnn, logreg"),
     (["--run-config", "init-checkpoint='CKPT'"], "do not match the model"),
