@@ -1,4 +1,4 @@
-"""``fedge`` command line: ``fedge simulate`` (more subcommands come with the coordinator)."""
+"""``fedge`` command line: simulate, keys, export, verify, predict."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from fedge.cli import edge
 from fedge.errors import FedgeError
 
 EXIT_USAGE = 2
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedge", description="Federated learning on edge fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
     _simulate_parser(sub)
+    edge.add_parsers(sub)
     return parser
 
 
@@ -80,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        return {"simulate": _simulate}[args.command](args)
+        handler = _simulate if args.command == "simulate" else args.handler
+        return int(handler(args))
     except FedgeError as exc:
         print(f"fedge: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -180,6 +180,27 @@ def synthetic_fedprox(
     return devices
 
 
+def preprocessing_for(dataset: str) -> dict[str, object]:
+    """What a caller must do to raw inputs before the model sees them (``x * scale + offset``)."""
+    if dataset == "digits":
+        return {"kind": "affine", "scale": 1.0 / 16.0, "offset": 0.0,
+                "description": "8x8 grey-level pixels in 0..16, row-major, times 1/16"}
+    return {"kind": "affine", "scale": 1.0, "offset": 0.0,
+            "description": "features exactly as in the training data"}
+
+
+def label_names(num_classes: int) -> list[str]:
+    """Class names: the class indices (digits' classes are the digits themselves)."""
+    return [str(index) for index in range(num_classes)]
+
+
+def calibration_sample(data: FederatedData, size: int, seed: int) -> Features:
+    """A seeded sample of the pooled training shards (for int8 calibration)."""
+    pooled = np.concatenate([x for x, _ in data.partitions])
+    pick = np.random.default_rng(seed).permutation(len(pooled))[:size]
+    return pooled[pick]
+
+
 def federated_data(config: Mapping[str, object], num_partitions: int) -> FederatedData:
     """The data set named by a run config, split into ``num_partitions`` device shards.
 

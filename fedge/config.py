@@ -45,6 +45,8 @@ DEFAULTS: dict[str, Scalar] = {
     "run-dir": "",
     "init-checkpoint": "",
     "export-onnx": True,
+    "export-every": 0,
+    "signing-key": "",
     "synthetic-alpha": 1.0,
     "synthetic-beta": 1.0,
     "data-path": "",
@@ -72,6 +74,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "min-train-replies": (lambda v: v >= 1, ">= 1"),
     "round-timeout": (lambda v: v > 0, "> 0"),
     "fraction-evaluate": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "export-every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
     "synthetic-alpha": (lambda v: v >= 0, ">= 0"),
     "synthetic-beta": (lambda v: v >= 0, ">= 0"),
 }

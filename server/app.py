@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord
@@ -25,6 +26,7 @@ from fedge.clients.models import build_model, load_arrays, model_arrays
 from fedge.clients.profiles import parse_fleet
 from fedge.clients.training import as_dataset, evaluate, pick_device
 from fedge.config import Scalar, config_fingerprint, resolve_run_config
+from fedge.edge.export import PARITY_TOLERANCE
 from fedge.errors import ConfigError
 from fedge.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedge.server.progress import RoundProgress
@@ -32,6 +34,9 @@ from fedge.server.report import append_jsonl, plot_accuracy, run_dir_for, write_
 from fedge.server.validation import ReplyValidator
 from fedge.simulation.clock import MeteredGrid
 from fedge.strategies import STRATEGIES, FedAvg
+
+if TYPE_CHECKING:
+    from fedge.edge.build import BuiltBundle
 
 log = logging.getLogger("fedge.server")
 
@@ -122,7 +127,10 @@ class RoundRecorder:
         self.started = time.perf_counter()
         self.rows: list[dict[str, Any]] = []
         self.progress = RoundProgress(int(config["num-rounds"]), enabled=progress)
+        self.data = data
+        self.bundles: list[BuiltBundle] = []
         (run_dir / "metrics.jsonl").write_text("")
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
 
     def on_round_end(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Evaluate ``arrays`` on the held-out test set and record the round."""
@@ -147,10 +155,14 @@ class RoundRecorder:
         }
         self.rows.append(row)
         append_jsonl(self.run_dir / "metrics.jsonl", row)
-        save_checkpoint(self.run_dir / "checkpoint.npz", Checkpoint(
-            server_round=server_round,
-            arrays={name: array.numpy() for name, array in arrays.items()},
-            fingerprint=config_fingerprint(self.config), history=self.rows))
+        checkpoint = Checkpoint(server_round=server_round,
+                                arrays={name: array.numpy() for name, array in arrays.items()},
+                                fingerprint=config_fingerprint(self.config), history=self.rows)
+        save_checkpoint(self.run_dir / "checkpoints" / f"round-{server_round:04d}.npz", checkpoint)
+        save_checkpoint(self.run_dir / "checkpoint.npz", checkpoint)
+        every = int(self.config["export-every"])
+        if self.config["export-onnx"] and every and server_round and server_round % every == 0:
+            self._export_bundle(server_round)
         self.progress.advance(server_round, accuracy, self.grid.sim_time)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
@@ -174,16 +186,36 @@ class RoundRecorder:
         plot_accuracy(self.rows, self.run_dir / "accuracy.png",
                       f"{self.config['strategy']} on {self.config['dataset']}")
         if self.config["export-onnx"]:
-            summary["onnx"] = self._export()
+            summary.update(self._final_export(last["round"]))
         write_json_atomic(self.run_dir / "summary.json", summary)
         return summary
 
-    def _export(self) -> dict[str, Any]:
-        from fedge.edge.export import export_onnx
+    def _export_bundle(self, server_round: int) -> BuiltBundle:
+        """Sign a bundle of the model as evaluated last (the global model after ``server_round``)."""
+        from fedge.server.bundles import export_global_model, run_signing_key
 
-        sample = next(iter(torch.utils.data.DataLoader(self.test_set, batch_size=64)))[0].numpy()
-        report = export_onnx(self.model, sample, self.run_dir / "model.onnx")
-        if not report.parity_ok:
-            log.warning("ONNX export differs from torch by %.2e (> 1e-4)", report.max_abs_diff)
-        return {"path": report.path.name, "max_abs_diff": report.max_abs_diff,
-                "parity_ok": report.parity_ok, "opset": report.opset}
+        built = export_global_model(
+            self.model, self.run_dir / "bundles" / f"round-{server_round:04d}", config=self.config,
+            data=self.data, server_round=server_round, source_run=self.run_dir.name,
+            private_key=run_signing_key(self.config, self.run_dir))
+        self.bundles.append(built)
+        return built
+
+    def _final_export(self, final_round: int) -> dict[str, Any]:
+        """The final bundle (unless just made), ``model.onnx`` beside it, and summary fields."""
+        if not self.bundles or self.bundles[-1].manifest["round"] != final_round:
+            self._export_bundle(final_round)
+        latest = self.bundles[-1]
+        shutil.copyfile(latest.path / "model.onnx", self.run_dir / "model.onnx")
+        metrics = latest.manifest["metrics"]
+        parity_ok = metrics["torch_onnx_max_abs_diff"] <= PARITY_TOLERANCE
+        if not parity_ok:
+            log.warning("ONNX export differs from torch by %.2e (> %.0e)",
+                        metrics["torch_onnx_max_abs_diff"], PARITY_TOLERANCE)
+        return {
+            "onnx": {"path": "model.onnx", "max_abs_diff": metrics["torch_onnx_max_abs_diff"],
+                     "parity_ok": parity_ok, "opset": latest.manifest["versions"]["opset"]},
+            "latest_bundle": str(latest.path.relative_to(self.run_dir)),
+            "bundles": [str(b.path.relative_to(self.run_dir)) for b in self.bundles],
+            "edge": {**metrics, "int8_quantization": latest.manifest["variants"]["int8"]["quantization"]},
+        }

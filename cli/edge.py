@@ -1,0 +1,99 @@
+"""``fedge keys signing init``, ``fedge export``, ``fedge verify``, ``fedge predict``.
+
+``verify`` and ``predict`` import no torch: they run where only onnxruntime is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from fedge.errors import BundleVerificationError, ConfigError
+
+
+def add_parsers(sub: Any) -> None:
+    """Register the edge subcommands on ``sub``."""
+    keys = sub.add_parser("keys", help="key management").add_subparsers(dest="keys_command", required=True)
+    signing = keys.add_parser("signing", help="Ed25519 keys that sign edge bundles")
+    signing_sub = signing.add_subparsers(dest="signing_command", required=True)
+    init = signing_sub.add_parser("init", help="create signing.key (0600) and signing.pub in DIR")
+    init.add_argument("directory", type=Path)
+    init.add_argument("--force", action="store_true", help="replace existing keys")
+    init.set_defaults(handler=_keys_signing_init)
+
+    export = sub.add_parser("export", help="sign an edge bundle of a run's global model")
+    export.add_argument("run_dir", type=Path)
+    export.add_argument("--round", type=int, help="which round's model (default: the last)")
+    export.add_argument("--key", required=True, type=Path, help="Ed25519 private key (PEM)")
+    export.add_argument("-o", "--output", required=True, type=Path, help="bundle directory to write")
+    export.add_argument("--zip", action="store_true", help="also write OUTPUT.zip")
+    export.set_defaults(handler=_export)
+
+    verify = sub.add_parser("verify", help="check a bundle's signature and file hashes")
+    verify.add_argument("bundle", type=Path)
+    verify.add_argument("--trusted", action="append", required=True, type=Path,
+                        help="a trusted signer's public key (repeatable)")
+    verify.set_defaults(handler=_verify)
+
+    predict = sub.add_parser("predict", help="run a verified bundle on inputs from a .npy file")
+    predict.add_argument("bundle", type=Path)
+    predict.add_argument("inputs", type=Path, help=".npy with (features,) or (n, features)")
+    predict.add_argument("--trusted", action="append", default=[], type=Path)
+    predict.add_argument("--variant", default="int8", choices=["int8", "fp32"])
+    predict.add_argument("--raw", action="store_true",
+                         help="inputs are raw; apply the manifest's preprocessing first")
+    predict.add_argument("--allow-unsigned", action="store_true",
+                         help="DEVELOPMENT ONLY: accept a bundle without a signature")
+    predict.set_defaults(handler=_predict)
+
+
+def _keys_signing_init(args: argparse.Namespace) -> int:
+    from fedge.edge.signing import fingerprint, generate_signing_key, load_private_key
+
+    private, public = generate_signing_key(args.directory, force=args.force)
+    print(f"private key: {private} (mode 0600; keep it on the coordinator)")
+    print(f"public key:  {public} (give this to devices)")
+    print(f"fingerprint: {fingerprint(load_private_key(private).public_key())}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from fedge.server.export_run import export_run_round
+
+    built = export_run_round(args.run_dir, server_round=args.round, key_path=args.key,
+                             out_dir=args.output, make_zip=args.zip)
+    metrics = built.manifest["metrics"]
+    print(f"bundle: {built.path}" + (f" (+ {built.path.with_suffix('.zip')})" if args.zip else ""))
+    print(f"round {built.manifest['round']}: fp32 accuracy {metrics['fp32_accuracy']:.4f}, int8 "
+          f"{metrics['int8_accuracy']:.4f}, agreement {metrics['int8_top1_agreement']:.4f}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from fedge.edge.bundle import read_bundle, verify_bundle
+
+    manifest = verify_bundle(read_bundle(args.bundle), trusted_keys=args.trusted)
+    print(f"OK: {args.bundle} is signed by a trusted key and every file matches its hash")
+    print(json.dumps({k: manifest[k] for k in ("model_name", "source_run", "round", "metrics")}, indent=2))
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from fedge.edge.runtime import EdgeModel
+
+    if not args.trusted and not args.allow_unsigned:
+        raise BundleVerificationError("give --trusted PUBLIC_KEY (or --allow-unsigned in development)")
+    try:
+        inputs = np.load(args.inputs, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read '{args.inputs}' as .npy: {exc}") from None
+    model = EdgeModel.load(args.bundle, trusted_keys=args.trusted, variant=args.variant,
+                           allow_unsigned=args.allow_unsigned)
+    prediction = model.predict(model.preprocess(inputs) if args.raw else inputs)
+    for name, probs in zip(prediction.label_names, prediction.probabilities, strict=True):
+        print(f"{name}\t{float(probs.max()):.4f}")
+    return 0

@@ -1,0 +1,62 @@
+"""Signed edge bundles of the global model, for the coordinator and ``fedge export``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from torch import nn
+
+from fedge.clients.data import FederatedData, calibration_sample, label_names, preprocessing_for
+from fedge.config import Scalar
+from fedge.edge.build import BuiltBundle, BundleSpec, build_bundle
+from fedge.edge.signing import PRIVATE_NAME, fingerprint, generate_signing_key, load_private_key
+
+log = logging.getLogger("fedge.server")
+
+CALIBRATION_SIZE = 256
+
+
+def run_signing_key(config: Mapping[str, Scalar], run_dir: Path) -> Ed25519PrivateKey:
+    """The key named by ``signing-key``, else one made for this run under ``run_dir/keys``.
+
+    A per-run key keeps simulation bundles signed (devices still verify them) without
+    asking a researcher for key management; its public half is ``keys/signing.pub``.
+    """
+    if config["signing-key"]:
+        return load_private_key(str(config["signing-key"]))
+    keys = run_dir / "keys"
+    if not (keys / PRIVATE_NAME).exists():
+        generate_signing_key(keys)
+        log.info("bundles are signed with a key made for this run; its public key is %s",
+                 keys / "signing.pub")
+    return load_private_key(keys / PRIVATE_NAME)
+
+
+def export_global_model(
+    model: nn.Module,
+    out_dir: Path,
+    *,
+    config: Mapping[str, Scalar],
+    data: FederatedData,
+    server_round: int,
+    source_run: str,
+    private_key: Ed25519PrivateKey,
+    make_zip: bool = False,
+) -> BuiltBundle:
+    """Build and sign the bundle of ``model`` (the global model after ``server_round``)."""
+    spec = BundleSpec(
+        model_name=f"{config['model']}-{config['dataset']}",
+        source_run=source_run,
+        server_round=server_round,
+        preprocessing=preprocessing_for(str(config["dataset"])),
+        labels=label_names(data.num_classes),
+    )
+    built = build_bundle(model, out_dir, spec=spec, private_key=private_key, test_set=data.test,
+                         calibration=calibration_sample(data, CALIBRATION_SIZE, int(config["seed"])),
+                         make_zip=make_zip)
+    log.info("round %d: signed bundle %s (signer %s)", server_round, built.path,
+             fingerprint(private_key.public_key()))
+    return built

@@ -1,0 +1,47 @@
+"""``fedge export``: a signed bundle of any checkpointed round of a finished (or running) run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from flwr.app import Array, ArrayRecord
+
+from fedge.clients.data import federated_data
+from fedge.clients.models import build_model, load_arrays
+from fedge.clients.profiles import parse_fleet
+from fedge.config import resolve_run_config
+from fedge.edge.build import BuiltBundle
+from fedge.edge.signing import load_private_key
+from fedge.errors import ConfigError
+from fedge.server.bundles import export_global_model
+from fedge.server.checkpoint import load_checkpoint
+
+
+def export_run_round(
+    run_dir: Path, *, server_round: int | None, key_path: Path, out_dir: Path, make_zip: bool
+) -> BuiltBundle:
+    """Rebuild the run's model from ``config.json`` and a checkpoint, then sign a bundle."""
+    if not (run_dir / "config.json").exists():
+        raise ConfigError(f"'{run_dir}' is not a fedge run directory (no config.json)")
+    config = resolve_run_config(json.loads((run_dir / "config.json").read_text()))
+    checkpoint = load_checkpoint(_checkpoint_path(run_dir, server_round))
+    private_key = load_private_key(key_path)
+    data = federated_data(config, parse_fleet(str(config["fleet"]), str(config["fleet-file"])).size)
+    model = build_model(str(config["model"]), data.num_features, data.num_classes)
+    load_arrays(model, ArrayRecord({k: Array(v) for k, v in checkpoint.arrays.items()}),
+                source=f"checkpoint of round {checkpoint.server_round}")
+    return export_global_model(model, out_dir, config=config, data=data,
+                               server_round=checkpoint.server_round, source_run=run_dir.name,
+                               private_key=private_key, make_zip=make_zip)
+
+
+def _checkpoint_path(run_dir: Path, server_round: int | None) -> Path:
+    if server_round is None:
+        return run_dir / "checkpoint.npz"
+    path = run_dir / "checkpoints" / f"round-{server_round:04d}.npz"
+    if not path.exists():
+        have = sorted(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("round-*.npz"))
+        span = f"{have[0]}..{have[-1]}" if have else "none"
+        raise ConfigError(f"run '{run_dir}' has no checkpoint for round {server_round}; rounds: {span}")
+    return path
