@@ -1,0 +1,78 @@
+"""Coordinator integration and the edge CLIs: export, verify, predict, keys."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedge.cli.main import main
+from fedge.edge import EdgeModel
+from fedge.simulation.runner import simulate
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """A 3-round simulation exporting a signed bundle every 2 rounds (and at the end)."""
+    config = {"fleet": "phone=6,laptop=3,gpu-box=1", "clients-per-round": 4, "num-rounds": 3,
+              "model": "mlp", "local-epochs": 2, "export-every": 2,
+              "run-dir": str(tmp_path_factory.mktemp("edge") / "run")}
+    return simulate(config, progress=False)
+
+
+def test_coordinator_exports_every_n_rounds_and_at_the_end(run: tuple[Path, dict[str, Any]]) -> None:
+    run_dir, summary = run
+    assert summary["bundles"] == ["bundles/round-0002", "bundles/round-0003"]
+    assert summary["latest_bundle"] == "bundles/round-0003"
+    model = EdgeModel.load(run_dir / summary["latest_bundle"], trusted_keys=[run_dir / "keys/signing.pub"])
+    assert model.manifest["round"] == 3 and model.manifest["source_run"] == "run"
+    assert summary["edge"]["fp32_accuracy"] == pytest.approx(summary["final_accuracy"])
+    assert (run_dir / "model.onnx").read_bytes() == (run_dir / "bundles/round-0003/model.onnx").read_bytes()
+
+
+def test_export_verify_predict_from_the_command_line(
+    run: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir, _ = run
+    assert main(["keys", "signing", "init", str(tmp_path / "k")]) == 0
+    assert main(["export", str(run_dir), "--round", "1", "--key", str(tmp_path / "k/signing.key"),
+                 "-o", str(tmp_path / "b1"), "--zip"]) == 0
+    assert main(["verify", str(tmp_path / "b1.zip"), "--trusted", str(tmp_path / "k/signing.pub")]) == 0
+    np.save(tmp_path / "x.npy", np.eye(3, 64, dtype=np.float32))
+    capsys.readouterr()
+    assert main(["predict", str(tmp_path / "b1"), str(tmp_path / "x.npy"),
+                 "--trusted", str(tmp_path / "k/signing.pub"), "--variant", "fp32"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3 and all(line.split("\t")[0] in {str(i) for i in range(10)} for line in lines)
+    manifest = json.loads((tmp_path / "b1/manifest.json").read_text())
+    assert manifest["round"] == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["verify", "{run}/bundles/round-0003", "--trusted", "{keys}/signing.pub"], "untrusted key"),
+        (["export", "{run}", "--round", "99", "--key", "{keys}/signing.key", "-o", "{tmp}/o"],
+         "no checkpoint for round 99; rounds: 0..3"),
+        (["export", "{tmp}", "--key", "{keys}/signing.key", "-o", "{tmp}/o"], "not a fedge run directory"),
+        (["export", "{run}", "--key", "{tmp}/nokey", "-o", "{tmp}/o"], "does not exist"),
+        (["keys", "signing", "init", "{keys}"], "already exists; pass --force"),
+        (["predict", "{run}/bundles/round-0003", "{tmp}/bad.npy", "--trusted", "{run}/keys/signing.pub"],
+         "the model takes \\(64,\\)"),
+        (["predict", "{run}/bundles/round-0003", "{tmp}/bad.npy"], "give --trusted"),
+    ],
+)
+def test_edge_cli_errors_exit_2(run: tuple[Path, dict[str, Any]], tmp_path: Path, argv: list[str],
+                                message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir, _ = run
+    main(["keys", "signing", "init", str(tmp_path / "keys")])
+    np.save(tmp_path / "bad.npy", np.zeros((2, 5), np.float32))
+    capsys.readouterr()
+    filled = [a.format(run=run_dir, keys=tmp_path / "keys", tmp=tmp_path) for a in argv]
+    assert main(filled) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedge: error: ") and re.search(message, err), err
