@@ -106,7 +106,8 @@ def measure(name: str, model: nn.Module, data: Any, key: Any, scratch: Path, ite
     forms: dict[str, Any] = {"torch eager fp32": (torch_run, buffer.getbuffer().nbytes)}
     for variant, file in (("onnxruntime fp32", "model.onnx"), ("onnxruntime int8", "model.int8.onnx")):
         session = ort.InferenceSession(str(bundle.path / file), options, providers=["CPUExecutionProvider"])
-        forms[variant] = (lambda x, s=session: s.run(None, {"input": x})[0], (bundle.path / file).stat().st_size)
+        size = (bundle.path / file).stat().st_size
+        forms[variant] = (lambda x, s=session: s.run(None, {"input": x})[0], size)
     results: dict[str, Any] = {"quantization": bundle.manifest["variants"]["int8"]["quantization"],
                                "parameters": sum(p.numel() for p in model.parameters()), "forms": {}}
     for form, (run, size) in forms.items():
