@@ -28,6 +28,8 @@ def _simulate_parser(sub: Any) -> None:
     p.add_argument("--strategy", help="fedavg")
     p.add_argument("--seed", type=int, help="run-config seed")
     p.add_argument("--run-dir", help="where to write the run (default runs/<name>)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue RUN_DIR after its last completed round (its config.json, plus overrides)")
     p.add_argument("--run-config", default="",
                    help="more overrides, Flower style: \"key=value key2='text'\"")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -38,7 +40,11 @@ def _simulate(args: argparse.Namespace) -> int:
     from fedge.config import parse_run_config_args
     from fedge.simulation.runner import simulate
 
-    overrides: dict[str, Any] = parse_run_config_args(args.run_config)
+    overrides: dict[str, Any] = {}
+    if args.resume:
+        overrides.update(_saved_config(args.resume))
+        overrides.update({"resume": True, "run-dir": args.resume})
+    overrides.update(parse_run_config_args(args.run_config))
     flags = {"num-rounds": args.rounds, "clients-per-round": args.clients_per_round,
              "dataset": args.dataset, "model": args.model, "strategy": args.strategy,
              "seed": args.seed, "run-dir": args.run_dir}
@@ -58,6 +64,18 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"model.onnx parity vs torch: max abs diff {onnx['max_abs_diff']:.1e}")
     print(f"final accuracy: {summary['final_accuracy']:.4f}")
     return 0
+
+
+def _saved_config(run_dir: str) -> dict[str, Any]:
+    import json
+    from pathlib import Path
+
+    from fedge.errors import ConfigError
+
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        raise ConfigError(f"cannot resume '{run_dir}': it has no config.json (not a fedge run directory)")
+    return dict(json.loads(path.read_text()))
 
 
 def quiet_third_party_logs() -> None:

@@ -51,10 +51,18 @@ DEFAULTS: dict[str, Scalar] = {
     "synthetic-beta": 1.0,
     "data-path": "",
     "device": "auto",
+    "trim-fraction": 0.2,
+    "num-byzantine": 2,
+    "krum-select": 1,
+    "byzantine-fraction": 0.0,
+    "byzantine-attack": "sign-flip",
+    "attack-scale": 1.0,
+    "resume": False,
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "strategy": ("fedavg",),
+    "strategy": ("fedavg", "trimmed-mean", "median", "krum"),
+    "byzantine-attack": ("sign-flip", "scale"),
     "dataset": ("digits", "synthetic", "npz", "csv"),
     "model": ("mlp", "cnn", "logreg"),
     "partitioner": ("dirichlet", "iid"),
@@ -75,13 +83,18 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "round-timeout": (lambda v: v > 0, "> 0"),
     "fraction-evaluate": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "export-every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    "trim-fraction": (lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
+    "num-byzantine": (lambda v: v >= 0, ">= 0"),
+    "krum-select": (lambda v: v >= 1, ">= 1"),
+    "byzantine-fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "attack-scale": (lambda v: v > 0, "> 0"),
     "synthetic-alpha": (lambda v: v >= 0, ">= 0"),
     "synthetic-beta": (lambda v: v >= 0, ">= 0"),
 }
 
 # Keys that change the model's arrays or meaning: a checkpoint made under other
 # values of these cannot be continued.
-MODEL_KEYS = ("dataset", "model", "seed", "synthetic-alpha", "synthetic-beta", "data-path")
+MODEL_KEYS = ("dataset", "model", "strategy", "seed", "synthetic-alpha", "synthetic-beta")
 
 
 def resolve_run_config(overrides: Mapping[str, Any] | None = None) -> dict[str, Scalar]:
@@ -144,6 +157,11 @@ def parse_run_config_args(text: str) -> dict[str, Scalar]:
         except tomllib.TOMLDecodeError:
             overrides[key.strip()] = raw
     return overrides
+
+
+def model_keys(config: Mapping[str, Scalar]) -> dict[str, Scalar]:
+    """The values of :data:`MODEL_KEYS` (what a checkpoint records about its origin)."""
+    return {key: config[key] for key in MODEL_KEYS}
 
 
 def config_fingerprint(config: Mapping[str, Scalar], keys: tuple[str, ...] = MODEL_KEYS) -> str:

@@ -22,6 +22,7 @@ from numpy.typing import NDArray
 from fedge.errors import CheckpointMismatch
 
 _META = "__fedge_meta__"
+_STRATEGY = "__strategy__/"
 
 
 @dataclass
@@ -32,17 +33,20 @@ class Checkpoint:
     arrays: dict[str, NDArray[np.generic]]
     fingerprint: str
     history: list[dict[str, Any]] = field(default_factory=list)
+    model_keys: dict[str, Any] = field(default_factory=dict)
+    strategy_state: dict[str, NDArray[np.generic]] = field(default_factory=dict)
 
 
 def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
     """Write ``checkpoint`` to ``path`` atomically (temp file + fsync + rename)."""
     path = Path(path)
     meta = json.dumps({"round": checkpoint.server_round, "fingerprint": checkpoint.fingerprint,
-                       "history": checkpoint.history})
+                       "history": checkpoint.history, "model_keys": checkpoint.model_keys})
+    strategy = {_STRATEGY + name: value for name, value in checkpoint.strategy_state.items()}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
-            payload: dict[str, Any] = {**checkpoint.arrays, _META: np.array(meta)}
+            payload: dict[str, Any] = {**checkpoint.arrays, **strategy, _META: np.array(meta)}
             np.savez(handle, **payload)
             handle.flush()
             os.fsync(handle.fileno())
@@ -70,8 +74,12 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             if _META not in data.files:
                 raise CheckpointMismatch(f"'{path}' is not a fedge checkpoint (no metadata)")
             meta = json.loads(str(data[_META]))
-            arrays = {name: data[name] for name in data.files if name != _META}
+            arrays = {name: data[name] for name in data.files
+                      if name != _META and not name.startswith(_STRATEGY)}
+            strategy = {name[len(_STRATEGY):]: data[name] for name in data.files
+                        if name.startswith(_STRATEGY)}
     except (OSError, ValueError) as exc:
         raise CheckpointMismatch(f"cannot read checkpoint '{path}': {exc}") from None
     return Checkpoint(server_round=int(meta["round"]), arrays=arrays,
-                      fingerprint=str(meta["fingerprint"]), history=list(meta["history"]))
+                      fingerprint=str(meta["fingerprint"]), history=list(meta["history"]),
+                      model_keys=dict(meta.get("model_keys", {})), strategy_state=strategy)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from flwr.app import Context, RecordDict
+from flwr.clientapp import ClientApp
 
 from fedge.clients.app import make_default_client_app
 from fedge.clients.profiles import parse_fleet
@@ -25,6 +26,7 @@ from fedge.config import Scalar, resolve_run_config
 from fedge.errors import ConfigError
 from fedge.server.app import make_server_app, run_coordinator
 from fedge.server.report import run_dir_for
+from fedge.simulation.byzantine import byzantine_partitions, make_byzantine_client_app
 from fedge.simulation.grid import SUPERLINK_NODE_ID, InlineGrid
 
 log = logging.getLogger("fedge.simulation")
@@ -64,7 +66,7 @@ def simulate(
             {"partition-id": index, "num-partitions": fleet.size, "profile": profile}
             for index, profile in enumerate(fleet.assignment(int(config["seed"])))
         ]
-        grid = InlineGrid(make_default_client_app(), node_configs, config)
+        grid = InlineGrid(_client_app(config, fleet.size), node_configs, config)
         run_dir = run_coordinator(grid, config, progress=progress)
     else:
         run_dir = _run_on_ray(config, fleet.size, progress=progress)
@@ -80,13 +82,25 @@ def _run_on_ray(config: dict[str, Scalar], num_nodes: int, *, progress: bool) ->
 
     run_simulation(
         server_app=make_server_app(config, progress=progress),
-        client_app=make_default_client_app(config),
+        client_app=_client_app(config, num_nodes, defaults=config),
         num_supernodes=num_nodes,
         backend_name="ray",
         backend_config={"client_resources": {"num_cpus": 1.0},
                         "init_args": {"num_cpus": 2, "include_dashboard": False}},
     )
     return Path(str(config["run-dir"]))
+
+
+def _client_app(config: Mapping[str, Scalar], num_nodes: int,
+                defaults: Mapping[str, Scalar] | None = None) -> ClientApp:
+    """fedge's ClientApp, with Byzantine devices mixed in when ``byzantine-fraction`` > 0."""
+    honest = make_default_client_app(defaults)
+    if not config["byzantine-fraction"]:
+        return honest
+    bad = byzantine_partitions(num_nodes, float(config["byzantine-fraction"]), int(config["seed"]))
+    log.info("byzantine devices (%s): partitions %s", config["byzantine-attack"], sorted(bad))
+    return make_byzantine_client_app(honest, bad, str(config["byzantine-attack"]),
+                                     float(config["attack-scale"]))
 
 
 def server_context(config: Mapping[str, Scalar], run_id: int = 1) -> Context:

@@ -5,7 +5,7 @@ An update is a mapping ``name -> np.ndarray`` (one entry per model tensor).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
@@ -89,3 +89,70 @@ def weighted_mean_metrics(
         key: float(sum(w * float(row[key]) for row, w in zip(rows, row_weights, strict=True)) / total)
         for key in sorted(common)
     }
+
+
+# --------------------------------------------------------------------------- robust rules
+# These need every update at once (order statistics and pairwise distances), so
+# they cannot stream; memory is O(updates x model).
+
+
+def _stacked(updates: Sequence[Arrays], name: str) -> NDArray[np.float64]:
+    return np.stack([np.asarray(update[name], dtype=np.float64) for update in updates])
+
+
+def trimmed_mean(updates: Sequence[Arrays], trim_fraction: float) -> dict[str, NDArray[np.generic]]:
+    """Coordinate-wise beta-trimmed mean (Yin et al., "Byzantine-Robust Distributed
+    Learning: Towards Optimal Statistical Rates", ICML 2018).
+
+    Drops the ``floor(trim_fraction * n)`` largest and smallest values of every
+    coordinate, then averages the rest (unweighted).
+    """
+    if not 0 <= trim_fraction < 0.5:
+        raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
+    _require(updates)
+    cut = int(np.floor(trim_fraction * len(updates)))
+    result = {}
+    for name, first in updates[0].items():
+        ordered = np.sort(_stacked(updates, name), axis=0)
+        result[name] = _cast(ordered[cut:len(updates) - cut].mean(axis=0), first.dtype)
+    return result
+
+
+def coordinate_median(updates: Sequence[Arrays]) -> dict[str, NDArray[np.generic]]:
+    """Coordinate-wise median (Yin et al., ICML 2018)."""
+    _require(updates)
+    return {name: _cast(np.median(_stacked(updates, name), axis=0), first.dtype)
+            for name, first in updates[0].items()}
+
+
+def krum_scores(updates: Sequence[Arrays], num_byzantine: int) -> NDArray[np.float64]:
+    """Krum score of each update: the sum of squared distances to its ``n - f - 2``
+    nearest other updates (Blanchard et al., "Machine Learning with Adversaries:
+    Byzantine Tolerant Gradient Descent", NeurIPS 2017).
+    """
+    _require(updates)
+    flat = np.stack([np.concatenate([np.asarray(u[k], np.float64).ravel() for k in sorted(u)])
+                     for u in updates])
+    squared = np.sum(flat**2, axis=1)
+    distances = np.maximum(squared[:, None] + squared[None, :] - 2 * flat @ flat.T, 0.0)
+    neighbours = max(len(updates) - num_byzantine - 2, 1)
+    closest = np.sort(distances, axis=1)[:, 1:neighbours + 1]  # column 0 is the distance to itself
+    return closest.sum(axis=1)  # type: ignore[no-any-return]
+
+
+def multi_krum(
+    updates: Sequence[Arrays], num_byzantine: int, num_selected: int = 1
+) -> tuple[dict[str, NDArray[np.generic]], list[int]]:
+    """Average of the ``num_selected`` updates with the lowest Krum scores (1 = Krum).
+
+    Returns the aggregate and the indices of the selected updates.
+    """
+    if not 1 <= num_selected <= len(updates):
+        raise ValueError(f"num_selected must be in [1, {len(updates)}], got {num_selected}")
+    chosen = [int(i) for i in np.argsort(krum_scores(updates, num_byzantine), kind="stable")[:num_selected]]
+    return weighted_mean([updates[i] for i in chosen], [1.0] * len(chosen)), chosen
+
+
+def _require(updates: Sequence[Arrays]) -> None:
+    if not updates:
+        raise ValueError("no updates to aggregate")

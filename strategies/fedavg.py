@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from flwr.serverapp.strategy import Result
 from numpy.typing import NDArray
 
+from fedge import wire
+from fedge.server.selection import RandomSelector
 from fedge.server.validation import AcceptedUpdate, Failure, Rejection, ReplyValidator
 from fedge.strategies.aggregate import WeightedMeanAccumulator, weighted_mean_metrics
 
@@ -55,24 +59,102 @@ class FedAvg(FlowerFedAvg):
     def __init__(
         self,
         *,
+        clients_per_round: int = 10,
         validator: ReplyValidator | None = None,
+        selector: RandomSelector | None = None,
         min_train_replies: int = 1,
+        wait_for_nodes_s: float = 600.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        kwargs.setdefault("fraction_evaluate", 0.0)
+        super().__init__(min_train_nodes=clients_per_round, min_available_nodes=clients_per_round,
+                         **kwargs)
+        self.clients_per_round = clients_per_round
         self.validator = validator or ReplyValidator()
+        self.selector = selector or RandomSelector()
         self.min_train_replies = min_train_replies
+        self.wait_for_nodes_s = wait_for_nodes_s
         self.global_arrays: ArrayRecord | None = None
         self.reports: list[RoundReport] = []
+
+    def start(  # type: ignore[override]
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        *,
+        start_round: int = 1,
+    ) -> Result:
+        """Flower's ``Strategy.start`` loop, able to resume at ``start_round``.
+
+        Flower's own loop always begins at round 1 and has no way to continue a run
+        from a checkpoint, so the loop (train -> federated evaluation -> central
+        evaluation, per round) is restated here with the same semantics. Round 0
+        (central evaluation of ``initial_arrays``) happens only on a fresh start.
+        """
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        result, arrays = Result(), initial_arrays
+        result.arrays = arrays
+        if evaluate_fn and start_round == 1 and (res := evaluate_fn(0, arrays)) is not None:
+            result.evaluate_metrics_serverapp[0] = res
+        for server_round in range(start_round, num_rounds + 1):
+            replies = grid.send_and_receive(
+                self.configure_train(server_round, arrays, train_config, grid), timeout=timeout)
+            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            if new_arrays is not None:
+                result.arrays = arrays = new_arrays
+            if train_metrics is not None:
+                result.train_metrics_clientapp[server_round] = train_metrics
+            evaluate_messages = list(self.configure_evaluate(server_round, arrays, evaluate_config, grid))
+            if evaluate_messages:
+                evaluate_replies = grid.send_and_receive(evaluate_messages, timeout=timeout)
+                if (metrics := self.aggregate_evaluate(server_round, evaluate_replies)) is not None:
+                    result.evaluate_metrics_clientapp[server_round] = metrics
+            if evaluate_fn and (res := evaluate_fn(server_round, arrays)) is not None:
+                result.evaluate_metrics_serverapp[server_round] = res
+        return result
+
+    def state_dict(self) -> dict[str, NDArray[np.generic]]:
+        """Strategy state to checkpoint with the model (FedAvg has none; FedAvgM etc. do)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, NDArray[np.generic]]) -> None:
+        """Restore what :meth:`state_dict` returned."""
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Remember the arrays replies must match, then sample as Flower's FedAvg does."""
+        """Remember the arrays replies must match, select devices, build their messages."""
         self.global_arrays = arrays
-        messages = list(super().configure_train(server_round, arrays, config, grid))
+        node_ids = self.select_nodes(server_round, grid)
+        config[wire.SERVER_ROUND] = server_round
+        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        messages = list(self._construct_messages(record, node_ids, MessageType.TRAIN))
         self.reports.append(RoundReport(server_round=server_round, selected=len(messages)))
         return messages
+
+    def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
+        """Wait (up to ``wait_for_nodes_s``) for ``clients_per_round`` devices, then select.
+
+        With fewer devices connected by then, selects all of them if there are at least
+        ``min_train_replies``; otherwise none (the round fails and the model is kept).
+        """
+        deadline = time.monotonic() + self.wait_for_nodes_s
+        while len(nodes := list(grid.get_node_ids())) < self.clients_per_round:
+            if time.monotonic() >= deadline:
+                break
+            log.info("waiting for devices: %d connected, %d wanted", len(nodes), self.clients_per_round)
+            time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
+        if len(nodes) < self.min_train_replies:
+            log.warning("round %d: only %d devices connected (< min-train-replies %d); round skipped",
+                        server_round, len(nodes), self.min_train_replies)
+            return []
+        return self.selector.select(server_round, nodes, self.clients_per_round)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

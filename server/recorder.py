@@ -1,0 +1,146 @@
+"""Per-round bookkeeping of a run: central evaluation, metrics, checkpoints, bundles, summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from flwr.app import ArrayRecord, MetricRecord
+
+from fedge.clients.data import FederatedData
+from fedge.clients.models import load_arrays
+from fedge.clients.training import as_dataset, evaluate, pick_device
+from fedge.config import Scalar, config_fingerprint, model_keys
+from fedge.edge.export import PARITY_TOLERANCE
+from fedge.server.checkpoint import Checkpoint, save_checkpoint
+from fedge.server.progress import RoundProgress
+from fedge.server.report import append_jsonl, plot_accuracy, write_json_atomic
+from fedge.simulation.clock import MeteredGrid
+from fedge.strategies import FedAvg
+
+if TYPE_CHECKING:
+    from fedge.edge.build import BuiltBundle
+
+log = logging.getLogger("fedge.server")
+
+
+class RoundRecorder:
+    """Central evaluation + metrics/checkpoint after each round, summary at the end.
+
+    Passed to ``Strategy.start`` as ``evaluate_fn``: Flower calls it with the
+    initial arrays (round 0) and after every round.
+    """
+
+    def __init__(self, run_dir: Path, config: dict[str, Scalar], grid: MeteredGrid,
+                 strategy: FedAvg, data: FederatedData, model: torch.nn.Module,
+                 *, progress: bool, history: list[dict[str, Any]] | None = None) -> None:
+        self.run_dir, self.config, self.grid, self.strategy = run_dir, config, grid, strategy
+        self.model = model
+        self.test_set = as_dataset(data.test)
+        self.device = pick_device(str(config["device"]))
+        self.rows: list[dict[str, Any]] = list(history or [])
+        done = self.rows[-1] if self.rows else {"round": 0, "sim_time_s": 0.0, "wall_time_s": 0.0}
+        self.started = time.perf_counter() - float(done["wall_time_s"])  # a resumed run's clocks go on
+        grid.sim_time = float(done["sim_time_s"])
+        self.progress = RoundProgress(int(config["num-rounds"]), enabled=progress)
+        self.progress.advance(int(done["round"]), float(done.get("accuracy", 0.0)), grid.sim_time)
+        self.data = data
+        self.bundles: list[BuiltBundle] = []
+        rows = "".join(json.dumps(row, sort_keys=True) + "\n" for row in self.rows)
+        (run_dir / "metrics.jsonl").write_text(rows)
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+
+    def on_round_end(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        """Evaluate ``arrays`` on the held-out test set and record the round."""
+        load_arrays(self.model, arrays)
+        loss, accuracy = evaluate(self.model, self.test_set, device=self.device)
+        traffic = self.grid.take_round()
+        report = self.strategy.reports[-1] if server_round and self.strategy.reports else None
+        row = {
+            "round": server_round,
+            "accuracy": accuracy,
+            "loss": loss,
+            "sim_time_s": self.grid.sim_time,
+            "wall_time_s": time.perf_counter() - self.started,
+            "bytes_up": traffic.bytes_up,
+            "bytes_down": traffic.bytes_down,
+            "participants": sum(traffic.participants.values()),
+            "participants_by_profile": dict(traffic.participants),
+            "rejected": len(report.rejected) if report else 0,
+            "rejections": [vars(r) for r in report.rejected] if report else [],
+            "failed": len(report.failed) if report else 0,
+            "aggregated": report.aggregated if report else False,
+        }
+        self.rows.append(row)
+        append_jsonl(self.run_dir / "metrics.jsonl", row)
+        checkpoint = Checkpoint(server_round=server_round,
+                                arrays={name: array.numpy() for name, array in arrays.items()},
+                                fingerprint=config_fingerprint(self.config), history=self.rows,
+                                model_keys=model_keys(self.config),
+                                strategy_state=self.strategy.state_dict())
+        save_checkpoint(self.run_dir / "checkpoints" / f"round-{server_round:04d}.npz", checkpoint)
+        save_checkpoint(self.run_dir / "checkpoint.npz", checkpoint)
+        every = int(self.config["export-every"])
+        if self.config["export-onnx"] and every and server_round and server_round % every == 0:
+            self._export_bundle(server_round)
+        self.progress.advance(server_round, accuracy, self.grid.sim_time)
+        return MetricRecord({"accuracy": accuracy, "loss": loss})
+
+    def finish(self) -> dict[str, Any]:
+        """Export the final model, plot, and write ``summary.json``."""
+        last = self.rows[-1]
+        summary: dict[str, Any] = {
+            "final_accuracy": last["accuracy"],
+            "final_loss": last["loss"],
+            "best_accuracy": max(row["accuracy"] for row in self.rows),
+            "rounds": last["round"],
+            "sim_time_s": last["sim_time_s"],
+            "wall_time_s": time.perf_counter() - self.started,
+            "bytes_up": sum(row["bytes_up"] for row in self.rows),
+            "bytes_down": sum(row["bytes_down"] for row in self.rows),
+            "rejected": sum(row["rejected"] for row in self.rows),
+            "failed": sum(row["failed"] for row in self.rows),
+            "checkpoint": "checkpoint.npz",
+            "config_fingerprint": config_fingerprint(self.config),
+        }
+        plot_accuracy(self.rows, self.run_dir / "accuracy.png",
+                      f"{self.config['strategy']} on {self.config['dataset']}")
+        if self.config["export-onnx"]:
+            summary.update(self._final_export(last["round"]))
+        write_json_atomic(self.run_dir / "summary.json", summary)
+        return summary
+
+    def _export_bundle(self, server_round: int) -> BuiltBundle:
+        """Sign a bundle of the model as evaluated last (the global model after ``server_round``)."""
+        from fedge.server.bundles import export_global_model, run_signing_key
+
+        built = export_global_model(
+            self.model, self.run_dir / "bundles" / f"round-{server_round:04d}", config=self.config,
+            data=self.data, server_round=server_round, source_run=self.run_dir.name,
+            private_key=run_signing_key(self.config, self.run_dir))
+        self.bundles.append(built)
+        return built
+
+    def _final_export(self, final_round: int) -> dict[str, Any]:
+        """The final bundle (unless just made), ``model.onnx`` beside it, and summary fields."""
+        if not self.bundles or self.bundles[-1].manifest["round"] != final_round:
+            self._export_bundle(final_round)
+        latest = self.bundles[-1]
+        shutil.copyfile(latest.path / "model.onnx", self.run_dir / "model.onnx")
+        metrics = latest.manifest["metrics"]
+        parity_ok = metrics["torch_onnx_max_abs_diff"] <= PARITY_TOLERANCE
+        if not parity_ok:
+            log.warning("ONNX export differs from torch by %.2e (> %.0e)",
+                        metrics["torch_onnx_max_abs_diff"], PARITY_TOLERANCE)
+        return {
+            "onnx": {"path": "model.onnx", "max_abs_diff": metrics["torch_onnx_max_abs_diff"],
+                     "parity_ok": parity_ok, "opset": latest.manifest["versions"]["opset"]},
+            "latest_bundle": str(latest.path.relative_to(self.run_dir)),
+            "bundles": [str(b.path.relative_to(self.run_dir)) for b in self.bundles],
+            "edge": {**metrics, "int8_quantization": latest.manifest["variants"]["int8"]["quantization"]},
+        }

@@ -1,0 +1,47 @@
+"""Krum and Multi-Krum."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedge.server.validation import AcceptedUpdate
+from fedge.strategies.aggregate import multi_krum
+from fedge.strategies.fedavg import FedAvg
+
+log = logging.getLogger("fedge.strategies")
+
+
+class Krum(FedAvg):
+    """Krum / Multi-Krum (Blanchard et al., NeurIPS 2017).
+
+    Scores each update by the summed squared distance to its ``n - f - 2`` nearest
+    neighbours and averages the ``num_selected`` best (1 = Krum). Tolerates ``f``
+    Byzantine updates when ``n > 2f + 2``.
+
+    Parameters
+    ----------
+    num_byzantine : int
+        f, the number of Byzantine updates to tolerate per round.
+    num_selected : int
+        m, how many lowest-score updates to average (1: Krum; >1: Multi-Krum).
+    """
+
+    def __init__(self, *, num_byzantine: int = 2, num_selected: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.num_byzantine = num_byzantine
+        self.num_selected = num_selected
+
+    def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
+        """Multi-Krum over all accepted updates."""
+        accepted = list(updates)
+        if not accepted:
+            return None
+        selected = min(self.num_selected, len(accepted))
+        aggregate, chosen = multi_krum([u.arrays for u in accepted], self.num_byzantine, selected)
+        log.info("krum kept nodes %s", [accepted[i].node_id for i in chosen])
+        return aggregate

@@ -1,0 +1,21 @@
+"""Coordinate-wise median."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedge.server.validation import AcceptedUpdate
+from fedge.strategies.aggregate import coordinate_median
+from fedge.strategies.fedavg import FedAvg
+
+
+class Median(FedAvg):
+    """FedAvg with the coordinate-wise median (Yin et al., ICML 2018); unweighted."""
+
+    def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
+        """Median of all accepted updates."""
+        arrays = [update.arrays for update in updates]
+        return coordinate_median(arrays) if arrays else None
