@@ -16,6 +16,7 @@ from fedge.errors import BundleVerificationError, ConfigError
 def add_parsers(sub: Any) -> None:
     """Register the edge subcommands on ``sub``."""
     keys = sub.add_parser("keys", help="key management").add_subparsers(dest="keys_command", required=True)
+    _add_deployment_key_parsers(keys)
     signing = keys.add_parser("signing", help="Ed25519 keys that sign edge bundles")
     signing_sub = signing.add_subparsers(dest="signing_command", required=True)
     init = signing_sub.add_parser("init", help="create signing.key (0600) and signing.pub in DIR")
@@ -47,6 +48,43 @@ def add_parsers(sub: Any) -> None:
     predict.add_argument("--allow-unsigned", action="store_true",
                          help="DEVELOPMENT ONLY: accept a bundle without a signature")
     predict.set_defaults(handler=_predict)
+
+
+def _add_deployment_key_parsers(keys: Any) -> None:
+    init = keys.add_parser("init", help="create a local CA and the coordinator's TLS certificate in DIR")
+    init.add_argument("directory", type=Path)
+    init.add_argument("--host", action="append", default=[],
+                      help="extra DNS name or IP the coordinator is reached at (repeatable)")
+    init.add_argument("--days", type=int, default=365, help="certificate validity")
+    init.add_argument("--force", action="store_true", help="replace existing keys")
+    init.set_defaults(handler=_keys_init)
+    device = keys.add_parser("add-device", help="create a device's authentication key pair")
+    device.add_argument("name")
+    device.add_argument("--dir", type=Path, default=Path("keys"), help="the `fedge keys init` directory")
+    device.add_argument("--force", action="store_true")
+    device.set_defaults(handler=_keys_add_device)
+
+
+def _keys_init(args: argparse.Namespace) -> int:
+    from fedge.server.pki import init_keys
+
+    keys = init_keys(args.directory, hosts=args.host, days=args.days, force=args.force)
+    print(f"CA certificate:          {keys.ca_cert} (give to devices)")
+    print(f"CA key:                  {keys.ca_key} (mode 0600; keep offline if you can)")
+    sans = ", ".join(["localhost", "127.0.0.1", *args.host])
+    print(f"coordinator certificate: {keys.cert} (SANs: {sans})")
+    print(f"coordinator key:         {keys.key} (mode 0600)")
+    print(f"next: fedge keys add-device NAME --dir {args.directory}")
+    return 0
+
+
+def _keys_add_device(args: argparse.Namespace) -> int:
+    from fedge.server.pki import add_device
+
+    private, public = add_device(args.dir, args.name, force=args.force)
+    print(f"device key: {private} (mode 0600; copy to the device with {args.dir}/ca.crt)")
+    print(f"public key: {public} (registered by `fedge coordinator start`)")
+    return 0
 
 
 def _keys_signing_init(args: argparse.Namespace) -> int:

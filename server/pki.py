@@ -1,0 +1,144 @@
+"""Deployment keys: a local CA, the coordinator's TLS certificate, device auth keys.
+
+Threat model: the CA key can mint certificates any device will accept as the
+coordinator, and a device key lets its holder join the federation as that
+device. Private keys are written with mode 0600 and never overwritten unless
+asked (``force``). The CA and coordinator keys stay on the coordinator host;
+each device gets ``ca.crt`` (to check the coordinator) and its own key.
+Formats are the ones Flower's SuperLink/SuperNode accept: PEM for TLS, and EC
+NIST P-384 keys in OpenSSH format for SuperNode authentication.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fedge.errors import ConfigError
+
+DEVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class CoordinatorKeys:
+    """Where ``fedge keys init`` put things."""
+
+    directory: Path
+
+    @property
+    def ca_cert(self) -> Path:  # noqa: D102
+        return self.directory / "ca.crt"
+
+    @property
+    def ca_key(self) -> Path:  # noqa: D102
+        return self.directory / "ca.key"
+
+    @property
+    def cert(self) -> Path:  # noqa: D102
+        return self.directory / "coordinator.crt"
+
+    @property
+    def key(self) -> Path:  # noqa: D102
+        return self.directory / "coordinator.key"
+
+    @property
+    def devices(self) -> Path:  # noqa: D102
+        return self.directory / "devices"
+
+    def device_public_keys(self) -> list[Path]:
+        """Every registered device's OpenSSH public key."""
+        return sorted(self.devices.glob("*.pub")) if self.devices.exists() else []
+
+
+def write_private(path: Path, data: bytes, *, force: bool) -> None:
+    """Create ``path`` with mode 0600 (refusing to replace it unless ``force``)."""
+    if path.exists():
+        if not force:
+            raise ConfigError(f"{path} already exists; pass --force to replace it")
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+
+
+def _pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _subject_alt_names(hosts: list[str]) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = []
+    for host in ["localhost", "127.0.0.1", *hosts]:
+        try:
+            entry: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
+        except ValueError:
+            entry = x509.DNSName(host)
+        if entry not in names:
+            names.append(entry)
+    return names
+
+
+def init_keys(directory: str | Path, *, hosts: list[str] | None = None, days: int = 365,
+              force: bool = False) -> CoordinatorKeys:
+    """Create a CA and a CA-signed coordinator certificate for ``localhost``, ``127.0.0.1`` and ``hosts``."""
+    keys = CoordinatorKeys(Path(directory))
+    keys.directory.mkdir(parents=True, exist_ok=True)
+    keys.devices.mkdir(exist_ok=True)
+    for path in (keys.ca_key, keys.key):
+        if path.exists() and not force:
+            raise ConfigError(f"{path} already exists; pass --force to replace it (devices will then "
+                              "need the new ca.crt)")
+    now = dt.datetime.now(dt.UTC)
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedge local CA")])
+    ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+               .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
+                                            key_encipherment=False, data_encipherment=False,
+                                            key_agreement=False, key_cert_sign=True, crl_sign=True,
+                                            encipher_only=False, decipher_only=False), critical=True)
+               .sign(ca_key, hashes.SHA384()))
+    server_key = ec.generate_private_key(ec.SECP384R1())
+    server_cert = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedge coordinator")]))
+                   .issuer_name(ca_name).public_key(server_key.public_key())
+                   .serial_number(x509.random_serial_number())
+                   .not_valid_before(now - dt.timedelta(minutes=5))
+                   .not_valid_after(now + dt.timedelta(days=days))
+                   .add_extension(x509.SubjectAlternativeName(_subject_alt_names(hosts or [])),
+                                  critical=False)
+                   .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+                   .sign(ca_key, hashes.SHA384()))
+    write_private(keys.ca_key, _pem(ca_key), force=force)
+    write_private(keys.key, _pem(server_key), force=force)
+    keys.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    keys.cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    return keys
+
+
+def add_device(directory: str | Path, name: str, *, force: bool = False) -> tuple[Path, Path]:
+    """Create device ``name``'s auth key pair (EC P-384, OpenSSH format) under ``devices/``."""
+    if not DEVICE_NAME.match(name):
+        raise ConfigError(f"device name '{name}' must be 1-64 letters, digits, '.', '_' or '-'")
+    keys = CoordinatorKeys(Path(directory))
+    keys.devices.mkdir(parents=True, exist_ok=True)
+    private = ec.generate_private_key(ec.SECP384R1())
+    private_path, public_path = keys.devices / f"{name}.key", keys.devices / f"{name}.pub"
+    write_private(private_path, private.private_bytes(serialization.Encoding.PEM,
+                                                      serialization.PrivateFormat.OpenSSH,
+                                                      serialization.NoEncryption()), force=force)
+    public_path.write_bytes(private.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + f" {name}\n".encode())
+    return private_path, public_path
