@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fedge.cli import edge
+from fedge.cli import deploy, edge
 from fedge.errors import FedgeError
 
 EXIT_USAGE = 2
@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _simulate_parser(sub)
     edge.add_parsers(sub)
+    deploy.add_parsers(sub)
     return parser
 
 

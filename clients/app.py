@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from fedge import wire
-from fedge.clients.data import federated_data
+from fedge.clients.data import federated_data, load_local_file
 from fedge.clients.models import build_model, load_arrays, model_arrays
 from fedge.clients.profiles import parse_fleet
 from fedge.clients.training import as_dataset, evaluate, pick_device, train_local
@@ -135,6 +135,8 @@ def make_default_client_app(config_defaults: Mapping[str, Any] | None = None) ->
     """The ClientApp for fedge's built-in data sets and models (driven by run config)."""
 
     def data_fn(context: Context) -> tuple[LocalData, LocalData | None]:
+        if "data-path" in context.node_config:  # a real device: its own file
+            return load_local_file(str(context.node_config["data-path"])), None
         config = _effective_config(context, config_defaults)
         data = federated_data(config, num_partitions(context, config))
         return data.partitions[int(context.node_config.get("partition-id", 0))], None

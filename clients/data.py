@@ -87,6 +87,16 @@ def load_csv(path: str | Path, label_column: str = "label") -> tuple[Features, L
     return _checked_xy(features, table[:, label_at], path)
 
 
+@lru_cache(maxsize=4)
+def load_local_file(path: str) -> tuple[Features, Labels]:
+    """A device's own data: ``.npz`` (arrays ``x``, ``y``) or ``.csv`` (header, ``label`` column)."""
+    if path.endswith(".npz"):
+        return load_npz(path)
+    if path.endswith(".csv"):
+        return load_csv(path)
+    raise ConfigError(f"device data '{path}' must be a .npz (arrays x, y) or .csv (header + label column)")
+
+
 def _checked_xy(x: np.ndarray, y: np.ndarray, source: object) -> tuple[Features, Labels]:
     if x.ndim != 2 or y.ndim != 1 or len(x) != len(y):
         raise ConfigError(

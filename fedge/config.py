@@ -58,6 +58,8 @@ DEFAULTS: dict[str, Scalar] = {
     "byzantine-attack": "sign-flip",
     "attack-scale": 1.0,
     "resume": False,
+    "deployment": False,
+    "grid-poll-interval": 0.1,
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -88,6 +90,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "krum-select": (lambda v: v >= 1, ">= 1"),
     "byzantine-fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "attack-scale": (lambda v: v > 0, "> 0"),
+    "grid-poll-interval": (lambda v: v >= 0, ">= 0 (0: Flower's own send_and_receive)"),
     "synthetic-alpha": (lambda v: v >= 0, ">= 0"),
     "synthetic-beta": (lambda v: v >= 0, ">= 0"),
 }

@@ -47,8 +47,8 @@ def make_server_app(
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        run_coordinator(grid, resolve_run_config({**(config_defaults or {}),
-                                                  **context.run_config}), progress=progress)
+        config = resolve_run_config({**(config_defaults or {}), **context.run_config})
+        run_coordinator(grid, config, progress=progress, simulated=not config["deployment"])
 
     return app
 
@@ -114,7 +114,8 @@ def run_coordinator(
     log.info("effective run config: %s", json.dumps(config, sort_keys=True))
     log.info("run directory: %s", run_dir)
 
-    metered = MeteredGrid(grid, fleet)
+    poll = float(config["grid-poll-interval"])
+    metered = MeteredGrid(grid, fleet, poll_interval=poll if poll > 0 else None)
     recorder = RoundRecorder(run_dir, config, metered, strategy, data, model, progress=progress,
                              history=history)
     train_config = ConfigRecord({key: config[key] for key in TRAIN_KEYS})

@@ -1,0 +1,115 @@
+"""``fedge coordinator start|status`` and ``fedge device``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from fedge.config import parse_run_config_args, resolve_run_config
+from fedge.errors import ConfigError
+
+
+def add_parsers(sub: Any) -> None:
+    """Register the deployment subcommands on ``sub``."""
+    coordinator = sub.add_parser("coordinator", help="the coordinator service (Flower SuperLink)")
+    actions = coordinator.add_subparsers(dest="coordinator_command", required=True)
+    start = actions.add_parser("start", help="start the SuperLink and run fedge's ServerApp on it")
+    start.add_argument("--keys", type=Path, default=Path("keys"), help="the `fedge keys init` directory")
+    start.add_argument("--insecure", action="store_true",
+                       help="NO TLS, NO device authentication (a throwaway test network only)")
+    start.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    start.add_argument("--port", type=int, default=9095)
+    start.add_argument("--state-dir", type=Path, default=Path("coordinator-state"),
+                       help="SuperLink database, Flower home and logs (keep it across restarts)")
+    start.add_argument("--run-dir", type=Path, help="where the run writes (default runs/<name>)")
+    start.add_argument("--rounds", type=int)
+    start.add_argument("--clients-per-round", type=int)
+    start.add_argument("--run-config", default="", help="overrides, Flower style: \"key=value ...\"")
+    start.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue RUN_DIR after its last round")
+    start.set_defaults(handler=_start)
+    status = actions.add_parser("status", help="connected devices and the current round")
+    status.add_argument("--state-dir", type=Path, default=Path("coordinator-state"))
+    status.set_defaults(handler=_status)
+
+    device = sub.add_parser("device", help="join a coordinator as a device (Flower SuperNode)")
+    device.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    device.add_argument("--profile", default="laptop", help="phone | laptop | gpu-box | a custom profile")
+    device.add_argument("--data", required=True, type=Path, help="this device's data (.npz or .csv)")
+    device.add_argument("--key", type=Path, help="this device's key (`fedge keys add-device`)")
+    device.add_argument("--ca", type=Path, help="the coordinator's ca.crt")
+    device.add_argument("--fleet-file", default="", help="TOML defining custom profiles")
+    device.add_argument("--insecure", action="store_true", help="NO TLS (a throwaway test network only)")
+    device.add_argument("--max-wait", type=float, help="give up if the coordinator is unreachable this long")
+    device.add_argument("--state-dir", type=Path, help="Flower's working files for this device")
+    device.set_defaults(handler=_device)
+
+
+def _run_config(args: argparse.Namespace) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    if args.resume:
+        saved = args.resume / "config.json"
+        if not saved.exists():
+            raise ConfigError(f"cannot resume '{args.resume}': it has no config.json")
+        overrides.update(json.loads(saved.read_text()))
+        overrides.update({"resume": True, "run-dir": str(args.resume.resolve())})
+    overrides.update(parse_run_config_args(args.run_config))
+    flags = {"num-rounds": args.rounds, "clients-per-round": args.clients_per_round,
+             "run-dir": str(args.run_dir.resolve()) if args.run_dir else None}
+    overrides.update({k: v for k, v in flags.items() if v is not None})
+    overrides["deployment"] = True
+    config = resolve_run_config(overrides)  # refuse bad keys before starting anything
+    if not config["run-dir"]:
+        from fedge.server.report import run_dir_for
+
+        overrides["run-dir"] = str(run_dir_for(config).resolve())
+    return {k: v for k, v in resolve_run_config(overrides).items() if k in overrides}
+
+
+def _start(args: argparse.Namespace) -> int:
+    from fedge.server.coordinator import Coordinator
+    from fedge.server.pki import CoordinatorKeys
+
+    run_config = _run_config(args)
+    coordinator = Coordinator(args.state_dir, None if args.insecure else CoordinatorKeys(args.keys),
+                              host=args.host, port=args.port)
+    try:
+        coordinator.start()
+        (args.state_dir / "current-run").write_text(str(run_config["run-dir"]) + "\n")
+        print(f"coordinator listening on {coordinator.address}; run directory {run_config['run-dir']}",
+              flush=True)
+        return coordinator.run(run_config)
+    finally:
+        coordinator.stop()
+
+
+def _status(args: argparse.Namespace) -> int:
+    from fedge.server.coordinator import Coordinator
+    from fedge.server.report import read_jsonl
+
+    if not (args.state_dir / "flwr-home" / "config.toml").exists():
+        raise ConfigError(f"'{args.state_dir}' holds no coordinator state; "
+                          "start one with `fedge coordinator start`")
+    for node in Coordinator(args.state_dir, None).devices():
+        print(f"device {node.get('node-id', node.get('node_id', '?'))}: {node.get('status', '?')}")
+    pointer = args.state_dir / "current-run"
+    if pointer.exists():
+        run_dir = Path(pointer.read_text().strip())
+        rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+        if rows:
+            last = rows[-1]
+            print(f"run {run_dir}: round {last['round']} done, accuracy {last['accuracy']:.4f}, "
+                  f"{last['participants']} participants, {last['rejected']} rejected")
+        else:
+            print(f"run {run_dir}: no round completed yet")
+    return 0
+
+
+def _device(args: argparse.Namespace) -> int:
+    from fedge.clients.device import DeviceOptions, run_device
+
+    return run_device(DeviceOptions(coordinator=args.coordinator, profile=args.profile, data=args.data,
+                                    key=args.key, ca=args.ca, insecure=args.insecure,
+                                    fleet_file=args.fleet_file, max_wait_s=args.max_wait,
+                                    state_dir=args.state_dir))

@@ -1,0 +1,201 @@
+"""``fedge device``: a Flower SuperNode running fedge's ClientApp on this device's data.
+
+Everything that can be checked before joining is checked here, with one-line
+errors: the profile, the data file, the authentication key, the CA, whether the
+coordinator is reachable (retrying with exponential backoff) and whether its TLS
+certificate verifies against the CA. Then Flower's SuperNode takes over.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+
+from fedge.clients.data import load_local_file
+from fedge.clients.profiles import parse_fleet
+from fedge.errors import ConfigError, FedgeError
+
+log = logging.getLogger("fedge.clients.device")
+
+INSECURE_WARNING = ("WARNING: INSECURE MODE. This device does not verify the coordinator and sends its "
+                    "updates unencrypted. Use only on a trusted test network.")
+
+
+@dataclass(frozen=True)
+class DeviceOptions:
+    """What ``fedge device`` was asked to do."""
+
+    coordinator: str
+    profile: str
+    data: Path
+    key: Path | None
+    ca: Path | None
+    insecure: bool = False
+    fleet_file: str = ""
+    max_wait_s: float | None = None
+    state_dir: Path | None = None
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port), with a clear error."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"coordinator address '{address}' is not HOST:PORT (e.g. 127.0.0.1:9095)")
+    return host.strip("[]"), int(port)
+
+
+def check_device(options: DeviceOptions) -> None:
+    """Validate profile, data, key and CA before contacting anyone."""
+    parse_fleet(f"{options.profile}=1", options.fleet_file)  # unknown profile -> ConfigError
+    if not options.data.exists():
+        raise ConfigError(f"data file '{options.data}' does not exist")
+    x, _ = load_local_file(str(options.data.resolve()))
+    if len(x) == 0:
+        raise ConfigError(f"data file '{options.data}' has no samples")
+    if options.insecure:
+        return
+    if options.key is None or options.ca is None:
+        raise ConfigError("a device needs --key (from `fedge keys add-device`) and --ca (the coordinator's "
+                          "ca.crt), or --insecure for a throwaway test")
+    for path, what in ((options.key, "device key"), (options.ca, "CA certificate")):
+        if not path.exists():
+            raise ConfigError(f"{what} '{path}' does not exist")
+    try:
+        key = load_ssh_private_key(options.key.read_bytes(), password=None)
+    except (ValueError, UnsupportedAlgorithm):
+        raise ConfigError(f"'{options.key}' is not an OpenSSH private key; make one with "
+                          "`fedge keys add-device NAME`") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ConfigError(f"'{options.key}' is a {type(key).__name__}; device keys are EC (NIST P-384)")
+
+
+def wait_reachable(host: str, port: int, max_wait_s: float | None) -> None:
+    """Connect by TCP, retrying with exponential backoff (1 s doubling to 30 s)."""
+    deadline = None if max_wait_s is None else time.monotonic() + max_wait_s
+    delay = 1.0
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=5):
+                return
+        except OSError as exc:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise FedgeError(f"coordinator {host}:{port} is unreachable ({exc.strerror or exc}) after "
+                                 f"{max_wait_s:.0f} s; check the address, that it is running, "
+                                 "and firewalls") from None
+            wait = delay if remaining is None else min(delay, remaining)
+            print(f"coordinator {host}:{port} unreachable ({exc.strerror or exc}); retrying in {wait:.0f} s",
+                  file=sys.stderr, flush=True)
+            time.sleep(wait)
+            delay = min(delay * 2, 30.0)
+
+
+def check_tls(host: str, port: int, ca: Path) -> None:
+    """Complete a TLS handshake verifying the coordinator against ``ca``."""
+    context = ssl.create_default_context(cafile=str(ca))
+    try:
+        with socket.create_connection((host, port), timeout=10) as raw, \
+                context.wrap_socket(raw, server_hostname=host):
+            return
+    except ssl.SSLCertVerificationError as exc:
+        raise FedgeError(f"the coordinator's certificate does not verify with {ca}: {exc.verify_message}; "
+                         "use the ca.crt of this coordinator's `fedge keys init` "
+                         "(or renew an expired one)") from None
+    except ssl.SSLError as exc:
+        raise FedgeError(f"TLS with {host}:{port} failed ({exc.reason}); "
+                         "is the coordinator started with TLS?") from None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def supernode_command(options: DeviceOptions) -> list[str]:
+    """The ``flower-supernode`` command line for ``options``."""
+    from fedge.server.coordinator import flower_bin
+
+    node_config = f'profile="{options.profile}" data-path="{options.data.resolve()}"'
+    command = [flower_bin("flower-supernode"), "--superlink", options.coordinator,
+               "--node-config", node_config, "--port", str(_free_port())]
+    if options.insecure:
+        return [*command, "--insecure"]
+    assert options.key is not None and options.ca is not None
+    return [*command, "--root-certificates", str(options.ca.resolve()),
+            "--auth-supernode-private-key", str(options.key.resolve())]
+
+
+REFUSED = {"[code: 2004]": "the coordinator does not know this device's key (not registered)",
+           "[code: 2001]": "the coordinator requires device authentication; pass --key"}
+
+
+def run_device(options: DeviceOptions) -> int:
+    """Check everything, then run the SuperNode in the foreground; its exit status is ours.
+
+    A coordinator that has just started may not have registered this device's key yet,
+    so a refused key is retried with backoff for up to ``max_wait_s`` (default 60 s)
+    before giving up with a one-line error.
+    """
+    check_device(options)
+    host, port = split_address(options.coordinator)
+    if options.insecure:
+        print(INSECURE_WARNING, file=sys.stderr, flush=True)
+    wait_reachable(host, port, options.max_wait_s)
+    if not options.insecure:
+        assert options.ca is not None
+        check_tls(host, port, options.ca)
+    state = options.state_dir or Path(os.environ.get("FEDGE_DEVICE_HOME", Path.home() / ".fedge-device"))
+    state.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + (options.max_wait_s if options.max_wait_s is not None else 60.0)
+    delay = 1.0
+    while True:
+        code, refusal = _run_supernode(options, state)
+        if refusal is None or code == 0:
+            return code
+        if time.monotonic() + delay > deadline:
+            raise FedgeError(f"{refusal}; the operator must run `fedge keys add-device` for this device "
+                             "and restart the coordinator (which registers keys at start)")
+        print(f"{refusal}; retrying in {delay:.0f} s", file=sys.stderr, flush=True)
+        time.sleep(delay)
+        delay = min(delay * 2, 15.0)
+
+
+def _run_supernode(options: DeviceOptions, state: Path) -> tuple[int, str | None]:
+    """Run the SuperNode, echoing its output; return its status and any key refusal seen."""
+    from fedge.server.coordinator import flower_env
+
+    process = subprocess.Popen(supernode_command(options), env=flower_env(state / "flwr-home"),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    refusals: list[str] = []
+
+    def echo(stream: IO[str]) -> None:
+        # Helpers the SuperNode spawns (its SuperExec) may hold the pipe open after it
+        # exits, so this runs beside wait() instead of reading to end-of-file.
+        for line in stream:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            refusals.extend(why for code, why in REFUSED.items() if code in line)
+
+    assert process.stdout is not None
+    threading.Thread(target=echo, args=(process.stdout,), daemon=True).start()
+    try:
+        code = process.wait()
+    except KeyboardInterrupt:
+        process.terminate()
+        return process.wait(), None
+    time.sleep(0.2)  # let the last lines through
+    return code, refusals[0] if refusals else None

@@ -1,0 +1,256 @@
+"""``fedge coordinator start``: Flower's SuperLink, secured, running fedge's ServerApp.
+
+fedge does not carry messages itself: Flower's SuperLink does (Fleet, Control and
+runtime APIs on one HTTPS port). This module starts it with TLS and SuperNode
+authentication on by default, registers the known device keys, and starts a
+run of ``fedge.server.app:app`` with ``flwr run``.
+
+Threat model: TLS (certificates from ``fedge keys init``) stops eavesdroppers and
+impostor coordinators; SuperNode authentication admits only devices whose
+public keys the operator registered. ``insecure=True`` turns both off and is
+announced on every start. The SuperLink never installs packages at run time
+(runtime dependency installation is off) and Flower's telemetry and update
+checks are off.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from fedge.config import DEFAULTS, Scalar
+from fedge.errors import ConfigError, FedgeError
+from fedge.server.pki import CoordinatorKeys
+
+log = logging.getLogger("fedge.server.coordinator")
+
+CONNECTION = "fedge"
+INSECURE_WARNING = (
+    "WARNING: INSECURE MODE. TLS and device authentication are OFF: anyone on the network can read "
+    "model updates, impersonate this coordinator, and join as a device. Use only on a trusted test network."
+)
+# Settable Flower knobs that lower round latency (see bench/deploy_latency.py).
+SUPEREXEC_POLL_S = "0.1"
+
+
+def flower_env(flwr_home: Path) -> dict[str, str]:
+    """Environment for every Flower process fedge starts."""
+    return {
+        **os.environ,
+        # Flower starts its helpers (flower-superexec, flwr-serverapp, ...) from PATH.
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        "FLWR_HOME": str(flwr_home),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL",
+                                                            SUPEREXEC_POLL_S),
+    }
+
+
+def flower_bin(name: str) -> str:
+    """A Flower console script next to this interpreter (the same virtualenv)."""
+    candidate = Path(sys.executable).with_name(name)
+    return str(candidate) if candidate.exists() else name
+
+
+def check_coordinator_keys(keys: CoordinatorKeys) -> None:
+    """Refuse missing, expired, not-yet-valid or mismatched TLS files, naming the fix."""
+    for path in (keys.ca_cert, keys.cert, keys.key):
+        if not path.exists():
+            raise ConfigError(f"{path} is missing; create keys with `fedge keys init {keys.directory}` "
+                              "(or pass --insecure for a throwaway test)")
+    ca = x509.load_pem_x509_certificate(keys.ca_cert.read_bytes())
+    cert = x509.load_pem_x509_certificate(keys.cert.read_bytes())
+    now = dt.datetime.now(dt.UTC)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise ConfigError(f"{keys.cert} is valid only from {cert.not_valid_before_utc:%Y-%m-%d} to "
+                          f"{cert.not_valid_after_utc:%Y-%m-%d}; renew it with `fedge keys init --force`")
+    key = serialization.load_pem_private_key(keys.key.read_bytes(), password=None)
+    der, spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if key.public_key().public_bytes(der, spki) != cert.public_key().public_bytes(der, spki):
+        raise ConfigError(f"{keys.key} does not belong to {keys.cert}; "
+                          "regenerate both with `fedge keys init --force`")
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, Exception) as exc:  # noqa: BLE001 - any failure means "not ours"
+        raise ConfigError(f"{keys.cert} is not signed by {keys.ca_cert} ({exc}); regenerate with "
+                          "`fedge keys init --force`") from None
+
+
+@dataclass
+class Coordinator:
+    """One SuperLink plus the fedge run it serves.
+
+    Attributes
+    ----------
+    state_dir : Path
+        Holds the SuperLink database (registrations survive restarts), Flower's
+        home, the generated app description and logs.
+    keys : CoordinatorKeys | None
+        TLS and device keys; ``None`` only in insecure mode.
+    """
+
+    state_dir: Path
+    keys: CoordinatorKeys | None
+    host: str = "127.0.0.1"
+    port: int = 9095
+    superlink: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def insecure(self) -> bool:  # noqa: D102
+        return self.keys is None
+
+    @property
+    def address(self) -> str:  # noqa: D102
+        return f"{self.host}:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """Environment of every Flower process this coordinator starts."""
+        return flower_env(self.state_dir / "flwr-home")
+
+    def start(self) -> None:
+        """Start the SuperLink and wait until it answers; register device keys."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.insecure:
+            print(INSECURE_WARNING, file=sys.stderr, flush=True)
+        else:
+            assert self.keys is not None
+            check_coordinator_keys(self.keys)
+        self._write_flower_config()
+        logs = (self.state_dir / "superlink.log").open("ab")
+        self.superlink = subprocess.Popen(self._superlink_command(), env=self.env(),
+                                          stdout=logs, stderr=subprocess.STDOUT)
+        self._wait_healthy(timeout=60)
+        self.register_devices()
+
+    def _superlink_command(self) -> list[str]:
+        command = [flower_bin("flower-superlink"), "--host", self.host, "--port", str(self.port),
+                   "--isolation", "subprocess", "--disable-runtime-dependency-installation",
+                   "--database", str((self.state_dir / "superlink.db").resolve())]
+        if self.keys is None:
+            return [*command, "--insecure"]
+        return [*command, "--ssl-ca-certfile", str(self.keys.ca_cert.resolve()),
+                "--ssl-certfile", str(self.keys.cert.resolve()),
+                "--ssl-keyfile", str(self.keys.key.resolve()), "--enable-supernode-auth"]
+
+    def _write_flower_config(self) -> None:
+        home = self.state_dir / "flwr-home"
+        home.mkdir(parents=True, exist_ok=True)
+        entry = [f'[superlink.{CONNECTION}]', f'address = "{self.address}"']
+        entry.append("insecure = true" if self.keys is None
+                     else f'root-certificates = "{self.keys.ca_cert.resolve()}"')
+        header = f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+        (home / "config.toml").write_text(header + "\n".join(entry) + "\n")
+
+    def _wait_healthy(self, timeout: float) -> None:
+        scheme = "http" if self.keys is None else "https"
+        context = None if self.keys is None else ssl.create_default_context(cafile=str(self.keys.ca_cert))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.superlink is not None and self.superlink.poll() is not None:
+                raise FedgeError(f"the SuperLink exited with status {self.superlink.returncode}; "
+                                 f"see {self.state_dir / 'superlink.log'}")
+            try:
+                with urllib.request.urlopen(f"{scheme}://{self.address}/health", timeout=2,
+                                            context=context):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise FedgeError(f"the SuperLink did not answer on {self.address} within {timeout:.0f} s; "
+                         f"see {self.state_dir / 'superlink.log'}")
+
+    def register_devices(self) -> list[str]:
+        """Register every ``devices/*.pub`` with the SuperLink (already registered is fine)."""
+        if self.keys is None:
+            return []
+        registered = []
+        for public in self.keys.device_public_keys():
+            done = self._flwr("supernode", "register", str(public.resolve()), CONNECTION)
+            if done.returncode == 0 or "already in use" in done.stdout + done.stderr:
+                registered.append(public.stem)
+            else:
+                raise FedgeError(f"registering device key {public} failed: "
+                                 f"{(done.stdout + done.stderr).strip()[-300:]}")
+        log.info("registered devices: %s", ", ".join(registered) or "none")
+        return registered
+
+    def run(self, run_config: Mapping[str, Scalar]) -> int:
+        """Start fedge's ServerApp on the SuperLink with ``run_config``; stream until it ends."""
+        app_dir = self._app_description()
+        overrides = " ".join(f"{key}={_toml(value)}" for key, value in run_config.items())
+        command = [flower_bin("flwr"), "run", str(app_dir), CONNECTION, "--run-config", overrides, "--stream"]
+        return subprocess.run(command, env=self.env(), check=False).returncode
+
+    def _app_description(self) -> Path:
+        """A Flower app directory whose components are the installed fedge's apps.
+
+        ``flwr run`` ships the directory's pyproject (a FAB); the code itself is the
+        fedge installed on the coordinator and the devices.
+        """
+        app_dir = self.state_dir / "app"
+        app_dir.mkdir(exist_ok=True)
+        config_lines = "\n".join(f"{key} = {_toml(value)}" for key, value in DEFAULTS.items())
+        (app_dir / "pyproject.toml").write_text(
+            '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n\n'
+            '[project]\nname = "fedge-run"\nversion = "1.0.0"\ndependencies = []\n\n'
+            '[tool.flwr.app]\npublisher = "fedge"\n\n'
+            '[tool.flwr.app.components]\nserverapp = "fedge.server.app:app"\n'
+            'clientapp = "fedge.clients.app:app"\n\n'
+            f"[tool.flwr.app.config]\n{config_lines}\n")
+        return app_dir
+
+    def devices(self) -> list[dict[str, Any]]:
+        """The SuperLink's view of devices (``flwr supernode list``)."""
+        done = self._flwr("supernode", "list", CONNECTION, "--format", "json")
+        try:
+            payload = json.loads(done.stdout)
+        except json.JSONDecodeError:
+            raise FedgeError(f"cannot list devices: {(done.stdout + done.stderr).strip()[-300:]}") from None
+        return list(payload.get("nodes", payload if isinstance(payload, list) else []))
+
+    def _flwr(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([flower_bin("flwr"), *args], env=self.env(), capture_output=True,
+                              text=True, timeout=120, check=False)
+
+    def stop(self) -> None:
+        """Stop the SuperLink (and the Flower processes it started)."""
+        if self.superlink is None or self.superlink.poll() is not None:
+            return
+        self.superlink.send_signal(signal.SIGTERM)
+        try:
+            self.superlink.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.superlink.kill()
+            self.superlink.wait()
+
+
+def _toml(value: Scalar) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def clean_state(state_dir: Path) -> None:
+    """Forget the SuperLink's database (registrations, runs) and Flower's home."""
+    for name in ("superlink.db", "superlink.db-shm", "superlink.db-wal"):
+        (state_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(state_dir / "flwr-home", ignore_errors=True)
