@@ -1,0 +1,123 @@
+"""Real coordinator and device processes on 127.0.0.1 for the deployment tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+from fedge.clients.data import federated_data
+from fedge.config import resolve_run_config
+from fedge.server.pki import add_device, init_keys
+
+FEDGE = str(Path(sys.executable).with_name("fedge"))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Federation:
+    """Keys, device data, one coordinator and N devices, all under ``root``; cleans up after itself."""
+
+    def __init__(self, root: Path, num_devices: int) -> None:
+        self.root, self.port = root, free_port()
+        self.keys = init_keys(root / "keys")
+        data = federated_data(resolve_run_config({"partitioner": "iid"}), num_devices)
+        for index, (x, y) in enumerate(data.partitions):
+            add_device(root / "keys", f"dev{index}")
+            np.savez(root / f"dev{index}.npz", x=x, y=y)
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.devices: dict[int, subprocess.Popen[bytes]] = {}
+        self.run_dir = root / "run"
+
+    def _spawn(self, argv: list[str], log: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+        with (self.root / log).open("ab") as out:
+            return subprocess.Popen([FEDGE, *argv], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+
+    def start_coordinator(self, *extra: str, resume: bool = False) -> None:
+        where = ["--resume", str(self.run_dir)] if resume else ["--run-dir", str(self.run_dir)]
+        self.coordinator = self._spawn(
+            ["coordinator", "start", "--keys", str(self.keys.directory),
+             "--state-dir", str(self.root / "state"), "--port", str(self.port), *where, *extra],
+            "coordinator.log")
+
+    def start_device(self, index: int, key: Path | None = None, *extra: str) -> subprocess.Popen[bytes]:
+        self.devices[index] = self._spawn(
+            ["device", "--coordinator", f"127.0.0.1:{self.port}", "--profile", "laptop",
+             "--data", str(self.root / f"dev{index}.npz"),
+             "--key", str(key or self.root / "keys" / "devices" / f"dev{index}.key"),
+             "--ca", str(self.keys.ca_cert), "--state-dir", str(self.root / f"device{index}"), *extra],
+            f"device{index}.log")
+        return self.devices[index]
+
+    def rows(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows
+
+    def wait_for(self, condition: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            if self.coordinator is not None and self.coordinator.poll() not in (None, 0):
+                code = self.coordinator.returncode
+                raise AssertionError(f"coordinator exited {code}:\n{self.log('coordinator')}")
+            time.sleep(0.5)
+        raise AssertionError(f"timed out waiting for {what}\n{self.log('coordinator')}")
+
+    def log(self, name: str) -> str:
+        path = self.root / f"{name}.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    def kill_coordinator_hard(self) -> None:
+        """SIGKILL the coordinator and every Flower process it started, as a host crash would."""
+        assert self.coordinator is not None
+        os.killpg(self.coordinator.pid, signal.SIGKILL)
+        self.coordinator.wait()
+        self._kill_marked(str(self.root / "state"))
+
+    def kill_device(self, index: int) -> None:
+        os.killpg(self.devices[index].pid, signal.SIGKILL)
+        self.devices[index].wait()
+        self._kill_marked(str(self.root / f"device{index}"))
+
+    @staticmethod
+    def _kill_marked(marker: str) -> None:
+        """Kill processes whose FLWR_HOME lies under ``marker`` (Flower detaches some helpers)."""
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if proc.environ().get("FLWR_HOME", "").startswith(marker):
+                    proc.kill()
+            except (psutil.Error, OSError):
+                continue
+
+    def close(self) -> None:
+        for proc in [self.coordinator, *self.devices.values()]:
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self._kill_marked(str(self.root))

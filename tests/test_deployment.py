@@ -1,0 +1,123 @@
+"""End-to-end deployment: real SuperLink and SuperNodes on 127.0.0.1, TLS and device auth on."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deployment import FEDGE, Federation
+from fedge.server.checkpoint import load_checkpoint
+from fedge.server.pki import add_device
+
+pytestmark = pytest.mark.slow
+
+FAST = "model='mlp' local-epochs=2 export-onnx=false round-timeout=60.0"
+
+
+@pytest.fixture
+def federation(tmp_path: Path) -> Iterator[Federation]:
+    fed = Federation(tmp_path, num_devices=3)
+    yield fed
+    fed.close()
+
+
+def test_two_rounds_with_tls_and_auth(federation: Federation) -> None:
+    # Prepare / Execute: coordinator + 3 devices, 2 rounds
+    federation.start_coordinator("--rounds", "2", "--clients-per-round", "3",
+                                 "--run-config", "model='mlp' local-epochs=2 export-every=0")
+    for index in range(3):
+        federation.start_device(index)
+    federation.wait_for(lambda: len(federation.rows()) >= 2, 180, "round 1")
+    status = subprocess.run([FEDGE, "coordinator", "status", "--state-dir", str(federation.root / "state")],
+                            capture_output=True, text=True, timeout=60)
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 180, "the summary")
+    assert federation.coordinator is not None and federation.coordinator.wait(60) == 0
+    # Assert: both rounds aggregated all three devices; the model moved; the run dir is complete
+    rows = federation.rows()
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert all(r["aggregated"] and r["participants"] == 3 for r in rows[1:])
+    assert rows[2]["accuracy"] > rows[0]["accuracy"] + 0.3
+    first = load_checkpoint(federation.run_dir / "checkpoints" / "round-0000.npz").arrays
+    last = load_checkpoint(federation.run_dir / "checkpoint.npz").arrays
+    assert any(not np.array_equal(first[k], last[k]) for k in first)
+    for name in ("config.json", "summary.json", "accuracy.png", "model.onnx", "bundles/round-0002/manifest.sig"):
+        assert (federation.run_dir / name).exists(), name
+    assert status.returncode == 0 and status.stdout.count("device ") == 3, status.stdout + status.stderr
+    assert "online" in status.stdout
+
+
+def test_unregistered_device_is_refused_and_the_round_goes_on(federation: Federation) -> None:
+    # Prepare: a fourth key the coordinator never saw
+    stranger, _ = add_device(federation.root / "elsewhere", "stranger")
+    shutil.copy(federation.root / "dev0.npz", federation.root / "dev3.npz")
+    federation.start_coordinator("--rounds", "1", "--clients-per-round", "3", "--run-config", FAST)
+    for index in range(3):
+        federation.start_device(index)
+    intruder = federation.start_device(3, stranger, "--max-wait", "10")
+    # Execute
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 180, "the summary")
+    # Assert
+    assert intruder.wait(60) == 2
+    assert "does not know this device's key" in federation.log("device3")
+    assert federation.rows()[1]["participants"] == 3
+
+
+def test_a_dead_device_is_left_out_when_the_round_times_out(federation: Federation) -> None:
+    # Prepare: 3 devices; after round 1 one of them dies (still listed online by the SuperLink)
+    federation.start_coordinator("--rounds", "2", "--clients-per-round", "3", "--run-config",
+                                 "model='mlp' local-epochs=2 export-onnx=false round-timeout=20.0 "
+                                 "min-train-replies=2")
+    for index in range(3):
+        federation.start_device(index)
+    federation.wait_for(lambda: len(federation.rows()) >= 2, 180, "round 1")
+    federation.kill_device(2)
+    # Execute
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 180, "the summary")
+    # Assert: round 2 went on with the two that replied
+    rows = federation.rows()
+    assert rows[1]["participants"] == 3
+    assert rows[2]["participants"] == 2 and rows[2]["aggregated"]
+
+
+def test_coordinator_killed_mid_run_resumes_to_the_same_round_count(federation: Federation) -> None:
+    # Prepare: a 4-round run with slow local training, killed with SIGKILL after round 1
+    config = "model='mlp' local-epochs=30 export-onnx=false round-timeout=120.0"
+    federation.start_coordinator("--rounds", "4", "--clients-per-round", "3", "--run-config", config)
+    for index in range(3):
+        federation.start_device(index)
+    federation.wait_for(lambda: len(federation.rows()) >= 2, 240, "round 1")
+    federation.kill_coordinator_hard()
+    done_before = len(federation.rows()) - 1
+    assert 1 <= done_before < 4
+    # Execute: restart on the same state; the devices are not restarted
+    federation.start_coordinator("--rounds", "4", resume=True)
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 300, "the resumed summary")
+    # Assert: every round exactly once, four completed
+    rows = federation.rows()
+    assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all(r["aggregated"] for r in rows[1:])
+    assert all(device.poll() is None for device in federation.devices.values()), "devices kept running"
+
+
+def test_insecure_mode_must_be_asked_for_and_warns(tmp_path: Path) -> None:
+    fed = Federation(tmp_path, num_devices=2)
+    try:
+        fed.coordinator = fed._spawn(
+            ["coordinator", "start", "--insecure", "--state-dir", str(tmp_path / "state"), "--port", str(fed.port),
+             "--run-dir", str(fed.run_dir), "--rounds", "1", "--clients-per-round", "2", "--run-config", FAST],
+            "coordinator.log")
+        for index in range(2):
+            fed.devices[index] = fed._spawn(
+                ["device", "--insecure", "--coordinator", f"127.0.0.1:{fed.port}",
+                 "--data", str(tmp_path / f"dev{index}.npz"), "--state-dir", str(tmp_path / f"device{index}")],
+                f"device{index}.log")
+        fed.wait_for(lambda: (fed.run_dir / "summary.json").exists(), 180, "the summary")
+        assert "INSECURE MODE" in fed.log("coordinator") and "INSECURE MODE" in fed.log("device0")
+        assert fed.rows()[1]["participants"] == 2
+    finally:
+        fed.close()
