@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deployment import FEDGE, Federation
 from fedge.server.checkpoint import load_checkpoint
 from fedge.server.pki import add_device
+from fedge.simulation.loopback import FEDGE, LoopbackFederation
 
 pytestmark = pytest.mark.slow
 
@@ -20,13 +20,13 @@ FAST = "model='mlp' local-epochs=2 export-onnx=false round-timeout=60.0"
 
 
 @pytest.fixture
-def federation(tmp_path: Path) -> Iterator[Federation]:
-    fed = Federation(tmp_path, num_devices=3)
+def federation(tmp_path: Path) -> Iterator[LoopbackFederation]:
+    fed = LoopbackFederation(tmp_path, num_devices=3)
     yield fed
     fed.close()
 
 
-def test_two_rounds_with_tls_and_auth(federation: Federation) -> None:
+def test_two_rounds_with_tls_and_auth(federation: LoopbackFederation) -> None:
     # Prepare / Execute: coordinator + 3 devices, 2 rounds
     federation.start_coordinator("--rounds", "2", "--clients-per-round", "3",
                                  "--run-config", "model='mlp' local-epochs=2 export-every=0")
@@ -51,7 +51,7 @@ def test_two_rounds_with_tls_and_auth(federation: Federation) -> None:
     assert "online" in status.stdout
 
 
-def test_unregistered_device_is_refused_and_the_round_goes_on(federation: Federation) -> None:
+def test_unregistered_device_is_refused_and_the_round_goes_on(federation: LoopbackFederation) -> None:
     # Prepare: a fourth key the coordinator never saw
     stranger, _ = add_device(federation.root / "elsewhere", "stranger")
     shutil.copy(federation.root / "dev0.npz", federation.root / "dev3.npz")
@@ -67,7 +67,7 @@ def test_unregistered_device_is_refused_and_the_round_goes_on(federation: Federa
     assert federation.rows()[1]["participants"] == 3
 
 
-def test_a_dead_device_is_left_out_when_the_round_times_out(federation: Federation) -> None:
+def test_a_dead_device_is_left_out_when_the_round_times_out(federation: LoopbackFederation) -> None:
     # Prepare: 3 devices; after round 1 one of them dies (still listed online by the SuperLink)
     federation.start_coordinator("--rounds", "2", "--clients-per-round", "3", "--run-config",
                                  "model='mlp' local-epochs=2 export-onnx=false round-timeout=20.0 "
@@ -84,7 +84,7 @@ def test_a_dead_device_is_left_out_when_the_round_times_out(federation: Federati
     assert rows[2]["participants"] == 2 and rows[2]["aggregated"]
 
 
-def test_coordinator_killed_mid_run_resumes_to_the_same_round_count(federation: Federation) -> None:
+def test_coordinator_killed_mid_run_resumes_to_the_same_round_count(federation: LoopbackFederation) -> None:
     # Prepare: a 4-round run with slow local training, killed with SIGKILL after round 1
     config = "model='mlp' local-epochs=30 export-onnx=false round-timeout=120.0"
     federation.start_coordinator("--rounds", "4", "--clients-per-round", "3", "--run-config", config)
@@ -105,14 +105,14 @@ def test_coordinator_killed_mid_run_resumes_to_the_same_round_count(federation: 
 
 
 def test_insecure_mode_must_be_asked_for_and_warns(tmp_path: Path) -> None:
-    fed = Federation(tmp_path, num_devices=2)
+    fed = LoopbackFederation(tmp_path, num_devices=2)
     try:
-        fed.coordinator = fed._spawn(
+        fed.coordinator = fed.spawn(
             ["coordinator", "start", "--insecure", "--state-dir", str(tmp_path / "state"), "--port", str(fed.port),
              "--run-dir", str(fed.run_dir), "--rounds", "1", "--clients-per-round", "2", "--run-config", FAST],
             "coordinator.log")
         for index in range(2):
-            fed.devices[index] = fed._spawn(
+            fed.devices[index] = fed.spawn(
                 ["device", "--insecure", "--coordinator", f"127.0.0.1:{fed.port}",
                  "--data", str(tmp_path / f"dev{index}.npz"), "--state-dir", str(tmp_path / f"device{index}")],
                 f"device{index}.log")

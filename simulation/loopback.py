@@ -1,4 +1,10 @@
-"""Real coordinator and device processes on 127.0.0.1 for the deployment tests."""
+"""A real deployment on one machine: coordinator and devices as processes on 127.0.0.1.
+
+Used by the deployment tests and ``bench/deploy_latency.py``: keys from
+``fedge keys init``, IID digits shards as each device's data file, ``fedge
+coordinator start`` and ``fedge device`` as subprocesses, and clean-up that
+also reaches the helpers Flower starts in sessions of their own.
+"""
 
 from __future__ import annotations
 
@@ -24,16 +30,27 @@ FEDGE = str(Path(sys.executable).with_name("fedge"))
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
 
 
-class Federation:
-    """Keys, device data, one coordinator and N devices, all under ``root``; cleans up after itself."""
+class LoopbackFederation:
+    """Keys, device data, one coordinator and N devices, all under ``root``; :meth:`close` cleans up.
 
-    def __init__(self, root: Path, num_devices: int) -> None:
-        self.root, self.port = root, free_port()
+    Parameters
+    ----------
+    root : Path
+        Everything (keys, data, state, logs, the run) goes here.
+    num_devices : int
+        Devices with keys and data (started with :meth:`start_device`).
+    env : dict, optional
+        Extra environment for every process (e.g. Flower's poll intervals).
+    """
+
+    def __init__(self, root: Path, num_devices: int, env: dict[str, str] | None = None) -> None:
+        self.root, self.port, self.extra_env = root, free_port(), dict(env or {})
         self.keys = init_keys(root / "keys")
         data = federated_data(resolve_run_config({"partitioner": "iid"}), num_devices)
         for index, (x, y) in enumerate(data.partitions):
@@ -43,21 +60,23 @@ class Federation:
         self.devices: dict[int, subprocess.Popen[bytes]] = {}
         self.run_dir = root / "run"
 
-    def _spawn(self, argv: list[str], log: str) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    def spawn(self, argv: list[str], log: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", **self.extra_env}
         with (self.root / log).open("ab") as out:
             return subprocess.Popen([FEDGE, *argv], stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
 
     def start_coordinator(self, *extra: str, resume: bool = False) -> None:
+        """``fedge coordinator start`` with TLS + auth on this federation's port."""
         where = ["--resume", str(self.run_dir)] if resume else ["--run-dir", str(self.run_dir)]
-        self.coordinator = self._spawn(
+        self.coordinator = self.spawn(
             ["coordinator", "start", "--keys", str(self.keys.directory),
              "--state-dir", str(self.root / "state"), "--port", str(self.port), *where, *extra],
             "coordinator.log")
 
     def start_device(self, index: int, key: Path | None = None, *extra: str) -> subprocess.Popen[bytes]:
-        self.devices[index] = self._spawn(
+        """``fedge device`` number ``index`` (its own key unless ``key`` is given)."""
+        self.devices[index] = self.spawn(
             ["device", "--coordinator", f"127.0.0.1:{self.port}", "--profile", "laptop",
              "--data", str(self.root / f"dev{index}.npz"),
              "--key", str(key or self.root / "keys" / "devices" / f"dev{index}.key"),
@@ -66,6 +85,7 @@ class Federation:
         return self.devices[index]
 
     def rows(self) -> list[dict[str, Any]]:
+        """The run's metrics so far (a partial last line is skipped)."""
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return []
@@ -78,6 +98,7 @@ class Federation:
         return rows
 
     def wait_for(self, condition: Any, timeout: float, what: str) -> None:
+        """Poll ``condition`` until true; raise with the coordinator's log on timeout or crash."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if condition():
@@ -89,6 +110,7 @@ class Federation:
         raise AssertionError(f"timed out waiting for {what}\n{self.log('coordinator')}")
 
     def log(self, name: str) -> str:
+        """The tail of a process's log (``coordinator``, ``device0``, ...)."""
         path = self.root / f"{name}.log"
         return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
@@ -100,6 +122,7 @@ class Federation:
         self._kill_marked(str(self.root / "state"))
 
     def kill_device(self, index: int) -> None:
+        """SIGKILL device ``index`` and its Flower helpers."""
         os.killpg(self.devices[index].pid, signal.SIGKILL)
         self.devices[index].wait()
         self._kill_marked(str(self.root / f"device{index}"))
@@ -115,6 +138,7 @@ class Federation:
                 continue
 
     def close(self) -> None:
+        """Kill every process this federation started."""
         for proc in [self.coordinator, *self.devices.values()]:
             if proc is not None and proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
