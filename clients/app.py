@@ -75,6 +75,7 @@ def make_client_app(
             momentum=float(setting["momentum"]),
             device=pick_device(str(config["device"])),
             seed=_training_seed(context, int(config["seed"]), round_),
+            proximal_mu=float(instruction.get("proximal-mu", 0.0)),  # type: ignore[arg-type]  # only FedProx sends it
         )
         meta = ConfigRecord({
             wire.SERVER_ROUND: round_,

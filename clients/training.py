@@ -84,20 +84,27 @@ def train_local(
     momentum: float,
     device: torch.device,
     seed: int,
+    proximal_mu: float = 0.0,
 ) -> TrainStats:
-    """Train ``model`` in place with SGD for ``epochs`` passes over ``data``."""
+    """Train ``model`` in place with SGD for ``epochs`` passes over ``data``.
+
+    With ``proximal_mu`` > 0 the loss gets FedProx's ``mu/2 ||w - w_start||^2`` term
+    (Li et al., MLSys 2020), ``w_start`` being the weights the call began with.
+    """
     generator = torch.Generator().manual_seed(seed)
     loader = DataLoader(data, batch_size=batch_size, shuffle=True, generator=generator)
     model.to(device).train()
     optimizer = MomentumSGD(list(model.parameters()), lr=learning_rate, momentum=momentum)
     loss_fn = nn.CrossEntropyLoss()
+    anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
     total_loss, seen, steps = 0.0, 0, 0
     for _ in range(epochs):
         for x, y in loader:
             x, y = x.to(device), y.to(device)
             model.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
-            loss.backward()
+            objective = loss + _proximal(model, anchor, proximal_mu) if anchor else loss
+            objective.backward()
             optimizer.step()
             total_loss += loss.item() * len(y)
             seen += len(y)
@@ -105,6 +112,10 @@ def train_local(
     model.cpu()
     return TrainStats(loss=total_loss / max(seen, 1), num_examples=len(data),  # type: ignore[arg-type]
                       samples_processed=seen, steps=steps)
+
+
+def _proximal(model: nn.Module, anchor: list[torch.Tensor], mu: float) -> torch.Tensor:
+    return (mu / 2) * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor, strict=True))  # type: ignore[return-value]
 
 
 @torch.no_grad()

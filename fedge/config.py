@@ -59,11 +59,16 @@ DEFAULTS: dict[str, Scalar] = {
     "attack-scale": 1.0,
     "resume": False,
     "deployment": False,
+    "proximal-mu": 0.01,
+    "server-learning-rate": 1.0,
+    "server-momentum": 0.9,
+    "adaptive-learning-rate": 0.01,
     "grid-poll-interval": 0.1,
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "strategy": ("fedavg", "trimmed-mean", "median", "krum"),
+    "strategy": ("fedavg", "fedprox", "fednova", "fedavgm", "fedadam", "fedyogi", "trimmed-mean", "median",
+                 "krum"),
     "byzantine-attack": ("sign-flip", "scale"),
     "dataset": ("digits", "synthetic", "npz", "csv"),
     "model": ("mlp", "cnn", "logreg"),
@@ -91,6 +96,10 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "byzantine-fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "attack-scale": (lambda v: v > 0, "> 0"),
     "grid-poll-interval": (lambda v: v >= 0, ">= 0 (0: Flower's own send_and_receive)"),
+    "proximal-mu": (lambda v: v >= 0, ">= 0"),
+    "server-learning-rate": (lambda v: v > 0, "> 0"),
+    "server-momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "adaptive-learning-rate": (lambda v: v > 0, "> 0"),
     "synthetic-alpha": (lambda v: v >= 0, ">= 0"),
     "synthetic-beta": (lambda v: v >= 0, ">= 0"),
 }

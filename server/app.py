@@ -70,6 +70,12 @@ def build_strategy(config: Mapping[str, Scalar], num_nodes: int | None = None) -
     options: dict[str, dict[str, Any]] = {
         "trimmed-mean": {"trim_fraction": float(config["trim-fraction"])},
         "krum": {"num_byzantine": int(config["num-byzantine"]), "num_selected": int(config["krum-select"])},
+        "fedprox": {"proximal_mu": float(config["proximal-mu"])},
+        "fednova": {"local_momentum": float(config["momentum"])},
+        "fedavgm": {"server_learning_rate": float(config["server-learning-rate"]),
+                    "server_momentum": float(config["server-momentum"])},
+        "fedadam": {"server_learning_rate": float(config["adaptive-learning-rate"])},
+        "fedyogi": {"server_learning_rate": float(config["adaptive-learning-rate"])},
     }
     extra = options.get(name, {})
     return STRATEGIES[name](

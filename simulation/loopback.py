@@ -9,7 +9,6 @@ also reaches the helpers Flower starts in sessions of their own.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -25,6 +24,7 @@ import psutil
 from fedge.clients.data import federated_data
 from fedge.config import resolve_run_config
 from fedge.server.pki import add_device, init_keys
+from fedge.server.report import read_jsonl
 
 FEDGE = str(Path(sys.executable).with_name("fedge"))
 
@@ -87,15 +87,7 @@ class LoopbackFederation:
     def rows(self) -> list[dict[str, Any]]:
         """The run's metrics so far (a partial last line is skipped)."""
         path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return []
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return rows
+        return read_jsonl(path) if path.exists() else []
 
     def wait_for(self, condition: Any, timeout: float, what: str) -> None:
         """Poll ``condition`` until true; raise with the coordinator's log on timeout or crash."""

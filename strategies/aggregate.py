@@ -156,3 +156,105 @@ def multi_krum(
 def _require(updates: Sequence[Arrays]) -> None:
     if not updates:
         raise ValueError("no updates to aggregate")
+
+
+# --------------------------------------------------------------------------- server optimisers
+# Reddi et al., "Adaptive Federated Optimization", ICLR 2021 (Algorithm 2), and FedAvgM
+# (Hsu et al., 2019). The pseudo-gradient is delta = average - global.
+
+State = dict[str, NDArray[np.float64]]
+
+
+def _delta(global_arrays: Arrays, average: Arrays) -> State:
+    return {k: np.asarray(average[k], np.float64) - np.asarray(global_arrays[k], np.float64) for k in global_arrays}
+
+
+def fedavgm_step(
+    global_arrays: Arrays, average: Arrays, velocity: State, *, server_lr: float, momentum: float
+) -> tuple[dict[str, NDArray[np.generic]], State]:
+    """``v <- momentum v + delta``; ``x <- x + server_lr v``. Returns (new arrays, new velocity)."""
+    delta = _delta(global_arrays, average)
+    velocity = {k: momentum * velocity.get(k, 0.0) + d for k, d in delta.items()}
+    new = {k: _cast(np.asarray(global_arrays[k], np.float64) + server_lr * velocity[k], global_arrays[k].dtype)
+           for k in global_arrays}
+    return new, velocity
+
+
+def adaptive_step(
+    global_arrays: Arrays,
+    average: Arrays,
+    first: State,
+    second: State,
+    *,
+    server_lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.99,
+    tau: float = 1e-3,
+    rule: str = "adam",
+) -> tuple[dict[str, NDArray[np.generic]], State, State]:
+    """FedAdam / FedYogi server step (no bias correction, as in the paper's Algorithm 2).
+
+    ``m <- b1 m + (1 - b1) delta``; Adam: ``v <- b2 v + (1 - b2) delta^2``; Yogi:
+    ``v <- v - (1 - b2) delta^2 sign(v - delta^2)``; ``x <- x + lr m / (sqrt(v) + tau)``.
+    ``v`` starts at ``tau^2`` as in the paper.
+    """
+    delta = _delta(global_arrays, average)
+    new_first, new_second, new = {}, {}, {}
+    for key, d in delta.items():
+        m = beta1 * first.get(key, np.zeros_like(d)) + (1 - beta1) * d
+        v_old = second.get(key, np.full_like(d, tau**2))
+        squared = d * d
+        v = (v_old - (1 - beta2) * squared * np.sign(v_old - squared) if rule == "yogi"
+             else beta2 * v_old + (1 - beta2) * squared)
+        new_first[key], new_second[key] = m, v
+        x = np.asarray(global_arrays[key], np.float64) + server_lr * m / (np.sqrt(v) + tau)
+        new[key] = _cast(x, global_arrays[key].dtype)
+    return new, new_first, new_second
+
+
+# --------------------------------------------------------------------------- FedNova
+
+
+def fednova_norm(local_steps: int, momentum: float = 0.0) -> float:
+    """``||a_i||_1`` for local SGD with heavy-ball momentum over ``local_steps`` steps.
+
+    Wang et al., "Tackling the Objective Inconsistency Problem in Heterogeneous Federated
+    Optimization", NeurIPS 2020: ``tau`` for plain SGD, and
+    ``(tau - rho (1 - rho^tau) / (1 - rho)) / (1 - rho)`` with momentum ``rho``.
+    """
+    if local_steps < 1:
+        raise ValueError(f"local_steps must be >= 1, got {local_steps}")
+    if momentum == 0:
+        return float(local_steps)
+    rho = momentum
+    return (local_steps - rho * (1 - rho**local_steps) / (1 - rho)) / (1 - rho)
+
+
+class FedNovaAccumulator:
+    """Streaming FedNova: ``x <- x - tau_eff * sum_i p_i (x - x_i) / a_i``, ``tau_eff = sum_i p_i a_i``.
+
+    ``p_i`` are the sample weights normalised to 1; ``a_i`` from :func:`fednova_norm`.
+    """
+
+    def __init__(self, global_arrays: Arrays) -> None:
+        self.global_arrays = global_arrays
+        self._directions = WeightedMeanAccumulator()
+        self._tau = 0.0
+
+    def add(self, update: Arrays, weight: float, norm: float) -> None:
+        """Fold in one device's arrays, its sample weight and its ``a_i``."""
+        direction = {k: (np.asarray(self.global_arrays[k], np.float64) - np.asarray(v, np.float64)) / norm
+                     for k, v in update.items()}
+        self._directions.add(direction, weight)
+        self._tau += weight * norm
+
+    @property
+    def count(self) -> int:  # noqa: D102
+        return self._directions.count
+
+    def result(self) -> dict[str, NDArray[np.generic]]:
+        """The FedNova update of the global arrays."""
+        tau_eff = self._tau / self._directions.total_weight
+        direction = self._directions.result()
+        return {k: _cast(np.asarray(g, np.float64) - tau_eff * np.asarray(direction[k], np.float64), g.dtype)
+                for k, g in self.global_arrays.items()}

@@ -1,0 +1,44 @@
+"""FedAvgM."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedge.server.validation import AcceptedUpdate
+from fedge.strategies.aggregate import State, fedavgm_step
+from fedge.strategies.fedavg import FedAvg
+
+
+class FedAvgM(FedAvg):
+    """FedAvg with server momentum (Hsu et al., "Measuring the Effects of Non-Identical
+    Data Distribution for Federated Visual Classification", 2019).
+
+    The velocity is strategy state: it is checkpointed and restored on resume.
+    """
+
+    def __init__(self, *, server_learning_rate: float = 1.0, server_momentum: float = 0.9,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.server_learning_rate, self.server_momentum = server_learning_rate, server_momentum
+        self.velocity: State = {}
+
+    def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
+        """FedAvg's mean, then one server momentum step."""
+        average = super().aggregate_updates(updates)
+        if average is None:
+            return None
+        assert self.global_arrays is not None
+        current = {k: a.numpy() for k, a in self.global_arrays.items()}
+        new, self.velocity = fedavgm_step(current, average, self.velocity, server_lr=self.server_learning_rate,
+                                          momentum=self.server_momentum)
+        return new
+
+    def state_dict(self) -> dict[str, NDArray[np.generic]]:  # noqa: D102
+        return {f"velocity/{k}": v for k, v in self.velocity.items()}
+
+    def load_state_dict(self, state: dict[str, NDArray[np.generic]]) -> None:  # noqa: D102
+        self.velocity = {k.split("/", 1)[1]: np.asarray(v, np.float64) for k, v in state.items()}

@@ -1,0 +1,44 @@
+"""FedNova."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedge import wire
+from fedge.server.validation import AcceptedUpdate
+from fedge.strategies.aggregate import FedNovaAccumulator, fednova_norm
+from fedge.strategies.fedavg import FedAvg
+
+
+class FedNova(FedAvg):
+    """FedNova (Wang et al., NeurIPS 2020): normalise each update by its local work.
+
+    Devices that ran more local steps move further; FedAvg then biases the model
+    toward them. FedNova divides each device's change by ``a_i`` (its number of
+    local steps, adjusted for momentum) and rescales by the weighted mean ``a``, so
+    the objective stays the weighted sum of local objectives. Devices report their
+    steps in fedge's reply meta (``steps``).
+
+    Parameters
+    ----------
+    local_momentum : float
+        The devices' SGD momentum (enters ``a_i``).
+    """
+
+    def __init__(self, *, local_momentum: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.local_momentum = local_momentum
+
+    def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
+        """Streaming normalised averaging."""
+        assert self.global_arrays is not None
+        accumulator = FedNovaAccumulator({k: a.numpy() for k, a in self.global_arrays.items()})
+        for update in updates:
+            meta = wire.reply_meta(update.content)
+            steps = int(meta.get("steps", 0)) if meta else 0  # type: ignore[arg-type]
+            accumulator.add(update.arrays, update.weight, fednova_norm(max(steps, 1), self.local_momentum))
+        return accumulator.result() if accumulator.count else None

@@ -1,0 +1,40 @@
+"""FedProx."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.serverapp import Grid
+
+from fedge.strategies.fedavg import FedAvg
+
+PROXIMAL_MU = "proximal-mu"
+
+
+class FedProx(FedAvg):
+    """FedProx (Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020).
+
+    Aggregates like FedAvg; each device adds ``mu/2 ||w - w_global||^2`` to its local loss
+    (fedge's client SDK reads ``proximal-mu`` from the train instruction), which keeps
+    local models near the global one when devices do unequal amounts of work.
+
+    Parameters
+    ----------
+    proximal_mu : float
+        mu >= 0 (0 is FedAvg).
+    """
+
+    def __init__(self, *, proximal_mu: float = 0.01, **kwargs: Any) -> None:
+        if proximal_mu < 0:
+            raise ValueError(f"proximal_mu must be >= 0, got {proximal_mu}")
+        super().__init__(**kwargs)
+        self.proximal_mu = proximal_mu
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """FedAvg's instructions, carrying ``proximal-mu``."""
+        config[PROXIMAL_MU] = self.proximal_mu
+        return super().configure_train(server_round, arrays, config, grid)

@@ -1,0 +1,12 @@
+"""FedYogi."""
+
+from __future__ import annotations
+
+from fedge.strategies.fedadam import FedAdam
+
+
+class FedYogi(FedAdam):
+    """FedYogi (Reddi et al., ICLR 2021): FedAdam with Yogi's additive second-moment update,
+    which grows ``v`` more slowly when gradients are sparse or noisy."""
+
+    rule = "yogi"
