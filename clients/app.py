@@ -76,6 +76,7 @@ def make_client_app(
             device=pick_device(str(config["device"])),
             seed=_training_seed(context, int(config["seed"]), round_),
             proximal_mu=float(instruction.get("proximal-mu", 0.0)),  # type: ignore[arg-type]  # only FedProx sends it
+            max_steps=_step_budget(context, setting),
         )
         meta = ConfigRecord({
             wire.SERVER_ROUND: round_,
@@ -101,6 +102,16 @@ def make_client_app(
         return Message(RecordDict({wire.METRICS: metrics}), reply_to=msg)
 
     return app
+
+
+def _step_budget(context: Context, setting: Mapping[str, Any]) -> int | None:
+    """With ``local-budget = "time"``: the SGD steps that fit ``time-budget-s`` on this device's profile."""
+    if setting.get("local-budget") != "time":
+        return None
+    fleet = parse_fleet(str(setting["fleet"]), str(setting["fleet-file"]))
+    profile = fleet.profiles.get(device_profile_name(context, setting))
+    rate = profile.compute_rate if profile else 1.0
+    return max(1, int(float(setting["time-budget-s"]) * rate) // int(setting["batch-size"]))
 
 
 def _training_seed(context: Context, seed: int, server_round: int) -> int:

@@ -31,7 +31,9 @@ class DeviceProfile:
     memory_mb : int
         Memory available to training, in MiB.
     availability : float
-        Probability that the device is online in a given round.
+        Probability that the device is online in a given slot of time.
+    dropout : float
+        Probability that the device vanishes mid-round, after receiving work.
     """
 
     name: str
@@ -40,6 +42,7 @@ class DeviceProfile:
     downlink_mbps: float
     memory_mb: int
     availability: float = 1.0
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("compute_rate", "uplink_mbps", "downlink_mbps"):
@@ -47,6 +50,8 @@ class DeviceProfile:
                 raise ConfigError(f"profile '{self.name}': {field} must be > 0")
         if not 0 < self.availability <= 1:
             raise ConfigError(f"profile '{self.name}': availability must be in (0, 1]")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"profile '{self.name}': dropout must be in [0, 1)")
 
     def download_seconds(self, nbytes: int) -> float:
         """Seconds to receive ``nbytes`` over this profile's downlink."""
@@ -65,9 +70,9 @@ class DeviceProfile:
 # and has a thin, asymmetric uplink.
 BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     "phone": DeviceProfile("phone", compute_rate=200.0, uplink_mbps=2.0, downlink_mbps=10.0,
-                           memory_mb=2048, availability=0.7),
+                           memory_mb=2048, availability=0.7, dropout=0.1),
     "laptop": DeviceProfile("laptop", compute_rate=2_000.0, uplink_mbps=20.0,
-                            downlink_mbps=50.0, memory_mb=8192, availability=0.9),
+                            downlink_mbps=50.0, memory_mb=8192, availability=0.9, dropout=0.02),
     "gpu-box": DeviceProfile("gpu-box", compute_rate=20_000.0, uplink_mbps=100.0,
                              downlink_mbps=500.0, memory_mb=32768, availability=1.0),
 }
@@ -78,6 +83,7 @@ _TOML_FIELDS = {
     "downlink-mbps": "downlink_mbps",
     "memory-mb": "memory_mb",
     "availability": "availability",
+    "dropout": "dropout",
 }
 
 
@@ -132,7 +138,7 @@ def load_profiles_toml(path: str | Path) -> tuple[dict[str, DeviceProfile], dict
 
 def _profile_from_table(name: str, table: dict[str, object]) -> DeviceProfile:
     unknown = set(table) - set(_TOML_FIELDS)
-    missing = set(_TOML_FIELDS) - {"availability"} - set(table)
+    missing = set(_TOML_FIELDS) - {"availability", "dropout"} - set(table)
     if unknown or missing:
         raise ConfigError(
             f"profile '{name}': unknown keys {sorted(unknown)} / missing keys {sorted(missing)};"

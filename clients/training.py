@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,11 +87,15 @@ def train_local(
     device: torch.device,
     seed: int,
     proximal_mu: float = 0.0,
+    max_steps: int | None = None,
 ) -> TrainStats:
     """Train ``model`` in place with SGD for ``epochs`` passes over ``data``.
 
     With ``proximal_mu`` > 0 the loss gets FedProx's ``mu/2 ||w - w_start||^2`` term
     (Li et al., MLSys 2020), ``w_start`` being the weights the call began with.
+    With ``max_steps`` the device does exactly that many SGD steps (cycling through
+    its data as often as needed) instead of ``epochs`` passes: partial work that fits
+    a time budget.
     """
     generator = torch.Generator().manual_seed(seed)
     loader = DataLoader(data, batch_size=batch_size, shuffle=True, generator=generator)
@@ -98,20 +104,34 @@ def train_local(
     loss_fn = nn.CrossEntropyLoss()
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
     total_loss, seen, steps = 0.0, 0, 0
-    for _ in range(epochs):
-        for x, y in loader:
-            x, y = x.to(device), y.to(device)
-            model.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            objective = loss + _proximal(model, anchor, proximal_mu) if anchor else loss
-            objective.backward()
-            optimizer.step()
-            total_loss += loss.item() * len(y)
-            seen += len(y)
-            steps += 1
+    for x, y in _batches(loader, epochs, max_steps):
+        x, y = x.to(device), y.to(device)
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        objective = loss + _proximal(model, anchor, proximal_mu) if anchor else loss
+        objective.backward()
+        optimizer.step()
+        total_loss += loss.item() * len(y)
+        seen += len(y)
+        steps += 1
     model.cpu()
     return TrainStats(loss=total_loss / max(seen, 1), num_examples=len(data),  # type: ignore[arg-type]
                       samples_processed=seen, steps=steps)
+
+
+def _batches(loader: DataLoader, epochs: int, max_steps: int | None) -> Iterator[Any]:  # type: ignore[type-arg]
+    """``epochs`` passes over ``loader``, or exactly ``max_steps`` batches when given."""
+    if max_steps is None:
+        for _ in range(epochs):
+            yield from loader
+        return
+    done = 0
+    while done < max_steps:
+        for batch in loader:
+            yield batch
+            done += 1
+            if done == max_steps:
+                return
 
 
 def _proximal(model: nn.Module, anchor: list[torch.Tensor], mu: float) -> torch.Tensor:

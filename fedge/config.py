@@ -63,6 +63,13 @@ DEFAULTS: dict[str, Scalar] = {
     "server-learning-rate": 1.0,
     "server-momentum": 0.9,
     "adaptive-learning-rate": 0.01,
+    "round-policy": "sync",
+    "deadline-s": 60.0,
+    "over-selection": 1.3,
+    "device-behaviour": False,
+    "jitter": 0.0,
+    "local-budget": "epochs",
+    "time-budget-s": 30.0,
     "grid-poll-interval": 0.1,
 }
 
@@ -70,6 +77,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "strategy": ("fedavg", "fedprox", "fednova", "fedavgm", "fedadam", "fedyogi", "trimmed-mean", "median",
                  "krum"),
     "byzantine-attack": ("sign-flip", "scale"),
+    "round-policy": ("sync", "deadline"),
+    "local-budget": ("epochs", "time"),
     "dataset": ("digits", "synthetic", "npz", "csv"),
     "model": ("mlp", "cnn", "logreg"),
     "partitioner": ("dirichlet", "iid"),
@@ -100,6 +109,10 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "server-learning-rate": (lambda v: v > 0, "> 0"),
     "server-momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "adaptive-learning-rate": (lambda v: v > 0, "> 0"),
+    "deadline-s": (lambda v: v > 0, "> 0"),
+    "over-selection": (lambda v: v >= 1, ">= 1"),
+    "jitter": (lambda v: v >= 0, ">= 0"),
+    "time-budget-s": (lambda v: v > 0, "> 0"),
     "synthetic-alpha": (lambda v: v >= 0, ">= 0"),
     "synthetic-beta": (lambda v: v >= 0, ">= 0"),
 }

@@ -20,15 +20,17 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedge.clients.data import federated_data
 from fedge.clients.models import build_model, load_arrays, model_arrays
-from fedge.clients.profiles import parse_fleet
+from fedge.clients.profiles import Fleet, parse_fleet
 from fedge.config import Scalar, config_fingerprint, model_keys, resolve_run_config
 from fedge.errors import CheckpointMismatch, ConfigError
 from fedge.server.checkpoint import load_checkpoint
+from fedge.server.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
 from fedge.server.recorder import RoundRecorder
 from fedge.server.report import run_dir_for, write_json_atomic
 from fedge.server.selection import RandomSelector
 from fedge.server.validation import ReplyValidator
-from fedge.simulation.clock import MeteredGrid
+from fedge.simulation.behaviour import Behaviour
+from fedge.simulation.clock import MeteredGrid, reply_seconds
 from fedge.strategies import STRATEGIES, FedAvg
 
 if TYPE_CHECKING:
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedge.server")
 
-TRAIN_KEYS = ("local-epochs", "batch-size", "learning-rate", "momentum")
+TRAIN_KEYS = ("local-epochs", "batch-size", "learning-rate", "momentum", "local-budget", "time-budget-s")
 
 
 def make_server_app(
@@ -80,6 +82,7 @@ def build_strategy(config: Mapping[str, Scalar], num_nodes: int | None = None) -
     extra = options.get(name, {})
     return STRATEGIES[name](
         clients_per_round=per_round,
+        policy=build_policy(config),
         validator=ReplyValidator(max_num_examples=int(config["max-num-examples"])),
         selector=RandomSelector(int(config["seed"])),
         min_train_replies=min(int(config["min-train-replies"]), per_round),
@@ -88,6 +91,31 @@ def build_strategy(config: Mapping[str, Scalar], num_nodes: int | None = None) -
         min_evaluate_nodes=0 if not config["fraction-evaluate"] else 1,
         **extra,
     )
+
+
+def build_policy(config: Mapping[str, Scalar]) -> RoundPolicy:
+    """The round policy named by ``round-policy``."""
+    if config["round-policy"] == "deadline":
+        return DeadlinePolicy(float(config["deadline-s"]), float(config["over-selection"]))
+    return SyncPolicy()
+
+
+def check_deadline(config: Mapping[str, Scalar], fleet: Fleet, model_bytes: int) -> None:
+    """Refuse a deadline that no device in the fleet could meet with even one batch of work."""
+    if config["round-policy"] != "deadline":
+        return
+    fastest = min(reply_seconds(profile, model_bytes, model_bytes, int(config["batch-size"]))
+                  for name, profile in fleet.profiles.items() if name in dict(fleet.mix))
+    if float(config["deadline-s"]) < fastest:
+        raise ConfigError(f"deadline-s = {config['deadline-s']} is shorter than any device could finish a round "
+                          f"(the fastest needs {fastest:.3g} s for one batch and the model's transfer); "
+                          "raise deadline-s")
+
+
+def behaviour_of(config: Mapping[str, Scalar], fleet: Fleet) -> Behaviour:
+    """The simulated fleet's behaviour (availability, dropout, jitter) from the run config."""
+    return Behaviour.from_fleet(fleet, seed=int(config["seed"]), enabled=bool(config["device-behaviour"]),
+                                jitter=float(config["jitter"]))
 
 
 def run_coordinator(
@@ -110,6 +138,7 @@ def run_coordinator(
         load_arrays(model, ArrayRecord({name: Array(value) for name, value in saved.items()}),
                     source=f"checkpoint '{config['init-checkpoint']}'")
     strategy = build_strategy(config, fleet.size if simulated else None)
+    check_deadline(config, fleet, sum(len(array.data) for array in model_arrays(model).values()))
     run_dir = run_dir_for(config)
     history = _resume_into(model, strategy, run_dir, config) if config["resume"] else None
     if history is None and (run_dir / "checkpoint.npz").exists():
@@ -121,7 +150,8 @@ def run_coordinator(
     log.info("run directory: %s", run_dir)
 
     poll = float(config["grid-poll-interval"])
-    metered = MeteredGrid(grid, fleet, poll_interval=poll if poll > 0 else None)
+    metered = MeteredGrid(grid, fleet, poll_interval=poll if poll > 0 else None,
+                          behaviour=behaviour_of(config, fleet) if simulated else None)
     recorder = RoundRecorder(run_dir, config, metered, strategy, data, model, progress=progress,
                              history=history)
     train_config = ConfigRecord({key: config[key] for key in TRAIN_KEYS})

@@ -74,6 +74,7 @@ class RoundRecorder:
             "rejected": len(report.rejected) if report else 0,
             "rejections": [vars(r) for r in report.rejected] if report else [],
             "failed": len(report.failed) if report else 0,
+            "late": report.late if report else 0,
             "aggregated": report.aggregated if report else False,
         }
         self.rows.append(row)

@@ -22,6 +22,7 @@ from flwr.supercore.run import Run
 
 from fedge import wire
 from fedge.clients.profiles import DeviceProfile, Fleet
+from fedge.simulation.behaviour import Behaviour
 
 log = logging.getLogger("fedge.simulation")
 
@@ -56,13 +57,18 @@ class MeteredGrid(Grid):
     """
 
     def __init__(self, inner: Grid, fleet: Fleet, fallback_profile: str = "laptop",
-                 *, poll_interval: float | None = None) -> None:
+                 *, poll_interval: float | None = None, behaviour: Behaviour | None = None) -> None:
         self.inner = inner
         self.fleet = fleet
         self.poll_interval = poll_interval
+        self.behaviour = behaviour
         self.fallback = fleet.profile(fallback_profile)
         self.sim_time = 0.0
+        self.exchanges = 0
         self.current = RoundTraffic()
+        attach = getattr(inner, "attach_clock", None)
+        if callable(attach):  # simulated devices go on- and offline on this clock
+            attach(lambda: self.sim_time)
 
     def take_round(self) -> RoundTraffic:
         """Return the traffic since the last call and start a new round's count."""
@@ -72,20 +78,48 @@ class MeteredGrid(Grid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        """Send, wait as the inner grid does, then charge the exchange to the clock."""
+        """A synchronous exchange: it lasts until the slowest device replies.
+
+        A selected device that never replies (it dropped out) keeps a synchronous
+        server waiting until ``timeout``, so the exchange is charged ``timeout``.
+        """
         messages = list(messages)
-        down = {m.metadata.dst_node_id: wire.payload_bytes(m.content) for m in messages}
-        replies = self._exchange(messages, timeout)
-        slowest = 0.0
-        for reply in replies:
-            node_down = down.get(reply.metadata.src_node_id, 0)
-            self.current.bytes_down += node_down
-            if reply.has_error():
-                continue
-            slowest = max(slowest, self._charge(reply.content, node_down))
-        self.current.sim_seconds += slowest
-        self.sim_time += slowest
+        timed = self.exchange_timed(messages, timeout)
+        slowest = max((arrival for _, arrival in timed), default=0.0)
+        if len(timed) < len(messages) and timeout is not None:
+            slowest = max(slowest, timeout)
+        self.advance(slowest)
+        replies = [reply for reply, _ in timed]
+        self.count_participants(replies)
         return replies
+
+    def exchange_timed(self, messages: list[Message], timeout: float | None) -> list[tuple[Message, float]]:
+        """Send and collect replies with each one's simulated arrival time; charges bytes, not time."""
+        self.exchanges += 1
+        down = {m.metadata.dst_node_id: wire.payload_bytes(m.content) for m in messages}
+        timed = []
+        for reply in self._exchange(messages, timeout):
+            node = reply.metadata.src_node_id
+            self.current.bytes_down += down.get(node, 0)
+            seconds = 0.0 if reply.has_error() else self._charge(reply.content, down.get(node, 0))
+            if self.behaviour is not None:
+                seconds *= self.behaviour.slowdown(node, self.exchanges)
+            timed.append((reply, seconds))
+        return timed
+
+    def count_participants(self, replies: list[Message]) -> None:
+        """Count the replies a round keeps, per profile."""
+        for reply in replies:
+            if reply.has_error() or not wire.payload_bytes(reply.content):
+                continue
+            meta = wire.reply_meta(reply.content)
+            name = str(meta.get(wire.PROFILE, "")) if meta else ""
+            self.current.participants[self.fleet.profiles.get(name, self.fallback).name] += 1
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock on by ``seconds`` (the duration of an exchange)."""
+        self.current.sim_seconds += seconds
+        self.sim_time += seconds
 
     def _exchange(self, messages: list[Message], timeout: float | None) -> list[Message]:
         """The inner grid's send_and_receive, or push + pull every ``poll_interval`` seconds.
@@ -93,7 +127,7 @@ class MeteredGrid(Grid):
         Flower's HTTP grid sleeps a fixed 3 s between pulls; polling the same
         push/pull API every 0.1 s returns each reply as soon as the SuperLink has it.
         """
-        if self.poll_interval is None or not messages:
+        if self.poll_interval is None or not messages or getattr(self.inner, "synchronous", False):
             return list(self.inner.send_and_receive(messages, timeout=timeout))
         waiting = set(self.inner.push_messages(messages))
         deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
@@ -117,8 +151,6 @@ class MeteredGrid(Grid):
         name = str(meta.get(wire.PROFILE, "")) if meta else ""
         profile = self.fleet.profiles.get(name, self.fallback)
         samples = int(meta.get(wire.SAMPLES_PROCESSED, 0)) if meta else 0  # type: ignore[arg-type]
-        if bytes_up:
-            self.current.participants[profile.name] += 1
         return reply_seconds(profile, bytes_down, bytes_up, samples)
 
     # Everything else is the inner grid's.

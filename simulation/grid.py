@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from uuid import uuid4
 
@@ -23,6 +23,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
+
+from fedge.simulation.behaviour import Behaviour
 
 log = logging.getLogger("fedge.simulation")
 
@@ -54,6 +56,8 @@ class InlineGrid(Grid):
     restored to what it was before the call.
     """
 
+    synchronous = True  # every reply exists as soon as push_messages returns
+
     def __init__(
         self,
         client_app: ClientApp,
@@ -61,8 +65,12 @@ class InlineGrid(Grid):
         run_config: Mapping[str, Any],
         *,
         run_id: int = 1,
+        behaviour: Behaviour | None = None,
     ) -> None:
         self.client_app = client_app
+        self.behaviour = behaviour
+        self.now: Callable[[], float] = lambda: 0.0
+        self._work: dict[int, int] = {}
         self._run = Run.create_empty(run_id)
         self.contexts = {
             FIRST_NODE_ID + index: Context(
@@ -99,9 +107,17 @@ class InlineGrid(Grid):
         """Deprecated in Flower; kept because ``Grid`` declares it abstract."""
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
+    def attach_clock(self, now: Callable[[], float]) -> None:
+        """Use ``now()`` (simulated seconds) to decide which devices are online."""
+        self.now = now
+
     def get_node_ids(self) -> Iterable[int]:
-        """Every simulated node (all are online in this backend)."""
-        return list(self.contexts)
+        """The simulated nodes online now (all of them without a :class:`Behaviour`)."""
+        if self.behaviour is None:
+            return list(self.contexts)
+        now = self.now()
+        return [node for node, context in self.contexts.items()
+                if self.behaviour.online(node, str(context.node_config.get("profile", "")), now)]
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Run each message's ClientApp call now; its reply waits for :meth:`pull_messages`."""
@@ -109,9 +125,18 @@ class InlineGrid(Grid):
         for message in messages:
             message_id = uuid4().hex
             message.metadata.__dict__["_message_id"] = message_id
-            self._replies[message_id] = self._deliver(message)
             ids.append(message_id)
+            if not self._drops_out(message.metadata.dst_node_id):
+                self._replies[message_id] = self._deliver(message)
         return ids
+
+    def _drops_out(self, node: int) -> bool:
+        """Whether this node vanishes mid-round (it then never replies)."""
+        if self.behaviour is None or node not in self.contexts:
+            return False
+        self._work[node] = self._work.get(node, 0) + 1
+        profile = str(self.contexts[node].node_config.get("profile", ""))
+        return self.behaviour.drops(node, profile, self._work[node])
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         """Replies for ``message_ids`` that have not been pulled yet (each once)."""

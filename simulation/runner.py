@@ -24,7 +24,7 @@ from fedge.clients.app import make_default_client_app
 from fedge.clients.profiles import parse_fleet
 from fedge.config import Scalar, resolve_run_config
 from fedge.errors import ConfigError
-from fedge.server.app import make_server_app, run_coordinator
+from fedge.server.app import behaviour_of, make_server_app, run_coordinator
 from fedge.server.report import run_dir_for
 from fedge.simulation.byzantine import byzantine_partitions, make_byzantine_client_app
 from fedge.simulation.grid import SUPERLINK_NODE_ID, InlineGrid
@@ -66,7 +66,8 @@ def simulate(
             {"partition-id": index, "num-partitions": fleet.size, "profile": profile}
             for index, profile in enumerate(fleet.assignment(int(config["seed"])))
         ]
-        grid = InlineGrid(_client_app(config, fleet.size), node_configs, config)
+        grid = InlineGrid(_client_app(config, fleet.size), node_configs, config,
+                          behaviour=behaviour_of(config, fleet))
         run_dir = run_coordinator(grid, config, progress=progress)
     else:
         run_dir = _run_on_ray(config, fleet.size, progress=progress)

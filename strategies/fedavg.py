@@ -16,6 +16,7 @@ from flwr.serverapp.strategy import Result
 from numpy.typing import NDArray
 
 from fedge import wire
+from fedge.server.policies import RoundPolicy, SyncPolicy
 from fedge.server.selection import RandomSelector
 from fedge.server.validation import AcceptedUpdate, Failure, Rejection, ReplyValidator
 from fedge.strategies.aggregate import WeightedMeanAccumulator, weighted_mean_metrics
@@ -30,6 +31,7 @@ class RoundReport:
     server_round: int
     selected: int
     accepted: int = 0
+    late: int = 0
     rejected: list[Rejection] = field(default_factory=list)
     failed: list[Rejection] = field(default_factory=list)
     aggregated: bool = False
@@ -62,6 +64,7 @@ class FedAvg(FlowerFedAvg):
         clients_per_round: int = 10,
         validator: ReplyValidator | None = None,
         selector: RandomSelector | None = None,
+        policy: RoundPolicy | None = None,
         min_train_replies: int = 1,
         wait_for_nodes_s: float = 600.0,
         **kwargs: Any,
@@ -72,6 +75,7 @@ class FedAvg(FlowerFedAvg):
         self.clients_per_round = clients_per_round
         self.validator = validator or ReplyValidator()
         self.selector = selector or RandomSelector()
+        self.policy: RoundPolicy = policy or SyncPolicy()
         self.min_train_replies = min_train_replies
         self.wait_for_nodes_s = wait_for_nodes_s
         self.global_arrays: ArrayRecord | None = None
@@ -103,9 +107,10 @@ class FedAvg(FlowerFedAvg):
         if evaluate_fn and start_round == 1 and (res := evaluate_fn(0, arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
         for server_round in range(start_round, num_rounds + 1):
-            replies = grid.send_and_receive(
-                self.configure_train(server_round, arrays, train_config, grid), timeout=timeout)
-            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            messages = list(self.configure_train(server_round, arrays, train_config, grid))
+            exchange = self.policy.exchange(grid, messages, timeout, self.clients_per_round)
+            self.reports[-1].late = exchange.late
+            new_arrays, train_metrics = self.aggregate_train(server_round, exchange.replies)
             if new_arrays is not None:
                 result.arrays = arrays = new_arrays
             if train_metrics is not None:
@@ -154,7 +159,7 @@ class FedAvg(FlowerFedAvg):
             log.warning("round %d: only %d devices connected (< min-train-replies %d); round skipped",
                         server_round, len(nodes), self.min_train_replies)
             return []
-        return self.selector.select(server_round, nodes, self.clients_per_round)
+        return self.selector.select(server_round, nodes, self.policy.selection_size(self.clients_per_round))
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

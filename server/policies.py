@@ -1,0 +1,85 @@
+"""Round policies: how long a round waits, and which replies it keeps.
+
+* ``sync``: wait for every selected device (the baseline; a device that dropped out
+  keeps the round waiting until the round timeout);
+* ``deadline``: select ``ceil(over_selection * K)`` devices and aggregate the first
+  K replies that arrive before ``deadline_s``; later replies are discarded and
+  counted (Bonawitz et al., "Towards Federated Learning at Scale", MLSys 2019).
+
+On fedge's :class:`~fedge.simulation.clock.MeteredGrid` arrival times come from the
+virtual clock; elsewhere the deadline is real time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from fedge.simulation.clock import MeteredGrid
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """The replies a round keeps, and how many arrived too late."""
+
+    replies: list[Message]
+    late: int = 0
+
+
+class SyncPolicy:
+    """Wait for every selected device."""
+
+    name = "sync"
+
+    def selection_size(self, target: int) -> int:
+        """How many devices to select for ``target`` replies."""
+        return target
+
+    def exchange(self, grid: Grid, messages: list[Message], timeout: float, target: int) -> Exchange:
+        """Send ``messages`` and keep every reply."""
+        return Exchange(list(grid.send_and_receive(messages, timeout=timeout)))
+
+
+class DeadlinePolicy:
+    """Over-select, keep the first ``target`` on-time replies.
+
+    Parameters
+    ----------
+    deadline_s : float
+        Round deadline in seconds (simulated on a MeteredGrid).
+    over_selection : float
+        Select ``ceil(over_selection * target)`` devices (>= 1).
+    """
+
+    name = "deadline"
+
+    def __init__(self, deadline_s: float, over_selection: float = 1.3) -> None:
+        if deadline_s <= 0 or over_selection < 1:
+            raise ValueError("deadline_s must be > 0 and over_selection >= 1")
+        self.deadline_s, self.over_selection = deadline_s, over_selection
+
+    def selection_size(self, target: int) -> int:
+        """``ceil(over_selection * target)``."""
+        return math.ceil(self.over_selection * target - 1e-9)
+
+    def exchange(self, grid: Grid, messages: list[Message], timeout: float, target: int) -> Exchange:
+        """The first ``target`` replies before the deadline; the round lasts until the last of them."""
+        if not isinstance(grid, MeteredGrid):
+            replies = list(grid.send_and_receive(messages, timeout=min(timeout, self.deadline_s)))
+            return Exchange(replies[:target], late=max(len(messages) - len(replies), 0))
+        timed = grid.exchange_timed(messages, min(timeout, self.deadline_s))
+        on_time = sorted(((arrival, reply) for reply, arrival in timed
+                          if arrival <= self.deadline_s and not reply.has_error()), key=lambda pair: pair[0])
+        kept = on_time[:target]
+        grid.advance(kept[-1][0] if len(kept) == target else self.deadline_s)
+        late = sum(1 for reply, arrival in timed if arrival > self.deadline_s and not reply.has_error())
+        late += len(messages) - len(timed)  # never replied: dropped out
+        replies = [reply for _, reply in kept]
+        grid.count_participants(replies)
+        return Exchange(replies, late=late)
+
+
+RoundPolicy = SyncPolicy | DeadlinePolicy
