@@ -70,11 +70,14 @@ DEFAULTS: dict[str, Scalar] = {
     "jitter": 0.0,
     "local-budget": "epochs",
     "time-budget-s": 30.0,
+    "concurrency": 20,
+    "buffer-size": 10,
+    "staleness-exponent": 0.5,
     "grid-poll-interval": 0.1,
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "strategy": ("fedavg", "fedprox", "fednova", "fedavgm", "fedadam", "fedyogi", "trimmed-mean", "median",
+    "strategy": ("fedavg", "fedprox", "fednova", "fedbuff", "fedavgm", "fedadam", "fedyogi", "trimmed-mean", "median",
                  "krum"),
     "byzantine-attack": ("sign-flip", "scale"),
     "round-policy": ("sync", "deadline"),
@@ -113,6 +116,9 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "over-selection": (lambda v: v >= 1, ">= 1"),
     "jitter": (lambda v: v >= 0, ">= 0"),
     "time-budget-s": (lambda v: v > 0, "> 0"),
+    "concurrency": (lambda v: v >= 1, ">= 1"),
+    "buffer-size": (lambda v: v >= 1, ">= 1"),
+    "staleness-exponent": (lambda v: v >= 0, ">= 0"),
     "synthetic-alpha": (lambda v: v >= 0, ">= 0"),
     "synthetic-beta": (lambda v: v >= 0, ">= 0"),
 }

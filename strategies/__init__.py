@@ -7,6 +7,7 @@ Every strategy validates replies (see :class:`FedAvg`); they differ only in the
 from fedge.strategies.fedadam import FedAdam
 from fedge.strategies.fedavg import FedAvg, RoundReport
 from fedge.strategies.fedavgm import FedAvgM
+from fedge.strategies.fedbuff import FedBuff
 from fedge.strategies.fednova import FedNova
 from fedge.strategies.fedprox import FedProx
 from fedge.strategies.fedyogi import FedYogi
@@ -18,6 +19,7 @@ STRATEGIES: dict[str, type[FedAvg]] = {
     "fedavg": FedAvg,
     "fedprox": FedProx,
     "fednova": FedNova,
+    "fedbuff": FedBuff,
     "fedavgm": FedAvgM,
     "fedadam": FedAdam,
     "fedyogi": FedYogi,
@@ -26,5 +28,5 @@ STRATEGIES: dict[str, type[FedAvg]] = {
     "krum": Krum,
 }
 
-__all__ = ["STRATEGIES", "FedAdam", "FedAvg", "FedAvgM", "FedNova", "FedProx", "FedYogi", "Krum", "Median",
+__all__ = ["STRATEGIES", "FedAdam", "FedAvg", "FedAvgM", "FedBuff", "FedNova", "FedProx", "FedYogi", "Krum", "Median",
            "RoundReport", "TrimmedMean"]

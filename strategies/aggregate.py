@@ -258,3 +258,24 @@ class FedNovaAccumulator:
         direction = self._directions.result()
         return {k: _cast(np.asarray(g, np.float64) - tau_eff * np.asarray(direction[k], np.float64), g.dtype)
                 for k, g in self.global_arrays.items()}
+
+
+# --------------------------------------------------------------------------- FedBuff
+
+
+def staleness_weight(staleness: int, exponent: float = 0.5) -> float:
+    """``1 / (1 + s)^exponent`` (FedBuff, Nguyen et al., AISTATS 2022, uses exponent 0.5)."""
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    return float((1.0 + staleness) ** -exponent)
+
+
+def apply_buffer(
+    global_arrays: Arrays, deltas: Sequence[Arrays], weights: Sequence[float], server_lr: float
+) -> dict[str, NDArray[np.generic]]:
+    """FedBuff's server step: ``x <- x - server_lr * (1/K) sum_i w_i delta_i``, ``delta_i = x_start_i - x_i``."""
+    _require(deltas)
+    return {k: _cast(np.asarray(g, np.float64) - server_lr * sum(
+                w * np.asarray(d[k], np.float64) for d, w in zip(deltas, weights, strict=True)) / len(deltas),
+                g.dtype)
+            for k, g in global_arrays.items()}

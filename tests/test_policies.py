@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from flwr.app import Message
 
@@ -147,6 +148,7 @@ def test_time_budget_sets_steps_from_the_profile(tmp_path: Path) -> None:
         (["--run-config", "round-policy='deadline' deadline-s=0.0001"], "shorter than any device could finish"),
         (["--run-config", "round-policy='async'"], "'round-policy' = 'async' is not allowed"),
         (["--clients-per-round", "11"], "exceeds the fleet's 10 devices"),
+        (["--run-config", "strategy='fedbuff' buffer-size=0"], "'buffer-size' = 0 must be >= 1"),
     ],
 )
 def test_bad_policy_settings_are_refused_before_training(
@@ -156,3 +158,32 @@ def test_bad_policy_settings_are_refused_before_training(
                  "--run-dir", str(tmp_path / "r"), *overrides])
     assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_staleness_weights_and_buffer_step_by_hand() -> None:
+    from fedge.strategies.aggregate import apply_buffer, staleness_weight
+
+    assert staleness_weight(0) == 1.0 and staleness_weight(3) == pytest.approx(0.5)  # 1/sqrt(4)
+    # x = 0; deltas 1 (fresh, w = 1) and 1 (3 versions stale, w = 0.5): x = 0 - 1 * (1 + 0.5) / 2
+    new = apply_buffer({"x": np.zeros(1, np.float32)}, [{"x": np.ones(1)}, {"x": np.ones(1)}], [1.0, 0.5], 1.0)
+    assert float(new["x"][0]) == pytest.approx(-0.75)
+
+
+def test_fedbuff_flushes_every_buffer_and_learns(tmp_path: Path) -> None:
+    config = {**HETERO, "strategy": "fedbuff", "concurrency": 6, "buffer-size": 3, "num-rounds": 8,
+              "run-dir": str(tmp_path / "r")}
+    _, summary = simulate(config, progress=False)
+    rows = _rows(tmp_path / "r")
+    assert [r["round"] for r in rows] == list(range(9))
+    assert all(r["participants"] == 3 and r["aggregated"] for r in rows[1:])
+    assert all(b["sim_time_s"] >= a["sim_time_s"] for a, b in zip(rows, rows[1:], strict=False))
+    assert summary["final_accuracy"] > rows[0]["accuracy"] + 0.2
+
+
+def test_fedbuff_is_refused_in_deployment() -> None:
+    from fedge.config import resolve_run_config
+    from fedge.errors import ConfigError
+    from fedge.server.app import build_strategy
+
+    with pytest.raises(ConfigError, match="simulation only"):
+        build_strategy(resolve_run_config({"strategy": "fedbuff"}), None)
