@@ -73,6 +73,10 @@ DEFAULTS: dict[str, Scalar] = {
     "concurrency": 20,
     "buffer-size": 10,
     "staleness-exponent": 0.5,
+    "selector": "random",
+    "preferred-round-s": 10.0,
+    "exploration": 0.2,
+    "fairness-rounds": 20,
     "grid-poll-interval": 0.1,
 }
 
@@ -82,6 +86,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "byzantine-attack": ("sign-flip", "scale"),
     "round-policy": ("sync", "deadline"),
     "local-budget": ("epochs", "time"),
+    "selector": ("random", "oort"),
     "dataset": ("digits", "synthetic", "npz", "csv"),
     "model": ("mlp", "cnn", "logreg"),
     "partitioner": ("dirichlet", "iid"),
@@ -119,6 +124,9 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "concurrency": (lambda v: v >= 1, ">= 1"),
     "buffer-size": (lambda v: v >= 1, ">= 1"),
     "staleness-exponent": (lambda v: v >= 0, ">= 0"),
+    "preferred-round-s": (lambda v: v > 0, "> 0"),
+    "exploration": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "fairness-rounds": (lambda v: v >= 1, ">= 1"),
     "synthetic-alpha": (lambda v: v >= 0, ">= 0"),
     "synthetic-beta": (lambda v: v >= 0, ">= 0"),
 }

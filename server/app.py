@@ -27,7 +27,7 @@ from fedge.server.checkpoint import load_checkpoint
 from fedge.server.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
 from fedge.server.recorder import RoundRecorder
 from fedge.server.report import run_dir_for, write_json_atomic
-from fedge.server.selection import RandomSelector
+from fedge.server.selection import OortSelector, RandomSelector
 from fedge.server.validation import ReplyValidator
 from fedge.simulation.behaviour import Behaviour
 from fedge.simulation.clock import MeteredGrid, reply_seconds
@@ -91,13 +91,21 @@ def build_strategy(config: Mapping[str, Scalar], num_nodes: int | None = None) -
         clients_per_round=per_round,
         policy=build_policy(config),
         validator=ReplyValidator(max_num_examples=int(config["max-num-examples"])),
-        selector=RandomSelector(int(config["seed"])),
+        selector=build_selector(config),
         min_train_replies=min(int(config["min-train-replies"]), per_round),
         wait_for_nodes_s=float(config["round-timeout"]),
         fraction_evaluate=float(config["fraction-evaluate"]),
         min_evaluate_nodes=0 if not config["fraction-evaluate"] else 1,
         **extra,
     )
+
+
+def build_selector(config: Mapping[str, Scalar]) -> RandomSelector:
+    """Random selection, or Oort-style capability-aware selection."""
+    if config["selector"] == "oort":
+        return OortSelector(int(config["seed"]), preferred_s=float(config["preferred-round-s"]),
+                            epsilon=float(config["exploration"]), fairness_rounds=int(config["fairness-rounds"]))
+    return RandomSelector(int(config["seed"]))
 
 
 def build_policy(config: Mapping[str, Scalar]) -> RoundPolicy:

@@ -6,8 +6,14 @@ run pick the same devices for the same round.
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from flwr.app import Message
+
+from fedge import wire
 
 
 class RandomSelector:
@@ -20,3 +26,73 @@ class RandomSelector:
         """``min(k, len(node_ids))`` distinct nodes, reproducible for (seed, round, nodes)."""
         rng = random.Random(self.seed * 1_000_003 + server_round)
         return rng.sample(sorted(node_ids), min(k, len(node_ids)))
+
+    def observe(self, server_round: int, replies: Sequence[Message], durations: Mapping[int, float]) -> None:
+        """Random selection learns nothing from a round."""
+
+
+@dataclass
+class _Record:
+    utility: float
+    duration: float
+    last_round: int
+
+
+class OortSelector(RandomSelector):
+    """Capability-aware selection after Oort (Lai et al., "Oort: Efficient Federated Learning
+    via Guided Participant Selection", OSDI 2021), simplified.
+
+    * statistical utility of a device: ``num_examples * train_loss`` from its last reply
+      (Oort uses ``|B| sqrt(mean loss^2)``);
+    * system penalty: ``(preferred_s / duration)^alpha`` when its last round took longer
+      than ``preferred_s``;
+    * exploration: ``epsilon`` of each selection goes to devices never seen yet;
+    * fairness: a device not selected for ``fairness_rounds`` rounds is taken first, so
+      none starves.
+
+    The utilities come from device replies, which are untrusted: they steer only who is
+    asked next, never the model.
+    """
+
+    def __init__(self, seed: int = 0, *, preferred_s: float = 10.0, alpha: float = 2.0,
+                 epsilon: float = 0.2, fairness_rounds: int = 20) -> None:
+        super().__init__(seed)
+        self.preferred_s, self.alpha, self.epsilon, self.fairness_rounds = preferred_s, alpha, epsilon, fairness_rounds
+        self.records: dict[int, _Record] = {}
+        self.last_selected: dict[int, int] = {}
+
+    def score(self, node: int) -> float:
+        """Utility with the system penalty."""
+        record = self.records[node]
+        penalty = (self.preferred_s / record.duration) ** self.alpha if record.duration > self.preferred_s else 1.0
+        return record.utility * penalty
+
+    def select(self, server_round: int, node_ids: Sequence[int], k: int) -> list[int]:
+        """Starving devices first, then exploration, then the highest scores."""
+        rng = random.Random(self.seed * 1_000_003 + server_round)
+        nodes, k = sorted(node_ids), min(k, len(node_ids))
+        starving = [n for n in nodes if server_round - self.last_selected.get(n, 0) > self.fairness_rounds]
+        chosen = rng.sample(starving, min(len(starving), k))
+        unseen = [n for n in nodes if n not in self.records and n not in chosen]
+        explore = min(len(unseen), max(k - len(chosen), 0), math.ceil(self.epsilon * k) if self.records else k)
+        chosen += rng.sample(unseen, explore)
+        seen = sorted((n for n in nodes if n in self.records and n not in chosen), key=self.score, reverse=True)
+        chosen += seen[: k - len(chosen)]
+        rest = [n for n in nodes if n not in chosen]
+        chosen += rng.sample(rest, max(k - len(chosen), 0))
+        for node in chosen:
+            self.last_selected[node] = server_round
+        return chosen
+
+    def observe(self, server_round: int, replies: Sequence[Message], durations: Mapping[int, float]) -> None:
+        """Update each replying device's utility and duration."""
+        for reply in replies:
+            if reply.has_error() or len(reply.content.metric_records) != 1:
+                continue
+            metrics = next(iter(reply.content.metric_records.values()))
+            loss, count = metrics.get("train-loss"), metrics.get(wire.NUM_EXAMPLES)
+            if not isinstance(loss, (int, float)) or not isinstance(count, int) or not math.isfinite(loss):
+                continue
+            node = reply.metadata.src_node_id
+            self.records[node] = _Record(utility=max(float(loss), 0.0) * max(count, 0),
+                                         duration=max(durations.get(node, 0.0), 1e-9), last_round=server_round)

@@ -65,6 +65,7 @@ class MeteredGrid(Grid):
         self.fallback = fleet.profile(fallback_profile)
         self.sim_time = 0.0
         self.exchanges = 0
+        self.last_durations: dict[int, float] = {}
         self.current = RoundTraffic()
         attach = getattr(inner, "attach_clock", None)
         if callable(attach):  # simulated devices go on- and offline on this clock
@@ -98,6 +99,7 @@ class MeteredGrid(Grid):
         self.exchanges += 1
         down = {m.metadata.dst_node_id: wire.payload_bytes(m.content) for m in messages}
         timed = []
+        self.last_durations = {}
         for reply in self._exchange(messages, timeout):
             node = reply.metadata.src_node_id
             self.current.bytes_down += down.get(node, 0)
@@ -105,6 +107,7 @@ class MeteredGrid(Grid):
             if self.behaviour is not None:
                 seconds *= self.behaviour.slowdown(node, self.exchanges)
             timed.append((reply, seconds))
+            self.last_durations[node] = seconds
         return timed
 
     def count_participants(self, replies: list[Message]) -> None:

@@ -110,6 +110,7 @@ class FedAvg(FlowerFedAvg):
             messages = list(self.configure_train(server_round, arrays, train_config, grid))
             exchange = self.policy.exchange(grid, messages, timeout, self.clients_per_round)
             self.reports[-1].late = exchange.late
+            self.selector.observe(server_round, exchange.replies, getattr(grid, "last_durations", {}))
             new_arrays, train_metrics = self.aggregate_train(server_round, exchange.replies)
             if new_arrays is not None:
                 result.arrays = arrays = new_arrays
