@@ -190,6 +190,10 @@ class FedAvg(FlowerFedAvg):
         counts = {"accepted": report.accepted, "rejected": len(report.rejected),
                   "failed": len(report.failed)}
         metrics = MetricRecord({**weighted_mean_metrics(metric_rows, weights), **counts})
+        if aggregate is not None and not all(np.all(np.isfinite(v)) for v in aggregate.values()):
+            log.error("round %d: the aggregate is not finite (the update diverged); global model kept",
+                      server_round)
+            aggregate = None
         if aggregate is None or report.accepted < self.min_train_replies:
             log.warning("round %d: %d accepted updates (< min-train-replies %d); global model "
                         "kept as it was", server_round, report.accepted, self.min_train_replies)

@@ -160,3 +160,21 @@ def test_metrics_are_weighted_by_num_examples() -> None:
     second.content[wire.METRICS]["train-loss"] = 3.0
     _, metrics = strategy.aggregate_train(1, [first, second])
     assert metrics is not None and metrics["train-loss"] == pytest.approx(2.5)  # (10*1+30*3)/40
+
+
+def test_a_diverged_aggregate_keeps_the_global_model() -> None:
+    # Prepare: a strategy whose aggregation rule overflows (as an unstable server step can)
+    class Overflowing(FedAvg):
+        def aggregate_updates(self, updates):  # type: ignore[no-untyped-def]
+            average = super().aggregate_updates(updates)
+            return {k: v * np.float32(1e38) * np.float32(1e38) for k, v in average.items()}
+
+    strategy = Overflowing(validator=ReplyValidator(max_num_examples=1000))
+    strategy.global_arrays = global_arrays()
+    # Execute
+    with np.errstate(over="ignore"):
+        arrays, metrics = strategy.aggregate_train(1, [train_reply(11, good_arrays(1.0)),
+                                                       train_reply(12, good_arrays(2.0))])
+    # Assert: no new arrays, so Strategy.start keeps the previous global model
+    assert arrays is None and metrics is not None and metrics["accepted"] == 2
+    assert strategy.reports[-1].aggregated is False
