@@ -77,6 +77,7 @@ DEFAULTS: dict[str, Scalar] = {
     "preferred-round-s": 10.0,
     "exploration": 0.2,
     "fairness-rounds": 20,
+    "straggler-fraction": 0.0,
     "grid-poll-interval": 0.1,
 }
 
@@ -127,6 +128,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "preferred-round-s": (lambda v: v > 0, "> 0"),
     "exploration": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "fairness-rounds": (lambda v: v >= 1, ">= 1"),
+    "straggler-fraction": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "synthetic-alpha": (lambda v: v >= 0, ">= 0"),
     "synthetic-beta": (lambda v: v >= 0, ">= 0"),
 }

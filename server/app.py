@@ -94,6 +94,7 @@ def build_strategy(config: Mapping[str, Scalar], num_nodes: int | None = None) -
         selector=build_selector(config),
         min_train_replies=min(int(config["min-train-replies"]), per_round),
         wait_for_nodes_s=float(config["round-timeout"]),
+        straggler_fraction=float(config["straggler-fraction"]),
         fraction_evaluate=float(config["fraction-evaluate"]),
         min_evaluate_nodes=0 if not config["fraction-evaluate"] else 1,
         **extra,

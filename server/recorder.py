@@ -75,6 +75,7 @@ class RoundRecorder:
             "rejections": [vars(r) for r in report.rejected] if report else [],
             "failed": len(report.failed) if report else 0,
             "late": report.late if report else 0,
+            "train_loss": report.train_loss if report else None,
             "aggregated": report.aggregated if report else False,
         }
         self.rows.append(row)

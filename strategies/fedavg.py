@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class RoundReport:
     selected: int
     accepted: int = 0
     late: int = 0
+    train_loss: float | None = None
     rejected: list[Rejection] = field(default_factory=list)
     failed: list[Rejection] = field(default_factory=list)
     aggregated: bool = False
@@ -58,6 +60,8 @@ class FedAvg(FlowerFedAvg):
         Passed to Flower's ``FedAvg`` (``fraction_train``, ``min_train_nodes``, ...).
     """
 
+    keeps_partial_work = False  # FedAvg drops stragglers' replies; FedProx keeps them
+
     def __init__(
         self,
         *,
@@ -67,6 +71,7 @@ class FedAvg(FlowerFedAvg):
         policy: RoundPolicy | None = None,
         min_train_replies: int = 1,
         wait_for_nodes_s: float = 600.0,
+        straggler_fraction: float = 0.0,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("fraction_evaluate", 0.0)
@@ -78,6 +83,8 @@ class FedAvg(FlowerFedAvg):
         self.policy: RoundPolicy = policy or SyncPolicy()
         self.min_train_replies = min_train_replies
         self.wait_for_nodes_s = wait_for_nodes_s
+        self.straggler_fraction = straggler_fraction
+        self.stragglers: set[int] = set()
         self.global_arrays: ArrayRecord | None = None
         self.reports: list[RoundReport] = []
 
@@ -140,9 +147,28 @@ class FedAvg(FlowerFedAvg):
         node_ids = self.select_nodes(server_round, grid)
         config[wire.SERVER_ROUND] = server_round
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-        messages = list(self._construct_messages(record, node_ids, MessageType.TRAIN))
+        self.stragglers = self._pick_stragglers(server_round, node_ids)
+        messages = [
+            Message(self._straggler_record(record, config, server_round, node) if node in self.stragglers
+                    else record, dst_node_id=node, message_type=MessageType.TRAIN)
+            for node in node_ids
+        ]
         self.reports.append(RoundReport(server_round=server_round, selected=len(messages)))
         return messages
+
+    def _pick_stragglers(self, server_round: int, node_ids: list[int]) -> set[int]:
+        """Simulated stragglers (FedProx, Li et al. 2020, sec. 5.2): a seeded fraction of the round."""
+        if not self.straggler_fraction or not node_ids:
+            return set()
+        rng = random.Random(self.selector.seed * 7_919 + server_round)
+        return set(rng.sample(sorted(node_ids), int(round(self.straggler_fraction * len(node_ids)))))
+
+    def _straggler_record(self, record: RecordDict, config: ConfigRecord, server_round: int, node: int) -> RecordDict:
+        """A straggler's instruction: a random 1..E-1 of the E local epochs (as the FedProx code draws)."""
+        epochs = int(config.get("local-epochs", 1))  # type: ignore[arg-type]
+        partial = random.Random(server_round * 1_000_003 + node).randint(1, max(epochs - 1, 1))
+        return RecordDict({self.arrayrecord_key: record[self.arrayrecord_key],
+                           self.configrecord_key: ConfigRecord({**config, "local-epochs": partial})})
 
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
         """Wait (up to ``wait_for_nodes_s``) for ``clients_per_round`` devices, then select.
@@ -174,6 +200,9 @@ class FedAvg(FlowerFedAvg):
 
         def accepted() -> Iterator[AcceptedUpdate]:
             for verdict in self.validator.screen(server_round, replies, self.global_arrays):
+                if verdict.node_id in self.stragglers and not self.keeps_partial_work:
+                    report.late += 1  # FedAvg drops stragglers
+                    continue
                 if isinstance(verdict, Failure):
                     report.failed.append(verdict)
                 elif isinstance(verdict, Rejection):
@@ -189,7 +218,9 @@ class FedAvg(FlowerFedAvg):
         aggregate = self.aggregate_updates(accepted())
         counts = {"accepted": report.accepted, "rejected": len(report.rejected),
                   "failed": len(report.failed)}
-        metrics = MetricRecord({**weighted_mean_metrics(metric_rows, weights), **counts})
+        means = weighted_mean_metrics(metric_rows, weights)
+        report.train_loss = means.get("train-loss")
+        metrics = MetricRecord({**means, **counts})
         if aggregate is not None and not all(np.all(np.isfinite(v)) for v in aggregate.values()):
             log.error("round %d: the aggregate is not finite (the update diverged); global model kept",
                       server_round)

@@ -26,6 +26,8 @@ class FedProx(FedAvg):
         mu >= 0 (0 is FedAvg).
     """
 
+    keeps_partial_work = True
+
     def __init__(self, *, proximal_mu: float = 0.01, **kwargs: Any) -> None:
         if proximal_mu < 0:
             raise ValueError(f"proximal_mu must be >= 0, got {proximal_mu}")

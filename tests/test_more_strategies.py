@@ -94,3 +94,33 @@ def test_server_optimizer_state_survives_resume(strategy: str, fast_config: dict
     _, resumed = simulate({**config, "run-dir": str(tmp_path / "b"), "resume": True}, progress=False)
     assert resumed["final_accuracy"] == straight["final_accuracy"]
     assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize(("strategy", "kept"), [("fedavg", 2), ("fedprox", 4)])
+def test_fedavg_drops_stragglers_and_fedprox_keeps_their_partial_work(
+    strategy: str, kept: int, fast_config: dict[str, Any]
+) -> None:
+    # Prepare: half of each round's 4 devices are stragglers doing 1..E-1 of E = 5 epochs
+    config = {**fast_config, "strategy": strategy, "straggler-fraction": 0.5, "local-epochs": 5,
+              "export-onnx": False, "min-train-replies": 1, "num-rounds": 2}
+    # Execute
+    run_dir, _ = simulate(config, progress=False)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # Assert: FedAvg aggregates only the 2 on-time devices (2 counted late); FedProx all 4
+    assert [r["late"] for r in rows[1:]] == [4 - kept] * 2
+    assert all(r["aggregated"] and r["train_loss"] is not None for r in rows[1:])
+
+
+def test_straggler_instructions_carry_fewer_epochs() -> None:
+    from flwr.app import ArrayRecord, ConfigRecord
+    from flwr.clientapp import ClientApp
+
+    from fedge.simulation.grid import InlineGrid
+    from fedge.strategies import FedAvg
+
+    strategy = FedAvg(clients_per_round=4, straggler_fraction=0.5, wait_for_nodes_s=0)
+    grid = InlineGrid(ClientApp(), [{}] * 4, {})
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord({"local-epochs": 20}), grid))
+    epochs = sorted(int(m.content["config"]["local-epochs"]) for m in messages)
+    assert len(strategy.stragglers) == 2
+    assert epochs[2:] == [20, 20] and all(1 <= e <= 19 for e in epochs[:2])
