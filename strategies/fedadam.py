@@ -35,10 +35,8 @@ class FedAdam(FedAvg):
         average = super().aggregate_updates(updates)
         if average is None:
             return None
-        assert self.global_arrays is not None
-        current = {k: a.numpy() for k, a in self.global_arrays.items()}
         new, self.first, self.second = adaptive_step(
-            current, average, self.first, self.second, server_lr=self.server_learning_rate,
+            self.global_numpy(), average, self.first, self.second, server_lr=self.server_learning_rate,
             beta1=self.beta1, beta2=self.beta2, tau=self.tau, rule=self.rule)
         return new
 

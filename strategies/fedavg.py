@@ -244,6 +244,12 @@ class FedAvg(FlowerFedAvg):
             accumulator.add(update.arrays, update.weight)
         return accumulator.result() if accumulator.count else None
 
+    def global_numpy(self) -> dict[str, NDArray[np.generic]]:
+        """The arrays this round's replies are measured against, as numpy."""
+        if self.global_arrays is None:
+            raise RuntimeError("no global arrays yet: configure_train has not run")
+        return {name: array.numpy() for name, array in self.global_arrays.items()}
+
     def _report_for(self, server_round: int) -> RoundReport:
         if not self.reports or self.reports[-1].server_round != server_round:
             self.reports.append(RoundReport(server_round=server_round, selected=0))

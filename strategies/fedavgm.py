@@ -31,10 +31,8 @@ class FedAvgM(FedAvg):
         average = super().aggregate_updates(updates)
         if average is None:
             return None
-        assert self.global_arrays is not None
-        current = {k: a.numpy() for k, a in self.global_arrays.items()}
-        new, self.velocity = fedavgm_step(current, average, self.velocity, server_lr=self.server_learning_rate,
-                                          momentum=self.server_momentum)
+        new, self.velocity = fedavgm_step(self.global_numpy(), average, self.velocity,
+                                          server_lr=self.server_learning_rate, momentum=self.server_momentum)
         return new
 
     def state_dict(self) -> dict[str, NDArray[np.generic]]:  # noqa: D102

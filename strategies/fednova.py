@@ -35,8 +35,7 @@ class FedNova(FedAvg):
 
     def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
         """Streaming normalised averaging."""
-        assert self.global_arrays is not None
-        accumulator = FedNovaAccumulator({k: a.numpy() for k, a in self.global_arrays.items()})
+        accumulator = FedNovaAccumulator(self.global_numpy())
         for update in updates:
             meta = wire.reply_meta(update.content)
             steps = int(meta.get("steps", 0)) if meta else 0  # type: ignore[arg-type]
