@@ -34,6 +34,10 @@ class DeviceProfile:
         Probability that the device is online in a given slot of time.
     dropout : float
         Probability that the device vanishes mid-round, after receiving work.
+    online_hours : tuple of (start, end) hours
+        A diurnal trace: the device can be online only within these windows of each
+        simulated day (hours 0-24, e.g. ``((0, 7), (19, 24))`` for phones charging at
+        night); empty means any time. ``availability`` applies within the windows.
     """
 
     name: str
@@ -43,6 +47,7 @@ class DeviceProfile:
     memory_mb: int
     availability: float = 1.0
     dropout: float = 0.0
+    online_hours: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("compute_rate", "uplink_mbps", "downlink_mbps"):
@@ -52,6 +57,14 @@ class DeviceProfile:
             raise ConfigError(f"profile '{self.name}': availability must be in (0, 1]")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"profile '{self.name}': dropout must be in [0, 1)")
+        for window in self.online_hours:
+            if len(window) != 2 or not 0 <= window[0] < window[1] <= 24:
+                raise ConfigError(f"profile '{self.name}': online-hours window {list(window)} must be "
+                                  "[start, end] with 0 <= start < end <= 24")
+
+    def online_at_hour(self, hour: float) -> bool:
+        """Whether the diurnal trace allows being online at ``hour`` (0-24) of the day."""
+        return not self.online_hours or any(start <= hour < end for start, end in self.online_hours)
 
     def download_seconds(self, nbytes: int) -> float:
         """Seconds to receive ``nbytes`` over this profile's downlink."""
@@ -84,6 +97,7 @@ _TOML_FIELDS = {
     "memory-mb": "memory_mb",
     "availability": "availability",
     "dropout": "dropout",
+    "online-hours": "online_hours",
 }
 
 
@@ -138,13 +152,15 @@ def load_profiles_toml(path: str | Path) -> tuple[dict[str, DeviceProfile], dict
 
 def _profile_from_table(name: str, table: dict[str, object]) -> DeviceProfile:
     unknown = set(table) - set(_TOML_FIELDS)
-    missing = set(_TOML_FIELDS) - {"availability", "dropout"} - set(table)
+    missing = set(_TOML_FIELDS) - {"availability", "dropout", "online-hours"} - set(table)
     if unknown or missing:
         raise ConfigError(
             f"profile '{name}': unknown keys {sorted(unknown)} / missing keys {sorted(missing)};"
             f" a profile has {', '.join(_TOML_FIELDS)}"
         )
     kwargs = {_TOML_FIELDS[key]: value for key, value in table.items()}
+    if "online_hours" in kwargs:
+        kwargs["online_hours"] = tuple(tuple(window) for window in kwargs["online_hours"])  # type: ignore[union-attr,attr-defined]
     return DeviceProfile(name=name, **kwargs)  # type: ignore[arg-type]
 
 

@@ -230,3 +230,28 @@ def test_oort_selection_runs_and_reproduces(tmp_path: Path) -> None:
     assert first["final_accuracy"] == second["final_accuracy"]
     assert [r["participants_by_profile"] for r in _rows(tmp_path / "a")] == \
         [r["participants_by_profile"] for r in _rows(tmp_path / "b")]
+
+
+def test_diurnal_trace_keeps_devices_offline_outside_their_hours(tmp_path: Path) -> None:
+    # Prepare: phones that can be online only from 19:00 to 07:00
+    path = tmp_path / "fleet.toml"
+    path.write_text('[profiles.nightphone]\ncompute-rate = 200\nuplink-mbps = 2\ndownlink-mbps = 10\n'
+                    'memory-mb = 2048\navailability = 1.0\nonline-hours = [[0, 7], [19, 24]]\n'
+                    '[fleet]\nnightphone = 5\n')
+    fleet = parse_fleet("", str(path))
+    behaviour = Behaviour.from_fleet(fleet, seed=0, enabled=True, jitter=0.0)
+    # Execute / Assert: hour by hour over two days
+    for hour in range(48):
+        expected = hour % 24 < 7 or hour % 24 >= 19
+        assert behaviour.online(3, "nightphone", hour * 3600.0 + 60) is expected, hour
+
+
+@pytest.mark.parametrize("window", ["[[5, 3]]", "[[0, 25]]", "[[1]]"])
+def test_bad_online_hours_are_refused(tmp_path: Path, window: str) -> None:
+    from fedge.errors import ConfigError
+
+    path = tmp_path / "fleet.toml"
+    path.write_text('[profiles.p]\ncompute-rate = 1\nuplink-mbps = 1\ndownlink-mbps = 1\nmemory-mb = 1\n'
+                    f'online-hours = {window}\n[fleet]\np = 1\n')
+    with pytest.raises(ConfigError, match="online-hours window"):
+        parse_fleet("", str(path))
