@@ -83,9 +83,6 @@ def build_strategy(config: Mapping[str, Scalar], num_nodes: int | None = None) -
                     "server_learning_rate": float(config["server-learning-rate"]),
                     "staleness_exponent": float(config["staleness-exponent"])},
     }
-    if name == "fedbuff" and num_nodes is None:
-        raise ConfigError("strategy 'fedbuff' runs in simulation only for now; use fedavg or fedprox "
-                          "(with round-policy='deadline') in deployment")
     extra = options.get(name, {})
     return STRATEGIES[name](
         clients_per_round=per_round,

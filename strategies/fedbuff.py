@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,9 +41,8 @@ class FedBuff(FedAvg):
     ``concurrency`` devices train at once on whatever global model was current when
     they started; every ``buffer_size`` arrived updates are applied with weight
     ``1/sqrt(1 + staleness)`` and a new device starts as each one finishes. A server
-    "round" is one buffer flush. Arrivals are ordered by fedge's virtual clock, so
-    this runs in simulation (on a :class:`MeteredGrid` over the inline grid); in
-    deployment it is refused at start for now.
+    "round" is one buffer flush. In simulation arrivals are ordered by fedge's virtual
+    clock; in deployment they come in real time through the Grid's push/pull API.
     """
 
     def __init__(self, *, concurrency: int = 20, buffer_size: int = 10, server_learning_rate: float = 1.0,
@@ -66,9 +66,9 @@ class FedBuff(FedAvg):
         start_round: int = 1,
     ) -> Result:
         """Run ``num_rounds`` buffer flushes (resuming after ``start_round - 1``)."""
-        if not isinstance(grid, MeteredGrid) or not getattr(grid.inner, "synchronous", False):
-            raise ConfigError("strategy 'fedbuff' runs in simulation (inline backend) only for now")
-        run = _AsyncRun(self, grid, initial_arrays, train_config or ConfigRecord(), timeout, start_round - 1)
+        simulated = isinstance(grid, MeteredGrid) and getattr(grid.inner, "synchronous", False)
+        arrivals: _Arrivals = _SimulatedArrivals(grid, timeout) if simulated else _LiveArrivals(grid, timeout)
+        run = _AsyncRun(self, grid, arrivals, initial_arrays, train_config or ConfigRecord(), start_round - 1)
         result = Result()
         result.arrays = initial_arrays
         if evaluate_fn and start_round == 1:
@@ -85,16 +85,98 @@ class FedBuff(FedAvg):
         return staleness_weight(staleness, self.staleness_exponent)
 
 
-class _AsyncRun:
-    """The event loop of one FedBuff run on the virtual clock (explicit server state)."""
+class _SimulatedArrivals:
+    """Arrivals ordered by the virtual clock: the inline grid runs a device's work at launch,
+    and its reply is delivered when the clock reaches launch time + its simulated duration."""
 
-    def __init__(self, strategy: FedBuff, grid: MeteredGrid, arrays: ArrayRecord, config: ConfigRecord,
-                 timeout: float, version: int) -> None:
-        self.strategy, self.grid, self.config, self.timeout = strategy, grid, config, timeout
+    def __init__(self, grid: Grid, timeout: float) -> None:
+        assert isinstance(grid, MeteredGrid)
+        self.grid, self.timeout = grid, timeout
+        self.heap: list[_InFlight] = []
+        self.sequence = 0
+
+    def busy(self) -> set[int]:
+        """Nodes with work in flight."""
+        return {event.node for event in self.heap}
+
+    def versions(self) -> set[int]:
+        """Model versions that work in flight started from."""
+        return {event.version for event in self.heap}
+
+    def launch(self, message: Message, node: int, version: int) -> None:
+        """Give ``node`` work (a device that drops out never arrives)."""
+        for reply, seconds in self.grid.exchange_timed([message], self.timeout):
+            self.sequence += 1
+            heapq.heappush(self.heap, _InFlight(self.grid.sim_time + seconds, self.sequence, node, version, reply))
+
+    def next(self) -> _InFlight | None:
+        """The earliest arrival, with the clock moved to it; ``None`` when nothing is in flight."""
+        if not self.heap:
+            return None
+        event = heapq.heappop(self.heap)
+        self.grid.advance(max(event.arrival - self.grid.sim_time, 0.0))
+        return event
+
+
+class _LiveArrivals:
+    """Arrivals in real time through the Grid's push/pull API (deployment).
+
+    Replies are matched by ``reply_to_message_id`` (SuperLink-generated errors come from
+    node 1); work older than ``timeout`` is given up and its device freed.
+    """
+
+    def __init__(self, grid: Grid, timeout: float, poll_s: float = 0.1) -> None:
+        self.grid, self.timeout, self.poll_s = grid, timeout, poll_s
+        self.pending: dict[str, tuple[int, int, float]] = {}
+        self.ready: list[_InFlight] = []
+        self.sequence = 0
+
+    def busy(self) -> set[int]:  # noqa: D102
+        return {node for node, _, _ in self.pending.values()} | {event.node for event in self.ready}
+
+    def versions(self) -> set[int]:  # noqa: D102
+        return {version for _, version, _ in self.pending.values()} | {event.version for event in self.ready}
+
+    def launch(self, message: Message, node: int, version: int) -> None:  # noqa: D102
+        for message_id in self.grid.push_messages([message]):
+            self.pending[message_id] = (node, version, time.monotonic())
+        if isinstance(self.grid, MeteredGrid):
+            self.grid.current.bytes_down += wire.payload_bytes(message.content)
+
+    def next(self) -> _InFlight | None:
+        """The next reply to arrive (waiting for it); ``None`` when nothing is in flight."""
+        while not self.ready and self.pending:
+            for reply in self.grid.pull_messages(list(self.pending)):
+                node, version, started = self.pending.pop(reply.metadata.reply_to_message_id, (0, 0, 0.0))
+                if node:
+                    self.sequence += 1
+                    self.ready.append(_InFlight(time.monotonic() - started, self.sequence, node, version, reply))
+            expired = [i for i, (_, _, started) in self.pending.items() if time.monotonic() - started > self.timeout]
+            for message_id in expired:
+                log.warning("fedbuff: node %d did not reply within %.0f s", self.pending.pop(message_id)[0],
+                            self.timeout)
+            if not self.ready:
+                time.sleep(self.poll_s)
+        if not self.ready:
+            return None
+        event = self.ready.pop(0)
+        if isinstance(self.grid, MeteredGrid) and not event.reply.has_error():
+            self.grid.current.bytes_up += wire.payload_bytes(event.reply.content)
+        return event
+
+
+_Arrivals = _SimulatedArrivals | _LiveArrivals
+
+
+class _AsyncRun:
+    """The event loop of one FedBuff run (explicit server state)."""
+
+    def __init__(self, strategy: FedBuff, grid: Grid, arrivals: _Arrivals, arrays: ArrayRecord,
+                 config: ConfigRecord, version: int) -> None:
+        self.strategy, self.grid, self.arrivals, self.config = strategy, grid, arrivals, config
         self.arrays, self.version = arrays, version
         self.snapshots: dict[int, dict[str, NDArray[Any]]] = {version: _numpy(arrays)}
-        self.in_flight: list[_InFlight] = []
-        self.sequence = 0
+        self.launches = 0
         self.buffer: list[tuple[dict[str, NDArray[Any]], float]] = []
         self.replies: list[Message] = []
         self.report = RoundReport(server_round=version + 1, selected=0)
@@ -104,30 +186,27 @@ class _AsyncRun:
         """Start devices up to the concurrency, then take the next arrival; False when none can run."""
         self.flushed = False
         self._launch()
-        if not self.in_flight:
+        event = self.arrivals.next()
+        if event is None:
             log.warning("fedbuff: no device available to train; stopping")
             return False
-        event = heapq.heappop(self.in_flight)
-        self.grid.advance(max(event.arrival - self.grid.sim_time, 0.0))
         self._receive(event)
         if len(self.buffer) >= self.strategy.buffer_size:
             self._flush()
         return True
 
     def _launch(self) -> None:
-        busy = {event.node for event in self.in_flight}
+        busy = self.arrivals.busy()
         idle = [node for node in self.grid.get_node_ids() if node not in busy]
-        wanted = self.strategy.concurrency - len(self.in_flight)
-        chosen = self.strategy.selector.select(self.version * 7919 + self.sequence, idle, wanted) if wanted > 0 else []
+        wanted = self.strategy.concurrency - len(busy)
+        chosen = self.strategy.selector.select(self.version * 7919 + self.launches, idle, wanted) if wanted > 0 else []
         for node in chosen:
-            self.config[wire.SERVER_ROUND] = self.version + 1
-            message = Message(RecordDict({"arrays": self.arrays, "config": self.config}), dst_node_id=node,
+            self.launches += 1
+            config = ConfigRecord({**self.config, wire.SERVER_ROUND: self.version + 1})
+            message = Message(RecordDict({"arrays": self.arrays, "config": config}), dst_node_id=node,
                               message_type=MessageType.TRAIN)
             self.report.selected += 1
-            for reply, seconds in self.grid.exchange_timed([message], self.timeout):  # empty: dropped out
-                self.sequence += 1
-                heapq.heappush(self.in_flight, _InFlight(self.grid.sim_time + seconds, self.sequence, node,
-                                                         self.version, reply))
+            self.arrivals.launch(message, node, self.version)
 
     def _receive(self, event: _InFlight) -> None:
         node, reply = event.node, event.reply
@@ -154,9 +233,10 @@ class _AsyncRun:
         self.version += 1
         self.arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in new.items()})
         self.snapshots[self.version] = new
-        live = {event.version for event in self.in_flight} | {self.version}
+        live = self.arrivals.versions() | {self.version}
         self.snapshots = {v: a for v, a in self.snapshots.items() if v in live}
-        self.grid.count_participants(self.replies)
+        if isinstance(self.grid, MeteredGrid):
+            self.grid.count_participants(self.replies)
         self.report.aggregated = True
         self.strategy.reports.append(self.report)
         self.buffer, self.replies = [], []

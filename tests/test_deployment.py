@@ -121,3 +121,17 @@ def test_insecure_mode_must_be_asked_for_and_warns(tmp_path: Path) -> None:
         assert fed.rows()[1]["participants"] == 2
     finally:
         fed.close()
+
+
+def test_fedbuff_runs_asynchronously_in_deployment(federation: LoopbackFederation) -> None:
+    # 3 devices, 2 training at a time, every 2 arrivals applied: 3 buffer flushes
+    federation.start_coordinator("--rounds", "3", "--clients-per-round", "2", "--run-config",
+                                 "model='mlp' local-epochs=2 export-onnx=false strategy='fedbuff' concurrency=2 "
+                                 "buffer-size=2 round-timeout=60.0")
+    for index in range(3):
+        federation.start_device(index)
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 240, "the summary")
+    rows = federation.rows()
+    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["participants"] == 2 and r["aggregated"] and r["bytes_up"] > 0 for r in rows[1:])
+    assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.2

@@ -180,15 +180,6 @@ def test_fedbuff_flushes_every_buffer_and_learns(tmp_path: Path) -> None:
     assert summary["final_accuracy"] > rows[0]["accuracy"] + 0.2
 
 
-def test_fedbuff_is_refused_in_deployment() -> None:
-    from fedge.config import resolve_run_config
-    from fedge.errors import ConfigError
-    from fedge.server.app import build_strategy
-
-    with pytest.raises(ConfigError, match="simulation only"):
-        build_strategy(resolve_run_config({"strategy": "fedbuff"}), None)
-
-
 def _loss_reply(node: int, loss: float, count: int) -> Message:
     reply = train_reply(node, good_arrays(1.0), count)
     reply.content["metrics"]["train-loss"] = loss
