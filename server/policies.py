@@ -6,8 +6,8 @@
   K replies that arrive before ``deadline_s``; later replies are discarded and
   counted (Bonawitz et al., "Towards Federated Learning at Scale", MLSys 2019).
 
-On fedge's :class:`~fedge.simulation.clock.MeteredGrid` arrival times come from the
-virtual clock; elsewhere the deadline is real time.
+In simulation (a :class:`~fedge.simulation.clock.MeteredGrid` over the inline grid)
+arrival times come from the virtual clock; with real devices the deadline is real time.
 """
 
 from __future__ import annotations
@@ -67,19 +67,29 @@ class DeadlinePolicy:
 
     def exchange(self, grid: Grid, messages: list[Message], timeout: float, target: int) -> Exchange:
         """The first ``target`` replies before the deadline; the round lasts until the last of them."""
+        wait = min(timeout, self.deadline_s)
         if not isinstance(grid, MeteredGrid):
-            replies = list(grid.send_and_receive(messages, timeout=min(timeout, self.deadline_s)))
-            return Exchange(replies[:target], late=max(len(messages) - len(replies), 0))
-        timed = grid.exchange_timed(messages, min(timeout, self.deadline_s))
+            replies = list(grid.send_and_receive(messages, timeout=wait))
+            return Exchange([r for r in replies if not r.has_error()][:target], late=len(messages) - len(replies))
+        if not getattr(grid.inner, "synchronous", False):
+            # real devices: the deadline is real time and replies come in arrival order
+            replies = [reply for reply, _ in grid.exchange_timed(messages, wait)]
+            kept = [reply for reply in replies if not reply.has_error()][:target]
+            grid.count_participants(kept)
+            return Exchange(kept, late=len(messages) - len(replies))
+        return self._on_virtual_clock(grid, messages, wait, target)
+
+    def _on_virtual_clock(self, grid: MeteredGrid, messages: list[Message], wait: float, target: int) -> Exchange:
+        timed = grid.exchange_timed(messages, wait)
         on_time = sorted(((arrival, reply) for reply, arrival in timed
                           if arrival <= self.deadline_s and not reply.has_error()), key=lambda pair: pair[0])
-        kept = on_time[:target]
-        grid.advance(kept[-1][0] if len(kept) == target else self.deadline_s)
+        first = on_time[:target]
+        grid.advance(first[-1][0] if len(first) == target else self.deadline_s)
         late = sum(1 for reply, arrival in timed if arrival > self.deadline_s and not reply.has_error())
         late += len(messages) - len(timed)  # never replied: dropped out
-        replies = [reply for _, reply in kept]
-        grid.count_participants(replies)
-        return Exchange(replies, late=late)
+        kept = [reply for _, reply in first]
+        grid.count_participants(kept)
+        return Exchange(kept, late=late)
 
 
 RoundPolicy = SyncPolicy | DeadlinePolicy
