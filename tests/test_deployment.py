@@ -135,3 +135,16 @@ def test_fedbuff_runs_asynchronously_in_deployment(federation: LoopbackFederatio
     assert [r["round"] for r in rows] == [0, 1, 2, 3]
     assert all(r["participants"] == 2 and r["aggregated"] and r["bytes_up"] > 0 for r in rows[1:])
     assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.2
+
+
+def test_deadline_with_over_selection_in_deployment(federation: LoopbackFederation) -> None:
+    # K = 2 with over-selection 1.5: 3 devices asked, the first 2 replies within 60 s kept
+    federation.start_coordinator("--rounds", "2", "--clients-per-round", "2", "--run-config",
+                                 "model='mlp' local-epochs=2 export-onnx=false round-policy='deadline' "
+                                 "deadline-s=60.0 over-selection=1.5")
+    for index in range(3):
+        federation.start_device(index)
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 240, "the summary")
+    rows = federation.rows()
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert all(r["participants"] == 2 and r["aggregated"] for r in rows[1:])
