@@ -22,6 +22,7 @@ from fedge import wire
 from fedge.clients.data import federated_data, load_local_file
 from fedge.clients.models import build_model, load_arrays, model_arrays
 from fedge.clients.profiles import parse_fleet
+from fedge.clients.secure import add_secure_handlers
 from fedge.clients.training import as_dataset, evaluate, pick_device, train_local
 from fedge.config import resolve_run_config
 
@@ -57,8 +58,8 @@ def make_client_app(
     """
     app = ClientApp()
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
+    def train_content(msg: Message, context: Context) -> RecordDict:
+        """Train on the instruction in ``msg``; the reply's content (arrays, metrics, meta)."""
         config = _effective_config(context, config_defaults)
         instruction = msg.content[wire.CONFIG]
         model = model_fn(context)
@@ -85,9 +86,13 @@ def make_client_app(
             "steps": stats.steps,
         })
         metrics = MetricRecord({"train-loss": stats.loss, wire.NUM_EXAMPLES: stats.num_examples})
-        content = RecordDict({wire.ARRAYS: model_arrays(model), wire.METRICS: metrics,
-                              wire.REPLY_META: meta})
-        return Message(content, reply_to=msg)
+        return RecordDict({wire.ARRAYS: model_arrays(model), wire.METRICS: metrics, wire.REPLY_META: meta})
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        return Message(train_content(msg, context), reply_to=msg)
+
+    add_secure_handlers(app, train_content)
 
     @app.evaluate()
     def evaluate_(msg: Message, context: Context) -> Message:

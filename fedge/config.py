@@ -78,6 +78,10 @@ DEFAULTS: dict[str, Scalar] = {
     "exploration": 0.2,
     "fairness-rounds": 20,
     "straggler-fraction": 0.0,
+    "secure-aggregation": False,
+    "secagg-threshold": 0.5,
+    "secagg-neighbours": 0,
+    "secagg-clip": 10000.0,
     "grid-poll-interval": 0.1,
 }
 
@@ -129,6 +133,9 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "exploration": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "fairness-rounds": (lambda v: v >= 1, ">= 1"),
     "straggler-fraction": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "secagg-threshold": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "secagg-neighbours": (lambda v: v >= 0, ">= 0 (0: all pairs)"),
+    "secagg-clip": (lambda v: v > 0, "> 0"),
     "synthetic-alpha": (lambda v: v >= 0, ">= 0"),
     "synthetic-beta": (lambda v: v >= 0, ">= 0"),
 }

@@ -27,6 +27,7 @@ from fedge.server.checkpoint import load_checkpoint
 from fedge.server.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
 from fedge.server.recorder import RoundRecorder
 from fedge.server.report import run_dir_for, write_json_atomic
+from fedge.server.secure import SecureFedAvg
 from fedge.server.selection import OortSelector, RandomSelector
 from fedge.server.validation import ReplyValidator
 from fedge.simulation.behaviour import Behaviour
@@ -84,7 +85,16 @@ def build_strategy(config: Mapping[str, Scalar], num_nodes: int | None = None) -
                     "staleness_exponent": float(config["staleness-exponent"])},
     }
     extra = options.get(name, {})
-    return STRATEGIES[name](
+    strategy_class = STRATEGIES[name]
+    if config["secure-aggregation"]:
+        if name != "fedavg":
+            raise ConfigError(
+                f"secure-aggregation works with strategy 'fedavg' for now, not '{name}' (median, trimmed-mean and "
+                "krum need individual updates; fedbuff is asynchronous); drop secure-aggregation or use fedavg")
+        strategy_class = SecureFedAvg
+        extra = {"threshold": float(config["secagg-threshold"]), "neighbours": int(config["secagg-neighbours"]),
+                 "clip": float(config["secagg-clip"])}
+    return strategy_class(
         clients_per_round=per_round,
         policy=build_policy(config),
         validator=ReplyValidator(max_num_examples=int(config["max-num-examples"])),

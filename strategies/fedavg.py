@@ -114,11 +114,7 @@ class FedAvg(FlowerFedAvg):
         if evaluate_fn and start_round == 1 and (res := evaluate_fn(0, arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
         for server_round in range(start_round, num_rounds + 1):
-            messages = list(self.configure_train(server_round, arrays, train_config, grid))
-            exchange = self.policy.exchange(grid, messages, timeout, self.clients_per_round)
-            self.reports[-1].late = exchange.late
-            self.selector.observe(server_round, exchange.replies, getattr(grid, "last_durations", {}))
-            new_arrays, train_metrics = self.aggregate_train(server_round, exchange.replies)
+            new_arrays, train_metrics = self.train_round(grid, server_round, arrays, train_config, timeout)
             if new_arrays is not None:
                 result.arrays = arrays = new_arrays
             if train_metrics is not None:
@@ -131,6 +127,19 @@ class FedAvg(FlowerFedAvg):
             if evaluate_fn and (res := evaluate_fn(server_round, arrays)) is not None:
                 result.evaluate_metrics_serverapp[server_round] = res
         return result
+
+    def train_round(
+        self, grid: Grid, server_round: int, arrays: ArrayRecord, config: ConfigRecord, timeout: float
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """One training round: select, exchange under the round policy, validate, aggregate.
+
+        Override to change how a round talks to devices (secure aggregation does).
+        """
+        messages = list(self.configure_train(server_round, arrays, config, grid))
+        exchange = self.policy.exchange(grid, messages, timeout, self.clients_per_round)
+        self.reports[-1].late = exchange.late
+        self.selector.observe(server_round, exchange.replies, getattr(grid, "last_durations", {}))
+        return self.aggregate_train(server_round, exchange.replies)
 
     def state_dict(self) -> dict[str, NDArray[np.generic]]:
         """Strategy state to checkpoint with the model (FedAvg has none; FedAvgM etc. do)."""
