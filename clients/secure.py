@@ -81,7 +81,8 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
         mask_key = X25519PrivateKey.from_private_bytes(bytes(state["s-sk"]))  # type: ignore[arg-type]
         me, server_round = context.node_id, int(state["round"])  # type: ignore[arg-type]
         # pair masks only with peers that completed the share step (their shares reached us)
-        neighbours = [int(peer) for peer in state["neighbours"] if f"from/{peer}" in inbox]  # type: ignore[union-attr]
+        known = [int(peer) for peer in state["neighbours"]]  # type: ignore[union-attr]
+        neighbours = [peer for peer in known if f"from/{peer}" in inbox]
         pair_seeds = {peer: derive(mask_key, bytes(state[f"s-pk/{peer}"]), "mask",  # type: ignore[arg-type]
                                    str(server_round).encode())
                       for peer in neighbours}
