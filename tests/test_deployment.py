@@ -148,3 +148,15 @@ def test_deadline_with_over_selection_in_deployment(federation: LoopbackFederati
     rows = federation.rows()
     assert [r["round"] for r in rows] == [0, 1, 2]
     assert all(r["participants"] == 2 and r["aggregated"] for r in rows[1:])
+
+
+def test_secure_aggregation_in_deployment(federation: LoopbackFederation) -> None:
+    # The four secure-aggregation steps over a real SuperLink, TLS and device auth on
+    federation.start_coordinator("--rounds", "1", "--clients-per-round", "3", "--run-config",
+                                 "model='mlp' local-epochs=2 export-onnx=false secure-aggregation=true")
+    for index in range(3):
+        federation.start_device(index)
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 300, "the summary")
+    rows = federation.rows()
+    assert rows[1]["aggregated"] and rows[1]["participants"] == 3
+    assert rows[1]["accuracy"] > rows[0]["accuracy"] + 0.2
