@@ -19,7 +19,6 @@ import datetime as dt
 import json
 import logging
 import os
-import shutil
 import signal
 import ssl
 import subprocess
@@ -247,10 +246,3 @@ def _toml(value: Scalar) -> str:
     if isinstance(value, str):
         return json.dumps(value)
     return repr(value)
-
-
-def clean_state(state_dir: Path) -> None:
-    """Forget the SuperLink's database (registrations, runs) and Flower's home."""
-    for name in ("superlink.db", "superlink.db-shm", "superlink.db-wal"):
-        (state_dir / name).unlink(missing_ok=True)
-    shutil.rmtree(state_dir / "flwr-home", ignore_errors=True)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import Context, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedge.clients.app import make_default_client_app
@@ -27,7 +26,7 @@ from fedge.errors import ConfigError
 from fedge.server.app import behaviour_of, make_server_app, run_coordinator
 from fedge.server.report import run_dir_for
 from fedge.simulation.byzantine import byzantine_partitions, make_byzantine_client_app
-from fedge.simulation.grid import SUPERLINK_NODE_ID, InlineGrid
+from fedge.simulation.grid import InlineGrid
 
 log = logging.getLogger("fedge.simulation")
 
@@ -102,9 +101,3 @@ def _client_app(config: Mapping[str, Scalar], num_nodes: int,
     log.info("byzantine devices (%s): partitions %s", config["byzantine-attack"], sorted(bad))
     return make_byzantine_client_app(honest, bad, str(config["byzantine-attack"]),
                                      float(config["attack-scale"]))
-
-
-def server_context(config: Mapping[str, Scalar], run_id: int = 1) -> Context:
-    """A ServerApp ``Context`` for ``config`` (for driving the ServerApp by hand)."""
-    return Context(run_id=run_id, node_id=SUPERLINK_NODE_ID, node_config={},
-                   state=RecordDict(), run_config=dict(config))
