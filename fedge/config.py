@@ -81,7 +81,9 @@ DEFAULTS: dict[str, Scalar] = {
     "secure-aggregation": False,
     "secagg-threshold": 0.5,
     "secagg-neighbours": 0,
-    "secagg-clip": 10000.0,
+    "secagg-clip": 1000.0,
+    "secagg-precision": 0.0001,
+    "secagg-bits": 32,
     "grid-poll-interval": 0.1,
 }
 
@@ -136,6 +138,8 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "secagg-threshold": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "secagg-neighbours": (lambda v: v >= 0, ">= 0 (0: all pairs)"),
     "secagg-clip": (lambda v: v > 0, "> 0"),
+    "secagg-precision": (lambda v: v > 0, "> 0"),
+    "secagg-bits": (lambda v: 8 <= v <= 64, "in [8, 64]"),
     "synthetic-alpha": (lambda v: v >= 0, ">= 0"),
     "synthetic-beta": (lambda v: v >= 0, ">= 0"),
 }

@@ -4,7 +4,7 @@ Bonawitz et al., "Practical Secure Aggregation for Privacy-Preserving Machine Le
 CCS 2017; Bell et al., "Secure Single-Server Aggregation with (Poly)Logarithmic
 Overhead", CCS 2020. Pieces:
 
-* fixed-point quantisation of a clipped vector into Z_{2^32};
+* fixed-point quantisation of a clipped vector into Z_{2^bits} (32 by default);
 * masks expanded from 256-bit seeds with the ChaCha20 keystream (a CSPRNG;
   Flower 1.42's SecAgg+ folds its seed to 32 bits for numpy's RandomState);
 * X25519 key agreement, HKDF-SHA256 key derivation, AES-256-GCM for shares in transit;
@@ -20,6 +20,7 @@ asked for both shares of one peer (self-mask seed and mask key), which would unm
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from collections.abc import Iterable, Mapping, Sequence
@@ -34,8 +35,31 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 
-MODULUS_BITS = 32
-Vector = NDArray[np.uint32]
+Vector = NDArray[np.unsignedinteger]
+
+
+# --------------------------------------------------------------------------- the ring Z_{2^bits}
+
+
+def ring_dtype(bits: int) -> type[np.unsignedinteger]:
+    """The smallest numpy word holding Z_{2^bits} (uint32 up to 32 bits, else uint64)."""
+    if not 2 <= bits <= 64:
+        raise ValueError(f"secure aggregation works in Z_(2^bits) with 2 <= bits <= 64, got {bits}")
+    return np.uint32 if bits <= 32 else np.uint64
+
+
+def to_ring(values: NDArray[np.unsignedinteger], bits: int) -> Vector:
+    """Reduce unsigned words (arithmetic done mod 2^64) into Z_{2^bits}."""
+    wide = values.astype(np.uint64, copy=False)
+    if bits < 64:
+        wide = wide & np.uint64((1 << bits) - 1)
+    return wide.astype(ring_dtype(bits))
+
+
+def ring_add(a: Vector, b: Vector, bits: int, *, subtract: bool = False) -> Vector:
+    """``a + b`` (or ``a - b``) in Z_{2^bits}."""
+    wide_a, wide_b = a.astype(np.uint64), b.astype(np.uint64)
+    return to_ring(wide_a - wide_b if subtract else wide_a + wide_b, bits)
 
 
 # --------------------------------------------------------------------------- fixed point
@@ -43,60 +67,75 @@ Vector = NDArray[np.uint32]
 
 @dataclass(frozen=True)
 class FixedPoint:
-    """Clip to ``[-clip, clip]`` and scale by ``scale`` into Z_{2^32}.
+    """Clip to ``[-clip, clip]`` and scale by ``scale`` into Z_{2^bits} (two's complement).
 
-    A sum of ``n`` encoded vectors decodes correctly while ``n * clip * scale < 2^31``.
+    A sum of ``n`` encoded vectors decodes correctly while ``n * clip * scale < 2^(bits-1)``.
     """
 
     clip: float
     scale: float
+    bits: int = 32
 
     def encode(self, values: NDArray[np.floating]) -> Vector:
-        """Quantise (round to nearest) into uint32 two's complement."""
+        """Quantise (round to nearest) into the ring."""
         clipped = np.clip(np.asarray(values, np.float64), -self.clip, self.clip)
-        return np.rint(clipped * self.scale).astype(np.int64).astype(np.uint32)
+        return to_ring(np.rint(clipped * self.scale).astype(np.int64).astype(np.uint64), self.bits)
+
+    def fits(self, count: int) -> bool:
+        """Whether a sum of ``count`` encodings cannot overflow."""
+        return count * self.clip * self.scale < 2 ** (self.bits - 1)
 
     def decode_sum(self, total: Vector, count: int) -> NDArray[np.float64]:
         """Decode a modular sum of ``count`` encodings back to floats."""
-        if count * self.clip * self.scale >= 2**31:
-            raise ValueError(f"{count} vectors of clip {self.clip} at scale {self.scale} overflow 32 bits; "
-                             "lower the scale or the clipping range")
-        return total.astype(np.int32).astype(np.float64) / self.scale
+        if not self.fits(count):
+            raise ValueError(f"{count} vectors of clip {self.clip} at scale {self.scale} overflow {self.bits} "
+                             "bits; raise secagg-bits, lower secagg-clip or coarsen secagg-precision")
+        signed = total.astype(np.uint64).astype(np.int64)
+        if self.bits < 64:
+            signed = np.where(signed >= 2 ** (self.bits - 1), signed - 2**self.bits, signed)
+        return signed.astype(np.float64) / self.scale
+
+
+def bits_needed(count: int, clip: float, precision: float) -> int:
+    """Ring bits for ``count`` values in ``[-clip, clip]`` at ``precision`` to sum without overflow."""
+    return math.ceil(math.log2(count * clip / precision + 1)) + 1
 
 
 # --------------------------------------------------------------------------- masks
 
 
-def expand_mask(seed: bytes, length: int) -> Vector:
-    """``length`` uint32 words of ChaCha20 keystream keyed by the 32-byte ``seed``."""
+def expand_mask(seed: bytes, length: int, bits: int = 32) -> Vector:
+    """``length`` ring elements of ChaCha20 keystream keyed by the 32-byte ``seed``."""
     if len(seed) != 32:
         raise ValueError("mask seeds are 32 bytes")
+    word = 4 if bits <= 32 else 8
     encryptor = Cipher(algorithms.ChaCha20(seed, b"\x00" * 16), mode=None).encryptor()
-    return np.frombuffer(encryptor.update(b"\x00" * (4 * length)), dtype="<u4").astype(np.uint32)
+    stream = np.frombuffer(encryptor.update(b"\x00" * (word * length)), dtype=f"<u{word}")
+    return to_ring(stream, bits)
 
 
-def masked_input(encoded: Vector, self_seed: bytes, pair_seeds: Mapping[int, bytes], me: int) -> Vector:
-    """``x + PRG(b_i) + sum_{j > i} PRG(s_ij) - sum_{j < i} PRG(s_ij)`` in Z_{2^32}."""
-    total = encoded.astype(np.uint32) + expand_mask(self_seed, len(encoded))
+def masked_input(encoded: Vector, self_seed: bytes, pair_seeds: Mapping[int, bytes], me: int,
+                 bits: int = 32) -> Vector:
+    """``x + PRG(b_i) + sum_{j > i} PRG(s_ij) - sum_{j < i} PRG(s_ij)`` in Z_{2^bits}."""
+    total = ring_add(encoded, expand_mask(self_seed, len(encoded), bits), bits)
     for peer, seed in pair_seeds.items():
-        mask = expand_mask(seed, len(encoded))
-        total = total + mask if me < peer else total - mask
-    return total.astype(np.uint32)
+        total = ring_add(total, expand_mask(seed, len(encoded), bits), bits, subtract=me > peer)
+    return total
 
 
-def unmask(masked_sum: Vector, self_seeds: Iterable[bytes], dropped_pairs: Iterable[tuple[int, int, bytes]]) -> Vector:
+def unmask(masked_sum: Vector, self_seeds: Iterable[bytes], dropped_pairs: Iterable[tuple[int, int, bytes]],
+           bits: int = 32) -> Vector:
     """Remove survivors' self-masks and the pair masks that dropped devices left behind.
 
     ``dropped_pairs`` holds ``(survivor, dropped, seed)``: the survivor added
     ``+PRG(seed)`` if ``survivor < dropped`` else ``-PRG(seed)``, which nothing cancelled.
     """
-    total = masked_sum.astype(np.uint32).copy()
+    total = to_ring(masked_sum, bits)
     for seed in self_seeds:
-        total = total - expand_mask(seed, len(total))
+        total = ring_add(total, expand_mask(seed, len(total), bits), bits, subtract=True)
     for survivor, dropped, seed in dropped_pairs:
-        mask = expand_mask(seed, len(total))
-        total = total - mask if survivor < dropped else total + mask
-    return total.astype(np.uint32)
+        total = ring_add(total, expand_mask(seed, len(total), bits), bits, subtract=survivor < dropped)
+    return total
 
 
 # --------------------------------------------------------------------------- keys

@@ -23,11 +23,12 @@ from fedge.clients.models import build_model, load_arrays, model_arrays
 from fedge.clients.profiles import Fleet, parse_fleet
 from fedge.config import Scalar, config_fingerprint, model_keys, resolve_run_config
 from fedge.errors import CheckpointMismatch, ConfigError
+from fedge.secagg import bits_needed
 from fedge.server.checkpoint import load_checkpoint
 from fedge.server.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
 from fedge.server.recorder import RoundRecorder
 from fedge.server.report import run_dir_for, write_json_atomic
-from fedge.server.secure import SecureFedAvg
+from fedge.server.secure import secure_variant
 from fedge.server.selection import OortSelector, RandomSelector
 from fedge.server.validation import ReplyValidator
 from fedge.simulation.behaviour import Behaviour
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedge.server")
 
+FEDNOVA_WORK_CAP = 1000.0  # largest normalised local work a FedNova device reports under secure aggregation
 TRAIN_KEYS = ("local-epochs", "batch-size", "learning-rate", "momentum", "local-budget", "time-budget-s")
 
 
@@ -87,13 +89,8 @@ def build_strategy(config: Mapping[str, Scalar], num_nodes: int | None = None) -
     extra = options.get(name, {})
     strategy_class = STRATEGIES[name]
     if config["secure-aggregation"]:
-        if name != "fedavg":
-            raise ConfigError(
-                f"secure-aggregation works with strategy 'fedavg' for now, not '{name}' (median, trimmed-mean and "
-                "krum need individual updates; fedbuff is asynchronous); drop secure-aggregation or use fedavg")
-        strategy_class = SecureFedAvg
-        extra = {"threshold": float(config["secagg-threshold"]), "neighbours": int(config["secagg-neighbours"]),
-                 "clip": float(config["secagg-clip"])}
+        strategy_class = secure_variant(strategy_class)
+        extra = {**extra, **secure_options(config, build_policy(config).selection_size(per_round))}
     return strategy_class(
         clients_per_round=per_round,
         policy=build_policy(config),
@@ -106,6 +103,29 @@ def build_strategy(config: Mapping[str, Scalar], num_nodes: int | None = None) -
         min_evaluate_nodes=0 if not config["fraction-evaluate"] else 1,
         **extra,
     )
+
+
+def secure_options(config: Mapping[str, Scalar], selected: int) -> dict[str, Any]:
+    """Secure-aggregation settings, refused at start when they cannot work for ``selected`` devices.
+
+    Raises
+    ------
+    ConfigError
+        Fewer than 3 devices a round (each would learn the other's update from the sum), or
+        a ring too narrow for ``selected`` updates at ``secagg-clip`` / ``secagg-precision``.
+    """
+    if selected < 3:
+        raise ConfigError(f"secure-aggregation needs at least 3 devices a round, got clients-per-round = {selected}: "
+                          "with 2, each device learns the other's update from the sum; raise clients-per-round")
+    clip, precision, bits = float(config["secagg-clip"]), float(config["secagg-precision"]), int(config["secagg-bits"])
+    if bits_needed(selected, clip, precision) > bits:
+        raise ConfigError(
+            f"secagg-bits = {bits} is too small: {selected} devices x secagg-clip {clip:g} / secagg-precision "
+            f"{precision:g} overflow it (needs {bits_needed(selected, clip, precision)} bits); raise secagg-bits "
+            "(up to 64), lower secagg-clip, coarsen secagg-precision or select fewer devices")
+    return {"threshold": float(config["secagg-threshold"]), "neighbours": int(config["secagg-neighbours"]),
+            "clip": clip, "precision": precision, "bits": bits,
+            "weight_clip": float(config["max-num-examples"]), "work_cap": FEDNOVA_WORK_CAP}
 
 
 def build_selector(config: Mapping[str, Scalar]) -> RandomSelector:

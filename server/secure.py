@@ -23,17 +23,26 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from fedge.secagg import FixedPoint, derive, neighbour_graph, rebuild_secret, unmask
+from fedge.errors import ConfigError
+from fedge.secagg import FixedPoint, bits_needed, derive, neighbour_graph, rebuild_secret, ring_add, ring_dtype, unmask
 from fedge.server.validation import Rejection
-from fedge.strategies.fedavg import FedAvg, RoundReport
+from fedge.strategies import FedAvg, FedNova, FedProx
+from fedge.strategies.fedavg import RoundReport
 
 log = logging.getLogger("fedge.server.secure")
 
 ACTIONS = ("secagg_setup", "secagg_share", "secagg_masked", "secagg_unmask")
 
 
-class SecureFedAvg(FedAvg):
-    """FedAvg whose rounds run the secure-aggregation protocol.
+class SecureAggregation(FedAvg):
+    """Rounds that run the secure-aggregation protocol; combine with FedAvg, FedProx or FedNova.
+
+    :func:`secure_variant` puts this class in front of a strategy class, so the
+    strategy's own ``configure_train`` (FedProx's ``proximal-mu``, stragglers' partial
+    work) shapes the instructions, and the round policy decides which masked inputs
+    count (with a deadline, late devices are treated as dropouts). Devices send
+    ``w * delta / a`` and the tail ``[w, w * a]`` (``a``: FedNova's normalised local
+    work, 1 otherwise); the update applied is ``sum(w delta / a) / sum(w) * sum(w a) / sum(w)``.
 
     Parameters
     ----------
@@ -42,40 +51,65 @@ class SecureFedAvg(FedAvg):
     neighbours : int
         Neighbours per device (0: all pairs; SecAgg+ uses O(log n)).
     clip : float
-        Largest ``|w * delta|`` (and weight ``w``) a device may contribute.
+        Largest ``|w * delta / a|`` a device may contribute (larger values are clipped).
+    precision : float
+        Quantisation step of the fixed-point encoding.
+    bits : int
+        Ring width: arithmetic is in Z_{2^bits}.
+    weight_clip : float
+        Largest weight ``w`` (weights are encoded on their own scale; fedge passes ``max-num-examples``).
+    work_cap : float
+        Largest normalised local work ``a`` (FedNova; 1 for the others).
     """
 
-    def __init__(self, *, threshold: float = 0.5, neighbours: int = 0, clip: float = 10_000.0,
+    def __init__(self, *, threshold: float = 0.5, neighbours: int = 0, clip: float = 1000.0,
+                 precision: float = 1e-4, bits: int = 32, weight_clip: float = 1e5, work_cap: float = 1.0,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.threshold_fraction, self.neighbours, self.clip = threshold, neighbours, clip
+        self.threshold_fraction, self.neighbours = threshold, neighbours
+        self.clip, self.precision, self.bits, self.weight_clip = clip, precision, bits, weight_clip
+        self.work_cap = work_cap if isinstance(self, FedNova) else 1.0
 
     def train_round(
         self, grid: Grid, server_round: int, arrays: ArrayRecord, config: ConfigRecord, timeout: float
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The four protocol steps; the model changes only if enough devices finish them."""
-        self.global_arrays = arrays
-        selected = self.select_nodes(server_round, grid)
-        report = RoundReport(server_round=server_round, selected=len(selected))
-        self.reports.append(report)
-        scale = math.floor((2**31 - 1) / (max(len(selected), 1) * self.clip))
+        instructions = {m.metadata.dst_node_id: m.content
+                        for m in self.configure_train(server_round, arrays, config, grid)}
+        report = self.reports[-1]
+        codecs = self._codecs(len(instructions))
         try:
-            total, survivors = self._protocol(grid, server_round, arrays, config, timeout, selected, scale, report)
+            total, survivors = self._protocol(grid, server_round, instructions, codecs, timeout, report)
         except _RoundFailed as exc:
             log.warning("round %d: secure aggregation failed (%s); global model kept", server_round, exc)
-            return None, MetricRecord({"accepted": 0, "failed": len(report.failed)})
-        decoded = FixedPoint(self.clip, float(scale)).decode_sum(total, len(survivors))
-        weight = float(decoded[-1])
-        if not np.all(np.isfinite(decoded)) or weight <= 0:
+            return None, MetricRecord({"accepted": 0, "failed": len(report.failed), "late": report.late})
+        values, weights, works = codecs
+        summed = values.decode_sum(total[:-2], len(survivors))
+        weight = float(weights.decode_sum(total[-2:-1], len(survivors))[0])
+        weighted_work = float(works.decode_sum(total[-1:], len(survivors))[0])
+        if not np.all(np.isfinite(summed)) or weight <= 0:
             return None, MetricRecord({"accepted": 0, "failed": len(report.failed)})
         report.accepted, report.aggregated = len(survivors), True
-        return self._apply(arrays, decoded[:-1] / weight), MetricRecord(
-            {"accepted": len(survivors), "failed": len(report.failed), "weight": weight})
+        delta = summed / weight * (weighted_work / weight)
+        return self._apply(arrays, delta), MetricRecord(
+            {"accepted": len(survivors), "failed": len(report.failed), "late": report.late, "weight": weight})
 
-    def _protocol(self, grid: Grid, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                  timeout: float, selected: list[int], scale: int, report: RoundReport) -> tuple[Any, list[int]]:
+    def _codecs(self, selected: int) -> tuple[FixedPoint, FixedPoint, FixedPoint]:
+        """Fixed point for the update (from ``precision``), for ``w`` and ``w * a`` (as fine as fits)."""
+        values = FixedPoint(self.clip, 1.0 / self.precision, self.bits)
+        if not values.fits(max(selected, 1)):
+            raise ConfigError(f"secagg-bits = {self.bits} is too small for {selected} devices: it needs "
+                              f"{bits_needed(selected, self.clip, self.precision)} bits")
+        work_clip = self.weight_clip * self.work_cap
+        def finest(clip: float) -> FixedPoint:
+            return FixedPoint(clip, (2 ** (self.bits - 1) - 1) / (max(selected, 1) * clip) * (1 - 1e-9), self.bits)
+        return values, finest(self.weight_clip), finest(work_clip)
+
+    def _protocol(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
+                  codecs: tuple[FixedPoint, FixedPoint, FixedPoint], timeout: float,
+                  report: RoundReport) -> tuple[Any, list[int]]:
         keys = self._step(grid, "secagg_setup", {n: RecordDict({"config": ConfigRecord(
-            {"server-round": server_round})}) for n in selected}, timeout, report)
+            {"server-round": server_round})}) for n in instructions}, timeout, report)
         alive = [n for n, reply in keys.items() if _has_keys(reply)]
         graph = neighbour_graph(alive, self.neighbours or len(alive), seed=self.selector.seed + server_round)
         threshold = self._threshold(graph)
@@ -84,21 +118,23 @@ class SecureFedAvg(FedAvg):
         shared = [n for n in alive if n in sealed]
         inboxes = {n: ConfigRecord({f"from/{p}": sealed[p].content.config_records["sealed"][f"to/{n}"]
                                     for p in graph[n] if p in sealed}) for n in shared}
-        params = ConfigRecord({"clip": self.clip, "scale": float(scale)})
-        masked = self._step(grid, "secagg_masked", {n: RecordDict({
-            "arrays": arrays, "config": ConfigRecord({**config, "server-round": server_round}),
-            "inbox": inboxes[n], "secagg": params}) for n in shared}, timeout, report)
-        length = sum(int(np.prod(a.shape)) for a in arrays.values()) + 1
-        survivors = [n for n in shared if n in masked and _vector(masked[n], length) is not None]
-        if len(survivors) < max(threshold, self.min_train_replies):
-            raise _RoundFailed(f"{len(survivors)} devices sent masked inputs, need {threshold}")
+        masked = self._masked_step(grid, server_round, instructions, inboxes, codecs, timeout, report)
+        length = sum(int(np.prod(a.shape)) for a in self.global_numpy().values()) + 2  # update, w, w * a
+        survivors = [n for n in shared if n in masked and _vector(masked[n], length, self.bits) is not None]
+        if len(survivors) < self.min_train_replies:
+            raise _RoundFailed(f"{len(survivors)} devices sent masked inputs, min-train-replies is "
+                               f"{self.min_train_replies}")
         dropped = [n for n in shared if n not in survivors]
-        ask = ConfigRecord({"survivors": survivors, "dropped": dropped or [0]})
+        short = [n for n in shared if len(graph[n] & set(survivors)) < threshold]
+        if short:  # someone's secret could not be rebuilt: stop before anything is revealed
+            raise _RoundFailed(f"{len(survivors)} of {len(shared)} devices sent masked inputs; device {short[0]} has "
+                               f"fewer than {threshold} surviving neighbours to rebuild its secret")
+        ask = ConfigRecord({"survivors": survivors, "dropped": dropped or [0], "server-round": server_round})
         revealed = self._step(grid, "secagg_unmask", {n: RecordDict({"ask": ask}) for n in survivors},
                               timeout, report)
-        total = np.zeros(length, np.uint32)
+        total = np.zeros(length, ring_dtype(self.bits))
         for n in survivors:
-            total = (total + _vector(masked[n], length)).astype(np.uint32)  # type: ignore[operator]
+            total = ring_add(total, _vector(masked[n], length, self.bits), self.bits)  # type: ignore[arg-type]
         seeds = [self._rebuild(revealed, f"b/{u}", threshold, u) for u in survivors]
         leftovers: list[tuple[int, int, bytes]] = []
         for gone in dropped:
@@ -106,7 +142,33 @@ class SecureFedAvg(FedAvg):
             for v in graph[gone] & set(survivors):
                 public = bytes(keys[v].content.config_records["keys"]["s-pk"])  # type: ignore[arg-type]
                 leftovers.append((v, gone, derive(private, public, "mask", str(server_round).encode())))
-        return unmask(total, seeds, leftovers), survivors
+        return unmask(total, seeds, leftovers, self.bits), survivors
+
+    def _masked_step(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
+                     inboxes: dict[int, ConfigRecord], codecs: tuple[FixedPoint, FixedPoint, FixedPoint],
+                     timeout: float,
+                     report: RoundReport) -> dict[int, Message]:
+        """Train and send masked inputs, under the round policy (late or dropped: a dropout)."""
+        values, weights, works = codecs
+        params = ConfigRecord({"clip": values.clip, "scale": values.scale, "bits": self.bits,
+                               "weight-clip": weights.clip, "weight-scale": weights.scale,
+                               "work-clip": works.clip, "work-scale": works.scale, "work-cap": self.work_cap,
+                               "work-momentum": self.local_momentum if isinstance(self, FedNova) else -1.0})
+        targets = [n for n in inboxes if self.keeps_partial_work or n not in self.stragglers]
+        report.late += len(inboxes) - len(targets)  # FedAvg leaves stragglers out: they count as dropouts
+        messages = [Message(RecordDict({"arrays": instructions[n]["arrays"], "config": instructions[n]["config"],
+                                        "inbox": inboxes[n], "secagg": params}),
+                            dst_node_id=n, message_type=f"{MessageType.TRAIN}.secagg_masked") for n in targets]
+        exchange = self.policy.exchange(grid, messages, timeout, self.clients_per_round)
+        report.late += len(messages) - len(exchange.replies)  # late, surplus to the deadline's K, or gone
+        self.selector.observe(server_round, exchange.replies, getattr(grid, "last_durations", {}))
+        replies = {}
+        for reply in exchange.replies:
+            if reply.has_error():
+                report.failed.append(Rejection(reply.metadata.src_node_id, f"secagg_masked: {reply.error.reason}"))
+            else:
+                replies[reply.metadata.src_node_id] = reply
+        return replies
 
     def _step(self, grid: Grid, action: str, contents: dict[int, RecordDict], timeout: float,
               report: RoundReport) -> dict[int, Message]:
@@ -163,7 +225,7 @@ def _has_keys(reply: Message) -> bool:
                                     for k in ("c-pk", "s-pk"))
 
 
-def _vector(reply: Message, length: int) -> np.ndarray | None:
+def _vector(reply: Message, length: int, bits: int) -> np.ndarray | None:
     record = reply.content.array_records.get("masked")
     if record is None or "vector" not in record:
         return None
@@ -171,4 +233,28 @@ def _vector(reply: Message, length: int) -> np.ndarray | None:
         vector = record["vector"].numpy()
     except Exception:  # noqa: BLE001 - malformed bytes from a device
         return None
-    return vector if vector.dtype == np.uint32 and vector.shape == (length,) else None
+    return vector if vector.dtype == ring_dtype(bits) and vector.shape == (length,) else None
+
+
+SecureFedAvg = SecureAggregation
+SECURE_STRATEGIES: dict[str, type[FedAvg]] = {"fedavg": FedAvg, "fedprox": FedProx, "fednova": FedNova}
+
+
+def secure_variant(strategy_class: type[FedAvg]) -> type[SecureAggregation]:
+    """``strategy_class`` with its rounds run under secure aggregation.
+
+    Raises
+    ------
+    ConfigError
+        For strategies that need individual updates or are asynchronous.
+    """
+    if strategy_class not in SECURE_STRATEGIES.values():
+        allowed = ", ".join(SECURE_STRATEGIES)
+        raise ConfigError(
+            f"secure-aggregation works with strategy {allowed}, not {strategy_class.__name__}: median, "
+            "trimmed-mean and krum need individual updates, fedbuff is asynchronous and the server "
+            "optimisers (fedavgm, fedadam, fedyogi) are not wired to it yet; drop secure-aggregation or "
+            f"use one of {allowed}")
+    if strategy_class is FedAvg:
+        return SecureAggregation
+    return type(f"Secure{strategy_class.__name__}", (SecureAggregation, strategy_class), {})
