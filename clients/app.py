@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
+from flwr.clientapp.typing import ClientAppCallable
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -88,7 +90,7 @@ def make_client_app(
         metrics = MetricRecord({"train-loss": stats.loss, wire.NUM_EXAMPLES: stats.num_examples})
         return RecordDict({wire.ARRAYS: model_arrays(model), wire.METRICS: metrics, wire.REPLY_META: meta})
 
-    @app.train()
+    @app.train(mods=[dp_clipping_mod])  # per handler: app-wide, Flower's DP mods break evaluate replies
     def train(msg: Message, context: Context) -> Message:
         return Message(train_content(msg, context), reply_to=msg)
 
@@ -107,6 +109,18 @@ def make_client_app(
         return Message(RecordDict({wire.METRICS: metrics}), reply_to=msg)
 
     return app
+
+
+def dp_clipping_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Run Flower's client-side clipping mod the instruction names (DP ``client-fixed`` /
+    ``client-adaptive``); without DP, pass the message through."""
+    config = msg.content.config_records.get(wire.CONFIG)
+    kind = config.get(wire.DP_CLIENT_CLIPPING) if config is not None else None
+    if kind == "fixed":
+        return fixedclipping_mod(msg, context, call_next)
+    if kind == "adaptive":
+        return adaptiveclipping_mod(msg, context, call_next)
+    return call_next(msg, context)
 
 
 def _step_budget(context: Context, setting: Mapping[str, Any]) -> int | None:

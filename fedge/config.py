@@ -85,6 +85,13 @@ DEFAULTS: dict[str, Scalar] = {
     "secagg-precision": 0.0001,
     "secagg-bits": 32,
     "grid-poll-interval": 0.1,
+    "dp": "off",
+    "dp-noise-multiplier": 1.0,
+    "dp-clipping-norm": 1.0,
+    "dp-delta": 1e-05,
+    "dp-target-quantile": 0.5,
+    "dp-clip-norm-lr": 0.2,
+    "dp-clipped-count-stddev": 0.0,
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -98,6 +105,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model": ("mlp", "cnn", "logreg"),
     "partitioner": ("dirichlet", "iid"),
     "device": ("auto", "cpu", "cuda", "mps"),
+    "dp": ("off", "server-fixed", "client-fixed", "server-adaptive", "client-adaptive"),
 }
 
 _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -140,6 +148,12 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "secagg-clip": (lambda v: v > 0, "> 0"),
     "secagg-precision": (lambda v: v > 0, "> 0"),
     "secagg-bits": (lambda v: 8 <= v <= 64, "in [8, 64]"),
+    "dp-noise-multiplier": (lambda v: v >= 0, ">= 0"),
+    "dp-clipping-norm": (lambda v: v > 0, "> 0"),
+    "dp-delta": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "dp-target-quantile": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "dp-clip-norm-lr": (lambda v: v > 0, "> 0"),
+    "dp-clipped-count-stddev": (lambda v: v >= 0, ">= 0 (0: max(K / 20, dp-noise-multiplier))"),
     "synthetic-alpha": (lambda v: v >= 0, ">= 0"),
     "synthetic-beta": (lambda v: v >= 0, ">= 0"),
 }

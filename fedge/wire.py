@@ -17,6 +17,8 @@ METRICS = "metrics"
 REPLY_META = "fedge"
 NUM_EXAMPLES = "num-examples"
 SERVER_ROUND = "server-round"
+# DP with client-side clipping: "fixed" or "adaptive" (which of Flower's clipping mods devices run)
+DP_CLIENT_CLIPPING = "dp-client-clipping"
 PROFILE = "profile"
 SAMPLES_PROCESSED = "samples-processed"
 

@@ -26,6 +26,7 @@ from fedge.errors import CheckpointMismatch, ConfigError
 from fedge.secagg import bits_needed
 from fedge.server.checkpoint import load_checkpoint
 from fedge.server.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
+from fedge.server.privacy import CLIENT_CLIPPING, build_privacy
 from fedge.server.recorder import RoundRecorder
 from fedge.server.report import run_dir_for, write_json_atomic
 from fedge.server.secure import secure_variant
@@ -181,6 +182,7 @@ def run_coordinator(
         load_arrays(model, ArrayRecord({name: Array(value) for name, value in saved.items()}),
                     source=f"checkpoint '{config['init-checkpoint']}'")
     strategy = build_strategy(config, fleet.size if simulated else None)
+    strategy.privacy = build_privacy(strategy, config, fleet.size)
     check_deadline(config, fleet, sum(len(array.data) for array in model_arrays(model).values()))
     run_dir = run_dir_for(config)
     history = _resume_into(model, strategy, run_dir, config) if config["resume"] else None
@@ -198,6 +200,8 @@ def run_coordinator(
     recorder = RoundRecorder(run_dir, config, metered, strategy, data, model, progress=progress,
                              history=history)
     train_config = ConfigRecord({key: config[key] for key in TRAIN_KEYS})
+    if strategy.privacy is not None and strategy.privacy.client_side:
+        train_config[CLIENT_CLIPPING] = str(config["dp"]).removeprefix("client-")
     with recorder.progress:
         strategy.start(metered, model_arrays(model), int(config["num-rounds"]),
                        timeout=float(config["round-timeout"]), train_config=train_config,
@@ -226,6 +230,6 @@ def _resume_into(model: torch.nn.Module, strategy: FedAvg, run_dir: Path,
             f"this run has {model_keys(config)}; resume with the same settings or start a new run-dir")
     load_arrays(model, ArrayRecord({k: Array(v) for k, v in checkpoint.arrays.items()}),
                 source=f"checkpoint '{path}'")
-    strategy.load_state_dict(checkpoint.strategy_state)
+    strategy.restore_state(checkpoint.strategy_state)
     log.info("resuming '%s' after round %d", run_dir, checkpoint.server_round)
     return checkpoint.history

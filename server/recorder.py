@@ -78,13 +78,16 @@ class RoundRecorder:
             "train_loss": report.train_loss if report else None,
             "aggregated": report.aggregated if report else False,
         }
+        if self.strategy.privacy is not None:  # cumulative ε after this round, at the run's δ
+            row["dp_epsilon"] = self.strategy.privacy.epsilon  # type: ignore[attr-defined]
+            row["dp_delta"] = self.strategy.privacy.delta  # type: ignore[attr-defined]
         self.rows.append(row)
         append_jsonl(self.run_dir / "metrics.jsonl", row)
         checkpoint = Checkpoint(server_round=server_round,
                                 arrays={name: array.numpy() for name, array in arrays.items()},
                                 fingerprint=config_fingerprint(self.config), history=self.rows,
                                 model_keys=model_keys(self.config),
-                                strategy_state=self.strategy.state_dict())
+                                strategy_state=self.strategy.checkpoint_state())
         save_checkpoint(self.run_dir / "checkpoints" / f"round-{server_round:04d}.npz", checkpoint)
         save_checkpoint(self.run_dir / "checkpoint.npz", checkpoint)
         every = int(self.config["export-every"])
@@ -110,6 +113,8 @@ class RoundRecorder:
             "checkpoint": "checkpoint.npz",
             "config_fingerprint": config_fingerprint(self.config),
         }
+        if self.strategy.privacy is not None:
+            summary["dp"] = self.strategy.privacy.summary()  # type: ignore[attr-defined]
         plot_accuracy(self.rows, self.run_dir / "accuracy.png",
                       f"{self.config['strategy']} on {self.config['dataset']}")
         if self.config["export-onnx"]:

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
-from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy import Result, Strategy
 from numpy.typing import NDArray
 
 from fedge import wire
@@ -37,6 +38,20 @@ class RoundReport:
     rejected: list[Rejection] = field(default_factory=list)
     failed: list[Rejection] = field(default_factory=list)
     aggregated: bool = False
+    epsilon: float | None = None  # DP: privacy spent after this round
+
+
+class PrivacyLayer(Protocol):
+    """What a strategy needs from differential privacy (see :mod:`fedge.server.privacy`)."""
+
+    wrapper: Strategy
+    client_side: bool
+
+    def release(self) -> float: ...
+
+    def state_dict(self) -> dict[str, NDArray[np.generic]]: ...
+
+    def load_state_dict(self, state: dict[str, NDArray[np.generic]]) -> None: ...
 
 
 class FedAvg(FlowerFedAvg):
@@ -87,6 +102,7 @@ class FedAvg(FlowerFedAvg):
         self.stragglers: set[int] = set()
         self.global_arrays: ArrayRecord | None = None
         self.reports: list[RoundReport] = []
+        self.privacy: PrivacyLayer | None = None  # set by the coordinator when dp is on
 
     def start(  # type: ignore[override]
         self,
@@ -133,13 +149,39 @@ class FedAvg(FlowerFedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """One training round: select, exchange under the round policy, validate, aggregate.
 
-        Override to change how a round talks to devices (secure aggregation does).
+        Override to change how a round talks to devices (secure aggregation does). With
+        differential privacy, Flower's DP wrapper drives configure/aggregate (it clips and
+        adds noise around this strategy's own steps) and the release is accounted.
         """
-        messages = list(self.configure_train(server_round, arrays, config, grid))
+        driver: Strategy = self.privacy.wrapper if self.privacy else self
+        messages = list(driver.configure_train(server_round, arrays, config, grid))
         exchange = self.policy.exchange(grid, messages, timeout, self.clients_per_round)
         self.reports[-1].late = exchange.late
         self.selector.observe(server_round, exchange.replies, getattr(grid, "last_durations", {}))
-        return self.aggregate_train(server_round, exchange.replies)
+        if self.privacy is None:
+            return self.aggregate_train(server_round, exchange.replies)
+        new_arrays, metrics = driver.aggregate_train(server_round, self._screened(server_round, exchange.replies))
+        if new_arrays is not None:
+            self.reports[-1].epsilon = self.privacy.release()
+        return new_arrays, metrics
+
+    def _screened(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        """The replies that pass validation (others recorded), before a DP wrapper clips them.
+
+        Flower's wrappers skip a whole round on one error reply and clip before anything is
+        validated; fedge keeps its rule: a bad reply is left out and the round goes on.
+        """
+        report, kept = self._report_for(server_round), []
+        replies = list(replies)
+        by_node = {reply.metadata.src_node_id: reply for reply in replies}
+        for verdict in self.validator.screen(server_round, replies, self.global_arrays or ArrayRecord()):
+            if isinstance(verdict, Failure):
+                report.failed.append(verdict)
+            elif isinstance(verdict, Rejection):
+                report.rejected.append(verdict)
+            else:
+                kept.append(by_node[verdict.node_id])
+        return kept
 
     def state_dict(self) -> dict[str, NDArray[np.generic]]:
         """Strategy state to checkpoint with the model (FedAvg has none; FedAvgM etc. do)."""
@@ -147,6 +189,16 @@ class FedAvg(FlowerFedAvg):
 
     def load_state_dict(self, state: dict[str, NDArray[np.generic]]) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+    def checkpoint_state(self) -> dict[str, NDArray[np.generic]]:
+        """:meth:`state_dict` plus the privacy accountant's, what a checkpoint keeps."""
+        return {**self.state_dict(), **(self.privacy.state_dict() if self.privacy else {})}
+
+    def restore_state(self, state: dict[str, NDArray[np.generic]]) -> None:
+        """Restore :meth:`checkpoint_state`."""
+        self.load_state_dict(state)
+        if self.privacy:
+            self.privacy.load_state_dict(state)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -218,6 +270,8 @@ class FedAvg(FlowerFedAvg):
                     report.rejected.append(verdict)
                 else:
                     report.accepted += 1
+                    if self.privacy:  # DP noise is calibrated to the uniform mean
+                        verdict = dataclasses.replace(verdict, weight=1.0)
                     metrics = next(iter(verdict.content.metric_records.values()))
                     metric_rows.append({k: float(v) for k, v in metrics.items()  # type: ignore[arg-type]
                                         if not isinstance(v, list)})
