@@ -21,7 +21,17 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.clientapp import ClientApp
 
 from fedge import wire
-from fedge.secagg import FixedPoint, Vector, derive, masked_input, open_sealed, public_bytes, seal, share_secret
+from fedge.secagg import (
+    SHARE_BYTES,
+    FixedPoint,
+    Vector,
+    derive,
+    masked_input,
+    open_sealed,
+    public_bytes,
+    seal,
+    share_secret,
+)
 from fedge.strategies.aggregate import fednova_norm
 
 STATE = "secagg"
@@ -141,7 +151,7 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
                 continue
             key = derive(cipher_key, bytes(state[f"c-pk/{peer}"]), "share")  # type: ignore[arg-type]
             shares = open_sealed(key, bytes(state[f"from/{peer}"]), _ad(peer, me, server_round))  # type: ignore[arg-type]
-            revealed[f"b/{peer}" if peer in survivors else f"s/{peer}"] = shares[:33] if peer in survivors \
-                else shares[33:]
+            revealed[f"b/{peer}" if peer in survivors else f"s/{peer}"] = shares[:SHARE_BYTES] \
+                if peer in survivors else shares[SHARE_BYTES:]
         del context.state[STATE]  # this round's secrets are spent
         return Message(RecordDict({"revealed": revealed}), reply_to=msg)

@@ -30,7 +30,12 @@ def reply_meta(content: RecordDict) -> ConfigRecord | None:
 
 
 def payload_bytes(content: RecordDict) -> int:
-    """Bytes of array payload in a message (what dominates a round's traffic)."""
-    return sum(
-        len(array.data) for record in content.array_records.values() for array in record.values()
-    )
+    """Bytes of array and binary payload in a message (what dominates a round's traffic).
+
+    Binary config values count too: secure aggregation's keys and sealed shares travel there.
+    """
+    arrays = sum(len(array.data) for record in content.array_records.values() for array in record.values())
+    blobs = sum(len(value) if isinstance(value, bytes) else sum(len(v) for v in value if isinstance(v, bytes))
+                for record in content.config_records.values() for value in record.values()
+                if isinstance(value, bytes | list))
+    return arrays + blobs

@@ -111,12 +111,12 @@ class MeteredGrid(Grid):
         return timed
 
     def count_participants(self, replies: list[Message]) -> None:
-        """Count the replies a round keeps, per profile."""
+        """Count the replies a round keeps, per profile (training replies: those with reply meta)."""
         for reply in replies:
-            if reply.has_error() or not wire.payload_bytes(reply.content):
+            meta = None if reply.has_error() else wire.reply_meta(reply.content)
+            if not meta or not wire.payload_bytes(reply.content):
                 continue
-            meta = wire.reply_meta(reply.content)
-            name = str(meta.get(wire.PROFILE, "")) if meta else ""
+            name = str(meta.get(wire.PROFILE, ""))
             self.current.participants[self.fleet.profiles.get(name, self.fallback).name] += 1
 
     def advance(self, seconds: float) -> None:
