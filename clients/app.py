@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 from flwr.clientapp.typing import ClientAppCallable
@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from fedge import wire
+from fedge.clients.codec import Codec, codec_for, decode_update, encode_update, is_encoded
 from fedge.clients.data import federated_data, load_local_file
 from fedge.clients.models import build_model, load_arrays, model_arrays
 from fedge.clients.profiles import parse_fleet
@@ -65,10 +66,12 @@ def make_client_app(
         config = _effective_config(context, config_defaults)
         instruction = msg.content[wire.CONFIG]
         model = model_fn(context)
-        load_arrays(model, msg.content[wire.ARRAYS], source="global arrays")
+        base = received_weights(msg.content.array_records[wire.ARRAYS])
+        load_arrays(model, ArrayRecord({k: Array(v) for k, v in base.items()}), source="global arrays")
         train_data, _ = data_fn(context)
         setting = {**config, **instruction}  # the coordinator's instruction wins
         round_ = int(setting.get(wire.SERVER_ROUND, 0))
+        profile = device_profile_name(context, config)
         stats = train_local(
             model,
             as_dataset(train_data),
@@ -81,14 +84,16 @@ def make_client_app(
             proximal_mu=float(instruction.get("proximal-mu", 0.0)),  # type: ignore[arg-type]  # only FedProx sends it
             max_steps=_step_budget(context, setting),
         )
+        seed = _training_seed(context, int(config["seed"]), round_)
+        arrays = compressed(model_arrays(model), base, codec_for(profile, setting), context, seed)
         meta = ConfigRecord({
             wire.SERVER_ROUND: round_,
-            wire.PROFILE: device_profile_name(context, config),
+            wire.PROFILE: profile,
             wire.SAMPLES_PROCESSED: stats.samples_processed,
             "steps": stats.steps,
         })
         metrics = MetricRecord({"train-loss": stats.loss, wire.NUM_EXAMPLES: stats.num_examples})
-        return RecordDict({wire.ARRAYS: model_arrays(model), wire.METRICS: metrics, wire.REPLY_META: meta})
+        return RecordDict({wire.ARRAYS: arrays, wire.METRICS: metrics, wire.REPLY_META: meta})
 
     @app.train(mods=[dp_clipping_mod])  # per handler: app-wide, Flower's DP mods break evaluate replies
     def train(msg: Message, context: Context) -> Message:
@@ -109,6 +114,31 @@ def make_client_app(
         return Message(RecordDict({wire.METRICS: metrics}), reply_to=msg)
 
     return app
+
+
+RESIDUAL = "codec-residual"
+
+
+def received_weights(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """The global weights in a train instruction (decoded if the downlink was compressed)."""
+    if is_encoded(record):
+        return decode_update(record, None)
+    return {name: array.numpy() for name, array in record.items()}
+
+
+def compressed(local: ArrayRecord, base: dict[str, np.ndarray], codec: Codec, context: Context,
+               seed: int) -> ArrayRecord:
+    """The reply's arrays under ``codec``: the trained weights as they are (fp32), or the
+    encoded delta from ``base``; top-k's error-feedback residual lives in ``context.state``."""
+    if codec.lossless:
+        return local
+    previous = context.state.array_records.get(RESIDUAL)
+    residual = {name: array.numpy() for name, array in previous.items()} if previous is not None else None
+    weights = {name: array.numpy() for name, array in local.items()}
+    record, kept = encode_update(weights, base, codec, np.random.default_rng(seed), residual)
+    if kept:
+        context.state[RESIDUAL] = ArrayRecord({name: Array(value) for name, value in kept.items()})
+    return record
 
 
 def dp_clipping_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:

@@ -92,7 +92,19 @@ DEFAULTS: dict[str, Scalar] = {
     "dp-target-quantile": 0.5,
     "dp-clip-norm-lr": 0.2,
     "dp-clipped-count-stddev": 0.0,
+    "codec.default": "fp32",
+    "codec.phone": "",
+    "codec.laptop": "",
+    "codec.gpu-box": "",
+    "downlink.default": "fp32",
+    "downlink.phone": "",
+    "downlink.laptop": "",
+    "downlink.gpu-box": "",
 }
+
+# Per-profile codecs: ``codec.<profile>`` (uplink) and ``downlink.<profile>``, for any profile
+# name a fleet file may define; empty means the ``.default`` one.
+CODEC_PREFIXES = ("codec.", "downlink.")
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "strategy": ("fedavg", "fedprox", "fednova", "fedbuff", "fedavgm", "fedadam", "fedyogi", "trimmed-mean", "median",
@@ -178,6 +190,8 @@ def resolve_run_config(overrides: Mapping[str, Any] | None = None) -> dict[str, 
 
 
 def _checked(key: str, value: Any) -> Scalar:
+    if key.startswith(CODEC_PREFIXES):
+        return _checked_codec(key, value)
     if key not in DEFAULTS:
         close = difflib.get_close_matches(key, DEFAULTS, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -193,6 +207,24 @@ def _checked(key: str, value: Any) -> Scalar:
     if key in _RANGES and not _RANGES[key][0](value):
         raise ConfigError(f"run-config '{key}' = {value!r} must be {_RANGES[key][1]}")
     return value
+
+
+def _checked_codec(key: str, value: Any) -> str:
+    """A ``codec.<profile>`` / ``downlink.<profile>`` value: a codec name that parses."""
+    from fedge.clients.codec import parse_codec  # the codec module owns the names
+
+    if not isinstance(value, str):
+        raise ConfigError(f"run-config '{key}' = {value!r} must be a codec name string like 'int8'")
+    codec = parse_codec(value, key=key)
+    if key.startswith("downlink.") and codec.sparse:
+        raise ConfigError(f"run-config '{key}' = '{value}': top-k cannot compress the downlink (a device needs "
+                          "the whole model); use fp16 or int8")
+    return value
+
+
+def codec_policy(config: Mapping[str, Scalar]) -> dict[str, Scalar]:
+    """The ``codec.*`` and ``downlink.*`` keys of ``config``."""
+    return {key: value for key, value in config.items() if key.startswith(CODEC_PREFIXES)}
 
 
 def _coerced(key: str, value: Any, default: Scalar) -> Scalar:

@@ -21,10 +21,11 @@ from flwr.serverapp import Grid, ServerApp
 from fedge.clients.data import federated_data
 from fedge.clients.models import build_model, load_arrays, model_arrays
 from fedge.clients.profiles import Fleet, parse_fleet
-from fedge.config import Scalar, config_fingerprint, model_keys, resolve_run_config
+from fedge.config import Scalar, codec_policy, config_fingerprint, model_keys, resolve_run_config
 from fedge.errors import CheckpointMismatch, ConfigError
 from fedge.secagg import bits_needed
 from fedge.server.checkpoint import load_checkpoint
+from fedge.server.compression import DownlinkEncoder, check_codecs
 from fedge.server.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
 from fedge.server.privacy import CLIENT_CLIPPING, build_privacy
 from fedge.server.recorder import RoundRecorder
@@ -183,6 +184,9 @@ def run_coordinator(
                     source=f"checkpoint '{config['init-checkpoint']}'")
     strategy = build_strategy(config, fleet.size if simulated else None)
     strategy.privacy = build_privacy(strategy, config, fleet.size)
+    check_codecs(config, fleet)
+    downlink = DownlinkEncoder(config, seed=int(config["seed"]))
+    strategy.downlink = downlink if downlink.active else None
     check_deadline(config, fleet, sum(len(array.data) for array in model_arrays(model).values()))
     run_dir = run_dir_for(config)
     history = _resume_into(model, strategy, run_dir, config) if config["resume"] else None
@@ -199,7 +203,7 @@ def run_coordinator(
                           behaviour=behaviour_of(config, fleet) if simulated else None)
     recorder = RoundRecorder(run_dir, config, metered, strategy, data, model, progress=progress,
                              history=history)
-    train_config = ConfigRecord({key: config[key] for key in TRAIN_KEYS})
+    train_config = ConfigRecord({**{key: config[key] for key in TRAIN_KEYS}, **codec_policy(config)})
     if strategy.privacy is not None and strategy.privacy.client_side:
         train_config[CLIENT_CLIPPING] = str(config["dp"]).removeprefix("client-")
     with recorder.progress:

@@ -6,6 +6,8 @@ import json
 import logging
 import shutil
 import time
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +73,8 @@ class RoundRecorder:
             "bytes_down": traffic.bytes_down,
             "participants": sum(traffic.participants.values()),
             "participants_by_profile": dict(traffic.participants),
+            "bytes_up_by_profile": dict(traffic.bytes_up_by_profile),
+            "bytes_down_by_profile": dict(traffic.bytes_down_by_profile),
             "rejected": len(report.rejected) if report else 0,
             "rejections": [vars(r) for r in report.rejected] if report else [],
             "failed": len(report.failed) if report else 0,
@@ -108,6 +112,8 @@ class RoundRecorder:
             "wall_time_s": time.perf_counter() - self.started,
             "bytes_up": sum(row["bytes_up"] for row in self.rows),
             "bytes_down": sum(row["bytes_down"] for row in self.rows),
+            "bytes_up_by_profile": _summed(row.get("bytes_up_by_profile", {}) for row in self.rows),
+            "bytes_down_by_profile": _summed(row.get("bytes_down_by_profile", {}) for row in self.rows),
             "rejected": sum(row["rejected"] for row in self.rows),
             "failed": sum(row["failed"] for row in self.rows),
             "checkpoint": "checkpoint.npz",
@@ -151,3 +157,11 @@ class RoundRecorder:
             "bundles": [str(b.path.relative_to(self.run_dir)) for b in self.bundles],
             "edge": {**metrics, "int8_quantization": latest.manifest["variants"]["int8"]["quantization"]},
         }
+
+
+def _summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Per-key totals of per-round counts."""
+    total: Counter[str] = Counter()
+    for count in counts:
+        total.update(count)
+    return dict(total)

@@ -21,6 +21,7 @@ from flwr.app import ArrayRecord, Message, RecordDict
 from numpy.typing import NDArray
 
 from fedge import wire
+from fedge.clients.codec import decode_update, is_encoded
 from fedge.errors import UpdateRejected
 
 log = logging.getLogger("fedge.server.validation")
@@ -99,9 +100,14 @@ class ReplyValidator:
         self.require_round_tag = require_round_tag
 
     def check(
-        self, content: RecordDict, *, server_round: int, spec: ArraySpec
+        self, content: RecordDict, *, server_round: int, spec: ArraySpec,
+        reference: Mapping[str, NDArray[np.generic]] | None = None,
     ) -> tuple[dict[str, NDArray[np.generic]], float]:
         """Validate one reply's content; return its decoded arrays and weight.
+
+        Compressed updates (fedge codecs, see :mod:`fedge.clients.codec`) are decoded
+        here, deltas added to ``reference`` (the model the device started from), and
+        then checked like any other update.
 
         Raises
         ------
@@ -122,7 +128,8 @@ class ReplyValidator:
             values = value if isinstance(value, list) else [value]
             if not all(math.isfinite(v) for v in values):
                 raise UpdateRejected(f"metric '{key}' is not finite")
-        arrays = _decoded(next(iter(content.array_records.values())))
+        record = next(iter(content.array_records.values()))
+        arrays = decode_update(record, reference) if is_encoded(record) else _decoded(record)
         check_arrays(arrays, spec)
         return arrays, float(weight)
 
@@ -145,13 +152,17 @@ class ReplyValidator:
         logged) or a :class:`Failure` (the device replied with an error) per reply.
         """
         spec = spec_of(reference)
+        weights: dict[str, NDArray[np.generic]] | None = None
         for message in replies:
             node_id = message.metadata.src_node_id
             if message.has_error():
                 yield Failure(node_id, f"device error: {message.error.reason}")
                 continue
             try:
-                arrays, weight = self.check(message.content, server_round=server_round, spec=spec)
+                if weights is None:  # what compressed deltas are added to
+                    weights = {name: array.numpy() for name, array in reference.items()}
+                arrays, weight = self.check(message.content, server_round=server_round, spec=spec,
+                                            reference=weights)
             except UpdateRejected as exc:
                 log.warning("round %d: rejected update from node %d: %s",
                             server_round, node_id, exc.reason)

@@ -35,6 +35,8 @@ class RoundTraffic:
     bytes_down: int = 0
     sim_seconds: float = 0.0
     participants: Counter[str] = field(default_factory=Counter)
+    bytes_up_by_profile: Counter[str] = field(default_factory=Counter)
+    bytes_down_by_profile: Counter[str] = field(default_factory=Counter)
 
 
 def reply_seconds(profile: DeviceProfile, bytes_down: int, bytes_up: int, samples: int) -> float:
@@ -103,7 +105,7 @@ class MeteredGrid(Grid):
         for reply in self._exchange(messages, timeout):
             node = reply.metadata.src_node_id
             self.current.bytes_down += down.get(node, 0)
-            seconds = 0.0 if reply.has_error() else self._charge(reply.content, down.get(node, 0))
+            seconds = 0.0 if reply.has_error() else self._charge(reply.content, down.get(node, 0), node)
             if self.behaviour is not None:
                 seconds *= self.behaviour.slowdown(node, self.exchanges)
             timed.append((reply, seconds))
@@ -147,14 +149,21 @@ class MeteredGrid(Grid):
                         len(waiting), len(messages), timeout or 0)
         return replies
 
-    def _charge(self, content: RecordDict, bytes_down: int) -> float:
+    def _charge(self, content: RecordDict, bytes_down: int, node: int) -> float:
         bytes_up = wire.payload_bytes(content)
         self.current.bytes_up += bytes_up
         meta = wire.reply_meta(content)
         name = str(meta.get(wire.PROFILE, "")) if meta else ""
-        profile = self.fleet.profiles.get(name, self.fallback)
+        profile = self.fleet.profiles.get(name or str(self.node_profile(node) or ""), self.fallback)
+        self.current.bytes_up_by_profile[profile.name] += bytes_up
+        self.current.bytes_down_by_profile[profile.name] += bytes_down
         samples = int(meta.get(wire.SAMPLES_PROCESSED, 0)) if meta else 0  # type: ignore[arg-type]
         return reply_seconds(profile, bytes_down, bytes_up, samples)
+
+    def node_profile(self, node: int) -> str | None:
+        """The inner grid's idea of ``node``'s profile, if it has one (fedge's simulation does)."""
+        lookup = getattr(self.inner, "node_profile", None)
+        return lookup(node) if callable(lookup) else None
 
     # Everything else is the inner grid's.
     def set_run(self, run: Run) -> None:  # noqa: D102

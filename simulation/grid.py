@@ -87,6 +87,11 @@ class InlineGrid(Grid):
         TaskIdentity.node_id = SUPERLINK_NODE_ID
         TaskIdentity.task_id = 1
 
+    def node_profile(self, node: int) -> str | None:
+        """The simulated device's profile (from its node config)."""
+        context = self.contexts.get(node)
+        return str(context.node_config["profile"]) if context and "profile" in context.node_config else None
+
     def set_run(self, run: Run) -> None:
         """Adopt ``run``'s identity."""
         self._run = run

@@ -54,6 +54,14 @@ class PrivacyLayer(Protocol):
     def load_state_dict(self, state: dict[str, NDArray[np.generic]]) -> None: ...
 
 
+class DownlinkLayer(Protocol):
+    """What a strategy needs to compress the downlink (see :mod:`fedge.server.compression`)."""
+
+    def record_for(self, node: int, record: RecordDict, grid: Grid, server_round: int) -> RecordDict: ...
+
+    def learn(self, replies: list[Message]) -> None: ...
+
+
 class FedAvg(FlowerFedAvg):
     """Federated Averaging (McMahan et al., AISTATS 2017) that never trusts a reply.
 
@@ -103,6 +111,7 @@ class FedAvg(FlowerFedAvg):
         self.global_arrays: ArrayRecord | None = None
         self.reports: list[RoundReport] = []
         self.privacy: PrivacyLayer | None = None  # set by the coordinator when dp is on
+        self.downlink: DownlinkLayer | None = None  # set by the coordinator for per-profile downlink codecs
 
     def start(  # type: ignore[override]
         self,
@@ -158,6 +167,8 @@ class FedAvg(FlowerFedAvg):
         exchange = self.policy.exchange(grid, messages, timeout, self.clients_per_round)
         self.reports[-1].late = exchange.late
         self.selector.observe(server_round, exchange.replies, getattr(grid, "last_durations", {}))
+        if self.downlink is not None:
+            self.downlink.learn(exchange.replies)
         if self.privacy is None:
             return self.aggregate_train(server_round, exchange.replies)
         new_arrays, metrics = driver.aggregate_train(server_round, self._screened(server_round, exchange.replies))
@@ -209,13 +220,19 @@ class FedAvg(FlowerFedAvg):
         config[wire.SERVER_ROUND] = server_round
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         self.stragglers = self._pick_stragglers(server_round, node_ids)
-        messages = [
-            Message(self._straggler_record(record, config, server_round, node) if node in self.stragglers
-                    else record, dst_node_id=node, message_type=MessageType.TRAIN)
-            for node in node_ids
-        ]
+        messages = [Message(self._instruction(node, record, config, server_round, grid), dst_node_id=node,
+                            message_type=MessageType.TRAIN) for node in node_ids]
         self.reports.append(RoundReport(server_round=server_round, selected=len(messages)))
         return messages
+
+    def _instruction(self, node: int, record: RecordDict, config: ConfigRecord, server_round: int,
+                     grid: Grid) -> RecordDict:
+        """One device's train instruction: fewer epochs for a straggler, the model in its downlink codec."""
+        if node in self.stragglers:
+            record = self._straggler_record(record, config, server_round, node)
+        if self.downlink is not None:
+            record = self.downlink.record_for(node, record, grid, server_round)
+        return record
 
     def _pick_stragglers(self, server_round: int, node_ids: list[int]) -> set[int]:
         """Simulated stragglers (FedProx, Li et al. 2020, sec. 5.2): a seeded fraction of the round."""

@@ -215,7 +215,8 @@ class _AsyncRun:
             return
         try:
             arrays, weight = self.strategy.validator.check(reply.content, server_round=event.version + 1,
-                                                           spec=spec_of(self.arrays))
+                                                           spec=spec_of(self.arrays),
+                                                           reference=self.snapshots[event.version])
         except UpdateRejected as exc:
             log.warning("fedbuff: rejected update from node %d: %s", node, exc.reason)
             self.report.rejected.append(Rejection(node, exc.reason))

@@ -1,0 +1,178 @@
+"""Update compression codecs: error bounds, unbiasedness, error feedback, malformed payloads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from fedge.clients.codec import (
+    Codec,
+    decode_tensor,
+    decode_update,
+    encode_tensor,
+    encode_update,
+    parse_codec,
+)
+from fedge.errors import ConfigError, UpdateRejected
+
+SHAPES = hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=12)
+MAGNITUDE = st.sampled_from([0.0, 1e-30, 1e-6, 1.0, 1e6, 1e30])
+
+
+def _tensor(draw: st.DrawFn) -> np.ndarray:
+    """Random values at one of many magnitudes, sometimes all zero or constant."""
+    shape = draw(SHAPES)
+    scale = draw(MAGNITUDE)
+    kind = draw(st.sampled_from(["random", "constant", "zeros"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    if kind == "zeros":
+        return np.zeros(shape, np.float32)
+    if kind == "constant":
+        return np.full(shape, scale * draw(st.sampled_from([-1.0, 1.0])), np.float32)
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+tensors = st.composite(_tensor)()
+
+
+def _roundtrip(values: np.ndarray, name: str) -> np.ndarray:
+    return decode_tensor(encode_tensor(values, parse_codec(name), np.random.default_rng(0)))[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=tensors)
+def test_fp32_is_exact_and_fp16_within_half_precision(values: np.ndarray) -> None:
+    assert np.array_equal(_roundtrip(values, "fp32"), values)
+    fp16 = _roundtrip(values, "fp16")
+    in_range = np.abs(values) <= 65504
+    # relative error 2^-11 for normal halves, absolute 2^-25 below them; beyond 65504 saturates
+    bound = np.maximum(np.abs(values) * 2.0**-11, 2.0**-25)
+    assert np.all(np.abs(fp16 - values)[in_range] <= bound[in_range])
+    assert np.all(np.abs(fp16[~in_range]) == 65504)
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=tensors, per_channel=st.booleans())
+def test_int8_is_within_one_step_of_its_scale(values: np.ndarray, per_channel: bool) -> None:
+    # Execute
+    decoded = _roundtrip(values, "int8:channel" if per_channel else "int8")
+    # Assert: stochastic rounding moves each value by less than one step max|x| / 127 of its group
+    groups = values.reshape(values.shape[0], -1) if per_channel else values.reshape(1, -1)
+    step = np.abs(groups).max(axis=1, keepdims=True).astype(np.float64) / 127
+    error = np.abs(decoded.reshape(groups.shape).astype(np.float64) - groups)
+    assert np.all(error <= step * (1 + 1e-6))
+    if not values.any():
+        assert not decoded.any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=tensors, fraction=st.sampled_from([0.01, 0.1, 0.5, 1.0]), quantiser=st.sampled_from(["", "+int8"]))
+def test_topk_keeps_the_largest_entries(values: np.ndarray, fraction: float, quantiser: str) -> None:
+    # Execute
+    decoded = _roundtrip(values, f"topk:{fraction}{quantiser}")
+    # Assert: at most ceil(f n) entries survive; the error of each entry is at most the k-th largest
+    # magnitude (dropped) or one int8 step (kept); with fp32 values, entries above it are exact
+    flat, out = values.ravel().astype(np.float64), decoded.ravel().astype(np.float64)
+    k = max(1, int(np.ceil(fraction * flat.size)))
+    threshold = np.sort(np.abs(flat))[-k]
+    step = np.abs(flat).max() / 127 if quantiser else 0.0
+    assert np.count_nonzero(out) <= k
+    assert np.all(np.abs(out - flat) <= max(threshold, step) * (1 + 1e-6))
+    if not quantiser:
+        above = np.abs(flat) > threshold
+        assert np.array_equal(out[above], flat[above])
+
+
+def test_stochastic_int8_is_unbiased() -> None:
+    # Prepare: values between quantisation levels (scale 1/127 of max 1.0)
+    values = np.array([1.0, 0.3333, -0.5071, 0.00213, -0.9999, 0.0], np.float32)
+    rng = np.random.default_rng(7)
+    # Execute: the mean of many encodings
+    mean = np.mean([decode_tensor(encode_tensor(values, parse_codec("int8"), rng))[0] for _ in range(20_000)], axis=0)
+    # Assert: within 5 standard errors (each draw is off by < 1/127, so sigma <= 0.5/127)
+    assert np.all(np.abs(mean - values) <= 5 * (0.5 / 127) / np.sqrt(20_000))
+
+
+def test_error_feedback_sends_everything_eventually() -> None:
+    # Prepare: 20 rounds of random deltas on two tensors
+    rng = np.random.default_rng(3)
+    codec = parse_codec("topk:0.05+int8")
+    base = {"w": np.zeros((30, 20), np.float32), "b": np.zeros(20, np.float32)}
+    residual: dict[str, np.ndarray] | None = None
+    sent = {name: np.zeros_like(value, np.float64) for name, value in base.items()}
+    true = {name: np.zeros_like(value, np.float64) for name, value in base.items()}
+    for _ in range(20):
+        delta = {name: rng.standard_normal(value.shape).astype(np.float32) for name, value in base.items()}
+        # Execute
+        record, residual = encode_update({n: base[n] + delta[n] for n in base}, base, codec, rng, residual)
+        decoded = decode_update(record, base)
+        for name in base:
+            sent[name] += decoded[name]
+            true[name] += delta[name]
+    # Assert: transmitted + residual == true, up to float32 rounding
+    for name in base:
+        np.testing.assert_allclose(sent[name] + residual[name], true[name], atol=1e-4)
+
+
+def _array(stype: str, data: bytes, shape: tuple[int, ...] = (10,)) -> Array:
+    return Array(dtype="float32", shape=shape, stype=stype, data=data)
+
+
+def _topk(k: int, indices: list[int], values: list[float]) -> bytes:
+    return (np.uint32(k).astype("<u4").tobytes() + np.array(indices, "<u2").tobytes()
+            + np.array(values, "<f4").tobytes())
+
+
+@pytest.mark.parametrize(("array", "reason"), [
+    (_array("fedge.delta/zip", b""), "unknown codec 'zip'"),
+    (_array("pickle", b"\x80\x04"), "cannot decode"),
+    (_array("fedge.delta/int8", b"\x00" * 7), "needs 14"),
+    (_array("fedge.delta/fp16", b"\x00" * 21), "needs 20"),
+    (_array("fedge.delta/topk:0.5", _topk(11, list(range(11)), [1.0] * 11)), "claims 11 kept entries of 10"),
+    (_array("fedge.delta/topk:0.5", _topk(2, [3, 10], [1.0, 2.0])), "out of range"),
+    (_array("fedge.delta/topk:0.5", _topk(2, [4, 4], [1.0, 2.0])), "duplicated or unsorted"),
+    (_array("fedge.delta/topk:0.5", _topk(2, [5, 1], [1.0, 2.0])), "duplicated or unsorted"),
+    (_array("fedge.delta/topk:0.5", _topk(2, [1, 5], [1.0])), "needs 8"),
+    (_array("fedge.delta/int8", np.float32(np.nan).tobytes() + b"\x01" * 10), "invalid int8 scale"),
+    (_array("fedge.delta/fp32", np.full(10, np.inf, "<f4").tobytes()), "NaN or Inf"),
+])
+def test_malformed_payloads_are_rejected_with_the_reason(array: Array, reason: str) -> None:
+    with pytest.raises(UpdateRejected, match=reason.replace("(", r"\(")):
+        decode_update(ArrayRecord({"w": array}), {"w": np.zeros(10, np.float32)})
+
+
+def test_a_delta_needs_a_reference_of_the_same_shape() -> None:
+    record = ArrayRecord({"w": encode_tensor(np.ones(4, np.float32), parse_codec("fp16"), np.random.default_rng())})
+    with pytest.raises(UpdateRejected, match="shape"):
+        decode_update(record, {"w": np.zeros(5, np.float32)})
+    with pytest.raises(UpdateRejected, match="no model to add it to"):
+        decode_update(record, None)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("fp32", Codec()), ("", Codec()), ("int8", Codec(None, "int8")), ("topk:0.01+int8", Codec(0.01, "int8")),
+    ("topk:1", Codec(1.0, None)), ("topk:0.05+fp16", Codec(0.05, "fp16")),
+    ("int8:channel", Codec(None, "int8:channel")),
+])
+def test_codec_names_parse(text: str, expected: Codec) -> None:
+    assert parse_codec(text) == expected
+    assert parse_codec(expected.name) == expected
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    ("zstd", "unknown codec 'zstd'"),
+    ("topk:0", r"fraction must be in \(0, 1\]"),
+    ("topk:1.5", r"fraction must be in \(0, 1\]"),
+    ("topk:abc", "not a number"),
+    ("topk", "write top-k as 'topk:<fraction>'"),
+    ("int8+topk:0.1", "top-k must come first"),
+    ("topk:0.1+topk:0.2", "top-k must come first and only once"),
+    ("fp16+int8", "at most one quantiser"),
+])
+def test_bad_codec_names_are_refused(text: str, reason: str) -> None:
+    with pytest.raises(ConfigError, match=reason):
+        parse_codec(text, key="codec.phone")
