@@ -6,8 +6,8 @@ Codecs, by name (run config ``codec.<profile>``, ``downlink.<profile>``):
 * ``fp16``: half precision (values beyond +/-65504 saturate);
 * ``int8`` / ``int8:channel``: 8-bit integers with one scale per tensor / per output
   channel, stochastic rounding (unbiased: ``E[decode(encode(x))] = x``);
-* ``topk:<fraction>``: the largest-magnitude ``fraction`` of each tensor's entries (Aji &
-  Heafield, EMNLP 2017), with error feedback: what was not sent is kept on the device and
+* ``topk:<fraction>``: the largest-magnitude ``fraction`` of the update's entries, one
+  threshold across all tensors (Aji & Heafield, EMNLP 2017), with error feedback: what was not sent is kept on the device and
   added to the next update (Stich et al., "Sparsified SGD with Memory", NeurIPS 2018);
 * compositions ``topk:<fraction>+fp16`` and ``topk:<fraction>+int8``: sparsify, then quantise
   the kept values. At most one sparsifier and one quantiser, sparsifier first.
@@ -117,11 +117,15 @@ def _fraction(raw: str, key: str, text: str) -> float:
 # --------------------------------------------------------------------------- one tensor
 
 
-def encode_tensor(values: Floats, codec: Codec, rng: np.random.Generator, *, full: bool = False) -> Array:
-    """Encode one tensor (a delta, or full weights with ``full``) as a Flower ``Array``."""
+def encode_tensor(values: Floats, codec: Codec, rng: np.random.Generator, *, full: bool = False,
+                  keep: int | None = None) -> Array:
+    """Encode one tensor (a delta, or full weights with ``full``) as a Flower ``Array``.
+
+    ``keep``: how many entries top-k keeps here (default: the codec's fraction of this tensor).
+    """
     flat = np.asarray(values, np.float32).ravel()
     if codec.fraction is not None:
-        payload = _encode_topk(flat, codec, rng)
+        payload = _encode_topk(flat, codec, rng, keep)
     else:
         payload = _encode_dense(flat, codec.quantiser, rng, channels=_channels(values.shape, codec.quantiser))
     return Array(dtype=str(values.dtype), shape=tuple(values.shape), stype=(FULL if full else DELTA) + codec.name,
@@ -192,8 +196,9 @@ def _index_dtype(size: int) -> str:
     return "<u2" if size <= 65536 else "<u4"
 
 
-def _encode_topk(flat: Floats, codec: Codec, rng: np.random.Generator) -> bytes:
-    k = max(1, math.ceil((codec.fraction or 1.0) * flat.size)) if flat.size else 0
+def _encode_topk(flat: Floats, codec: Codec, rng: np.random.Generator, keep: int | None = None) -> bytes:
+    k = keep if keep is not None else max(1, math.ceil((codec.fraction or 1.0) * flat.size)) if flat.size else 0
+    k = min(k, flat.size)
     indices = np.sort(np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:]) if k else np.zeros(0, int)
     values = _encode_dense(flat[indices], codec.quantiser, rng)
     return np.uint32(k).astype("<u4").tobytes() + indices.astype(_index_dtype(flat.size)).tobytes() + values
@@ -232,16 +237,34 @@ def encode_update(
     so what was not sent is sent later; the sum of what is sent plus the last residual equals
     the sum of the true deltas.
     """
-    record, kept = ArrayRecord(), {}
+    deltas = {}
     for name in local:
         delta = np.asarray(local[name], np.float32) - np.asarray(base[name], np.float32)
         if codec.sparse and residual is not None and name in residual and residual[name].shape == delta.shape:
             delta = (delta + residual[name]).astype(np.float32)
-        encoded = encode_tensor(delta.astype(np.float32), codec, rng)
+        deltas[name] = delta
+    budget = _global_topk(deltas, codec.fraction) if codec.fraction is not None else {}
+    record, kept = ArrayRecord(), {}
+    for name, delta in deltas.items():
+        encoded = encode_tensor(delta, codec, rng, keep=budget.get(name))
         record[name] = encoded
         if codec.sparse:
             kept[name] = (delta - decode_tensor(encoded, name)[0]).astype(np.float32)
     return record, kept
+
+
+def _global_topk(deltas: Mapping[str, Floats], fraction: float) -> dict[str, int]:
+    """Entries each tensor keeps when the ``fraction`` largest of the whole update are sent
+    (one threshold for all tensors, so the budget goes where the update is large)."""
+    sizes = {name: delta.size for name, delta in deltas.items()}
+    total = sum(sizes.values())
+    if not total:
+        return dict.fromkeys(deltas, 0)
+    magnitudes = np.concatenate([np.abs(delta).ravel() for delta in deltas.values()])
+    k = max(1, math.ceil(fraction * total))
+    threshold = np.partition(magnitudes, total - k)[total - k]
+    return {name: max(1, int(np.count_nonzero(np.abs(delta) >= threshold))) if delta.size else 0
+            for name, delta in deltas.items()}
 
 
 def decode_update(record: ArrayRecord, reference: Mapping[str, NDArray[np.generic]] | None) -> dict[str, Floats]:
