@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedge-installed
 export FLWR_TELEMETRY_ENABLED := 0
 
-.PHONY: demo test test-fast lint bench setup
+.PHONY: demo test test-fast lint bench setup browser
 
 setup: $(STAMP)
 
@@ -21,7 +21,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/fedge simulate
 
-test: $(STAMP)
+# The dashboard's browser tests drive Debian's Chromium through its chromedriver.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } || \
+		echo "WARNING: could not install chromium + chromium-driver: the dashboard's browser tests will be SKIPPED"; \
+	else echo "WARNING: no apt-get: the dashboard's browser tests will be SKIPPED"; fi
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)

@@ -28,6 +28,10 @@ def add_parsers(sub: Any) -> None:
     start.add_argument("--clients-per-round", type=int)
     start.add_argument("--run-config", default="", help="overrides, Flower style: \"key=value ...\"")
     start.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue RUN_DIR after its last round")
+    start.add_argument("--dashboard", action="store_true", help="also serve the dashboard for this run")
+    start.add_argument("--dashboard-host", default="127.0.0.1", help="dashboard address (off loopback: token)")
+    start.add_argument("--dashboard-port", type=int, default=8765)
+    start.add_argument("--dashboard-token", help="dashboard token (default off loopback: random, printed)")
     start.set_defaults(handler=_start)
     status = actions.add_parser("status", help="connected devices and the current round")
     status.add_argument("--state-dir", type=Path, default=Path("coordinator-state"))
@@ -79,6 +83,12 @@ def _start(args: argparse.Namespace) -> int:
         (args.state_dir / "current-run").write_text(str(run_config["run-dir"]) + "\n")
         print(f"coordinator listening on {coordinator.address}; run directory {run_config['run-dir']}",
               flush=True)
+        if args.dashboard:
+            from fedge.server.dashboard import serve_in_background
+
+            Path(str(run_config["run-dir"])).mkdir(parents=True, exist_ok=True)
+            serve_in_background(Path(str(run_config["run-dir"])), host=args.dashboard_host,
+                                port=args.dashboard_port, token=args.dashboard_token)
         return coordinator.run(run_config)
     finally:
         coordinator.stop()

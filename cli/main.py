@@ -66,6 +66,29 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dashboard_parser(sub: Any) -> None:
+    p = sub.add_parser("dashboard", help="a live web view of a run directory",
+                       description="Serve fedge's dashboard for RUN_DIR (live while the run goes, or finished).")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a fedge run directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (off loopback a token is required)")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--token", help="access token (default off loopback: a random one, printed in the URL)")
+    p.set_defaults(handler=_dashboard)
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fedge.errors import ConfigError
+    from fedge.server.dashboard import serve
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"'{run_dir}' is not a directory; pass a run directory (runs/<name>)")
+    serve(run_dir, host=args.host, port=args.port, token=args.token)
+    return 0
+
+
 def _saved_config(run_dir: str) -> dict[str, Any]:
     import json
     from pathlib import Path
@@ -90,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedge", description="Federated learning on edge fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
     _simulate_parser(sub)
+    _dashboard_parser(sub)
     edge.add_parsers(sub)
     deploy.add_parsers(sub)
     return parser

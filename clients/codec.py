@@ -7,8 +7,9 @@ Codecs, by name (run config ``codec.<profile>``, ``downlink.<profile>``):
 * ``int8`` / ``int8:channel``: 8-bit integers with one scale per tensor / per output
   channel, stochastic rounding (unbiased: ``E[decode(encode(x))] = x``);
 * ``topk:<fraction>``: the largest-magnitude ``fraction`` of the update's entries, one
-  threshold across all tensors (Aji & Heafield, EMNLP 2017), with error feedback: what was not sent is kept on the device and
-  added to the next update (Stich et al., "Sparsified SGD with Memory", NeurIPS 2018);
+  threshold across all tensors (Aji & Heafield, EMNLP 2017), with error feedback: what was
+  not sent is kept on the device and added to the next update (Stich et al., "Sparsified
+  SGD with Memory", NeurIPS 2018);
 * compositions ``topk:<fraction>+fp16`` and ``topk:<fraction>+int8``: sparsify, then quantise
   the kept values. At most one sparsifier and one quantiser, sparsifier first.
 

@@ -55,6 +55,8 @@ class RoundRecorder:
         self.bundles: list[BuiltBundle] = []
         rows = "".join(json.dumps(row, sort_keys=True) + "\n" for row in self.rows)
         (run_dir / "metrics.jsonl").write_text(rows)
+        if not self.rows:
+            (run_dir / "devices.jsonl").write_text("")
         (run_dir / "checkpoints").mkdir(exist_ok=True)
 
     def on_round_end(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -87,6 +89,7 @@ class RoundRecorder:
             row["dp_delta"] = self.strategy.privacy.delta  # type: ignore[attr-defined]
         self.rows.append(row)
         append_jsonl(self.run_dir / "metrics.jsonl", row)
+        self._log_devices(server_round, traffic.replies, report, row)
         checkpoint = Checkpoint(server_round=server_round,
                                 arrays={name: array.numpy() for name, array in arrays.items()},
                                 fingerprint=config_fingerprint(self.config), history=self.rows,
@@ -99,6 +102,18 @@ class RoundRecorder:
             self._export_bundle(server_round)
         self.progress.advance(server_round, accuracy, self.grid.sim_time)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
+
+    def _log_devices(self, server_round: int, replies: list[dict[str, Any]], report: Any,
+                     row: dict[str, Any]) -> None:
+        """Append this round's device replies to ``devices.jsonl`` (rejected ones marked)."""
+        rejected = {r.node_id: r.reason for r in report.rejected} if report else {}
+        with (self.run_dir / "devices.jsonl").open("a") as stream:
+            for reply in replies:
+                event = {"round": server_round, "sim_time_s": row["sim_time_s"], "wall_time_s": row["wall_time_s"],
+                         **reply}
+                if reply["node"] in rejected:
+                    event.update(status="rejected", reason=rejected[reply["node"]])
+                stream.write(json.dumps(event, sort_keys=True) + "\n")
 
     def finish(self) -> dict[str, Any]:
         """Export the final model, plot, and write ``summary.json``."""

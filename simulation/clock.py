@@ -37,6 +37,7 @@ class RoundTraffic:
     participants: Counter[str] = field(default_factory=Counter)
     bytes_up_by_profile: Counter[str] = field(default_factory=Counter)
     bytes_down_by_profile: Counter[str] = field(default_factory=Counter)
+    replies: list[dict[str, object]] = field(default_factory=list)  # one per training reply or device error
 
 
 def reply_seconds(profile: DeviceProfile, bytes_down: int, bytes_up: int, samples: int) -> float:
@@ -108,9 +109,22 @@ class MeteredGrid(Grid):
             seconds = 0.0 if reply.has_error() else self._charge(reply.content, down.get(node, 0), node)
             if self.behaviour is not None:
                 seconds *= self.behaviour.slowdown(node, self.exchanges)
+            self._note(reply, node, seconds)
             timed.append((reply, seconds))
             self.last_durations[node] = seconds
         return timed
+
+    def _note(self, reply: Message, node: int, seconds: float) -> None:
+        """Remember who replied how (the dashboard's device list is built from these)."""
+        if reply.has_error():
+            self.current.replies.append({"node": node, "profile": str(self.node_profile(node) or ""),
+                                         "status": "error", "reason": str(reply.error.reason)[:200]})
+            return
+        meta = wire.reply_meta(reply.content)
+        if meta is None:  # a protocol step (secure aggregation's keys, shares), not an update
+            return
+        self.current.replies.append({"node": node, "profile": str(meta.get(wire.PROFILE, "")),
+                                     "status": "ok", "reply_s": round(seconds, 4)})
 
     def count_participants(self, replies: list[Message]) -> None:
         """Count the replies a round keeps, per profile (training replies: those with reply meta)."""

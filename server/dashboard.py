@@ -1,0 +1,281 @@
+"""The coordinator dashboard: a small web app over a run directory, live or finished.
+
+Starlette + uvicorn; the page (``dashboard_static/``) is plain HTML/CSS/JS that draws its
+charts as SVG from the JSON API, with no CDN and no third-party script. Everything is
+read from the run directory the coordinator (or ``fedge simulate``) writes:
+``config.json``, ``metrics.jsonl`` (one row per round), ``devices.jsonl`` (one line per
+device reply), ``summary.json`` (when finished) and ``bundles/*/manifest.json``. Lines
+that do not parse (a run still writing its last line) are skipped and counted.
+
+Threat model: the dashboard is read-only and shows metrics, device ids and profiles, not
+updates or data. It binds to 127.0.0.1 by default; on any other address a token is
+required (``?token=`` once, then a cookie, or ``Authorization: Bearer``), compared in
+constant time. Without TLS of its own, put it behind a TLS proxy when it leaves loopback.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import secrets
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from fedge.errors import ConfigError
+
+STATIC = Path(__file__).resolve().parent / "dashboard_static"
+COOKIE = "fedge-dashboard-token"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only listens on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of a JSONL file, and how many lines did not parse (partial or garbled)."""
+    if not path.exists():
+        return [], 0
+    rows, bad = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            bad += 1
+    return rows, bad
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+class RunView:
+    """What the API serves, read fresh from ``run_dir`` on every request."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def rounds(self) -> dict[str, Any]:
+        rows, bad = read_lines(self.run_dir / "metrics.jsonl")
+        rows = [row for row in rows if isinstance(row.get("round"), int)]
+        return {"rounds": rows, "skipped_lines": bad}
+
+    def summary(self) -> dict[str, Any]:
+        rows = self.rounds()["rounds"]
+        config = _read_json(self.run_dir / "config.json") or {}
+        finished = _read_json(self.run_dir / "summary.json")
+        last = rows[-1] if rows else {}
+        return {
+            "run": self.run_dir.name,
+            "status": "finished" if finished is not None else ("running" if rows else "starting"),
+            "rounds_done": int(last.get("round", 0)),
+            "rounds_total": int(config.get("num-rounds", 0)),
+            "accuracy": last.get("accuracy"), "loss": last.get("loss"),
+            "best_accuracy": max((row.get("accuracy", 0.0) for row in rows), default=None),
+            "sim_time_s": last.get("sim_time_s"), "wall_time_s": last.get("wall_time_s"),
+            "dp_epsilon": last.get("dp_epsilon"), "dp_delta": last.get("dp_delta"),
+            "strategy": config.get("strategy"), "dataset": config.get("dataset"), "model": config.get("model"),
+            "secure_aggregation": config.get("secure-aggregation"), "dp": config.get("dp"),
+            "summary": finished, "config": config,
+        }
+
+    def devices(self) -> dict[str, Any]:
+        events, bad = read_lines(self.run_dir / "devices.jsonl")
+        devices: dict[int, dict[str, Any]] = {}
+        for event in events:
+            node = event.get("node")
+            if not isinstance(node, int):
+                continue
+            device = devices.setdefault(node, {"node": node, "profile": "", "rounds_joined": 0, "rejected": 0,
+                                                "errors": 0, "last_round": 0, "last_reply_s": None})
+            device["profile"] = event.get("profile") or device["profile"]
+            device["last_round"] = max(device["last_round"], int(event.get("round", 0)))
+            device["last_seen_sim_s"] = event.get("sim_time_s")
+            device["last_seen_wall_s"] = event.get("wall_time_s")
+            status = event.get("status")
+            if status == "ok":
+                device["rounds_joined"] += 1
+                device["last_reply_s"] = event.get("reply_s")
+            elif status == "rejected":
+                device["rejected"] += 1
+            else:
+                device["errors"] += 1
+        ordered = sorted(devices.values(), key=lambda d: (-d["last_round"], d["node"]))
+        return {"devices": ordered, "skipped_lines": bad}
+
+    def rejections(self) -> dict[str, Any]:
+        rows = self.rounds()["rounds"]
+        return {"rejections": [{"round": row["round"], **rejection} for row in rows
+                               for rejection in row.get("rejections", []) if isinstance(rejection, dict)]}
+
+    def bundle(self) -> dict[str, Any]:
+        manifests = sorted((self.run_dir / "bundles").glob("*/manifest.json"))
+        if not manifests:
+            return {"bundle": None}
+        latest = manifests[-1]
+        return {"bundle": str(latest.parent.relative_to(self.run_dir)), "manifest": _read_json(latest),
+                "signed": (latest.parent / "manifest.sig").exists()}
+
+
+def create_app(run_dir: Path, *, host: str = "127.0.0.1", token: str | None = None) -> Starlette:
+    """The dashboard for ``run_dir``; ``token`` is required unless ``host`` is loopback.
+
+    Raises
+    ------
+    ConfigError
+        A non-loopback ``host`` without a token.
+    """
+    if not is_loopback(host) and not token:
+        raise ConfigError(f"the dashboard on {host} (not loopback) needs a token: pass --token, or bind 127.0.0.1")
+    view = RunView(run_dir)
+
+    def api(method: Any) -> Any:
+        async def endpoint(request: Request) -> Response:
+            return JSONResponse(method())
+        return endpoint
+
+    async def index(request: Request) -> Response:
+        return FileResponse(STATIC / "index.html")
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(OPENAPI)
+
+    routes = [
+        Route("/", index),
+        Route("/api/summary", api(view.summary)),
+        Route("/api/rounds", api(view.rounds)),
+        Route("/api/devices", api(view.devices)),
+        Route("/api/rejections", api(view.rejections)),
+        Route("/api/bundle", api(view.bundle)),
+        Route("/api/openapi.json", openapi),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+    ]
+    middleware = [Middleware(TokenGate, token=token)] if token else []
+    return Starlette(routes=routes, middleware=middleware)
+
+
+class TokenGate(BaseHTTPMiddleware):
+    """Every request needs the token: ``?token=`` (then remembered in a cookie) or a Bearer header."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        super().__init__(app)
+        self.token = token
+
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        given = (request.query_params.get("token") or request.cookies.get(COOKIE)
+                 or request.headers.get("authorization", "").removeprefix("Bearer ").strip())
+        if not given or not hmac.compare_digest(given.encode(), self.token.encode()):
+            return JSONResponse({"error": "a valid token is required: open the URL the dashboard printed "
+                                          "(it ends in ?token=...) or send 'Authorization: Bearer <token>'"},
+                                status_code=401)
+        response = await call_next(request)
+        if request.query_params.get("token"):
+            response.set_cookie(COOKIE, self.token, httponly=True, samesite="strict")
+        return response
+
+
+def new_token() -> str:
+    """A random URL-safe token (128 bits)."""
+    return secrets.token_urlsafe(16)
+
+
+def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 8765, token: str | None = None) -> None:
+    """Serve the dashboard until interrupted (prints the URL to open)."""
+    import uvicorn
+
+    if not is_loopback(host) and not token:
+        token = new_token()
+    app = create_app(run_dir, host=host, token=token)
+    print(f"fedge dashboard for {run_dir}: http://{host}:{port}/" + (f"?token={token}" if token else ""), flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def serve_in_background(run_dir: Path, *, host: str = "127.0.0.1", port: int = 8765,
+                        token: str | None = None) -> Any:
+    """Start the dashboard in a daemon thread (for ``fedge coordinator start --dashboard``);
+    returns the uvicorn server (set ``should_exit`` to stop it)."""
+    import threading
+
+    import uvicorn
+
+    if not is_loopback(host) and not token:
+        token = new_token()
+    server = uvicorn.Server(uvicorn.Config(create_app(run_dir, host=host, token=token), host=host, port=port,
+                                           log_level="warning"))
+    threading.Thread(target=server.run, name="fedge-dashboard", daemon=True).start()
+    print(f"dashboard: http://{host}:{port}/" + (f"?token={token}" if token else ""), flush=True)
+    return server
+
+
+def _schema(properties: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": properties}
+
+
+_ROW = _schema({"round": {"type": "integer"}, "accuracy": {"type": "number"}, "loss": {"type": "number"},
+                "sim_time_s": {"type": "number"}, "wall_time_s": {"type": "number"},
+                "participants_by_profile": {"type": "object"}, "bytes_up_by_profile": {"type": "object"},
+                "bytes_down_by_profile": {"type": "object"}, "rejections": {"type": "array"},
+                "dp_epsilon": {"type": "number"}})
+
+
+def _get(summary: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {
+        "200": {"description": "OK", "content": {"application/json": {"schema": schema}}},
+        "401": {"description": "token missing or wrong (only when not on loopback)"}}}}
+
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.1.0",
+    "info": {"title": "fedge dashboard API", "version": "1",
+             "description": "Read-only view of one fedge run directory (live or finished)."},
+    "paths": {
+        "/api/summary": _get("Run status, progress, latest accuracy/loss, DP epsilon, config and final summary",
+                             _schema({"status": {"enum": ["starting", "running", "finished"]},
+                                      "rounds_done": {"type": "integer"}, "rounds_total": {"type": "integer"},
+                                      "accuracy": {"type": ["number", "null"]},
+                                      "dp_epsilon": {"type": ["number", "null"]},
+                                      "summary": {"type": ["object", "null"]}, "config": {"type": "object"}})),
+        "/api/rounds": _get("Every completed round (metrics.jsonl), unparseable lines skipped and counted",
+                            _schema({"rounds": {"type": "array", "items": _ROW},
+                                     "skipped_lines": {"type": "integer"}})),
+        "/api/devices": _get("Devices seen: profile, rounds joined, rejected, errors, last round, last reply time",
+                             _schema({"devices": {"type": "array", "items": _schema({
+                                 "node": {"type": "integer"}, "profile": {"type": "string"},
+                                 "rounds_joined": {"type": "integer"}, "rejected": {"type": "integer"},
+                                 "errors": {"type": "integer"}, "last_round": {"type": "integer"},
+                                 "last_reply_s": {"type": ["number", "null"]}})},
+                                 "skipped_lines": {"type": "integer"}})),
+        "/api/rejections": _get("Rejected updates with their reasons",
+                                _schema({"rejections": {"type": "array", "items": _schema({
+                                    "round": {"type": "integer"}, "node_id": {"type": "integer"},
+                                    "reason": {"type": "string"}})}})),
+        "/api/bundle": _get("The latest signed edge bundle and its manifest",
+                            _schema({"bundle": {"type": ["string", "null"]}, "manifest": {"type": "object"},
+                                     "signed": {"type": "boolean"}})),
+    },
+}

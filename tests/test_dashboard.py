@@ -1,0 +1,232 @@
+"""The dashboard: its JSON API on a real run directory, the token rule, partial files, and a real browser."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from fedge.errors import ConfigError
+from fedge.server.dashboard import create_app
+from fedge.server.report import read_jsonl
+from fedge.simulation.runner import simulate
+
+RUN = {"fleet": "phone=6,laptop=3,gpu-box=1", "clients-per-round": 5, "num-rounds": 3, "model": "mlp",
+       "local-epochs": 1, "byzantine-fraction": 0.0, "export-every": 3}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real short simulation with DP on (so ε shows) and a signed bundle."""
+    run_dir, _ = simulate({**RUN, "dp": "server-fixed", "dp-noise-multiplier": 0.5,
+                           "run-dir": str(tmp_path_factory.mktemp("runs") / "run")}, progress=False)
+    return run_dir
+
+
+def _client(run_dir: Path, **kwargs: Any) -> TestClient:
+    return TestClient(create_app(run_dir, **kwargs))
+
+
+def test_the_api_describes_a_finished_run(finished_run: Path) -> None:
+    # Prepare
+    client = _client(finished_run)
+    summary = json.loads((finished_run / "summary.json").read_text())
+    rows = read_jsonl(finished_run / "metrics.jsonl")
+    # Execute
+    got = {name: client.get(f"/api/{name}").json() for name in ("summary", "rounds", "devices", "rejections", "bundle")}
+    # Assert: the same numbers as the run directory
+    assert got["summary"]["status"] == "finished" and got["summary"]["rounds_done"] == 3
+    assert got["summary"]["accuracy"] == summary["final_accuracy"]
+    assert got["summary"]["dp_epsilon"] == summary["dp"]["epsilon"] > 0
+    assert [r["round"] for r in got["rounds"]["rounds"]] == [0, 1, 2, 3]
+    assert got["rounds"]["skipped_lines"] == 0
+    joined = sum(d["rounds_joined"] for d in got["devices"]["devices"])
+    assert joined == sum(row["participants"] for row in rows) == 15
+    assert {d["profile"] for d in got["devices"]["devices"]} <= {"phone", "laptop", "gpu-box"}
+    assert got["rejections"]["rejections"] == []
+    assert got["bundle"]["bundle"] == "bundles/round-0003" and got["bundle"]["signed"]
+    assert got["bundle"]["manifest"]["round"] == 3
+
+
+def test_rejected_updates_are_listed_with_their_reasons(finished_run: Path, tmp_path: Path) -> None:
+    # Prepare: a copy of the run whose round 2 rejected one update
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    rows = read_jsonl(run / "metrics.jsonl")
+    rows[2].update(rejected=1, rejections=[{"node_id": 10004, "reason": "array 'w' contains NaN or Inf"}])
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    # Execute
+    rejections = _client(run).get("/api/rejections").json()["rejections"]
+    # Assert
+    assert rejections == [{"round": 2, "node_id": 10004, "reason": "array 'w' contains NaN or Inf"}]
+
+
+def test_partial_and_garbled_lines_do_not_break_the_api(finished_run: Path, tmp_path: Path) -> None:
+    # Prepare: a run still writing (no summary yet, the last line cut off) with one garbled line
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "summary.json").unlink()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(lines[:3] + ["{not json", "[1, 2]", lines[3][:40]]))
+    with (run / "devices.jsonl").open("a") as stream:
+        stream.write('{"node": 1, "rou')
+    client = _client(run)
+    # Execute
+    summary, rounds, devices = (client.get(f"/api/{n}").json() for n in ("summary", "rounds", "devices"))
+    # Assert: the complete rows, the bad ones counted, the run shown as running
+    assert summary["status"] == "running" and summary["rounds_done"] == 2
+    assert [r["round"] for r in rounds["rounds"]] == [0, 1, 2] and rounds["skipped_lines"] == 3
+    assert devices["skipped_lines"] == 1 and devices["devices"]
+    assert client.get("/").status_code == 200
+
+
+def test_an_empty_run_directory_is_starting(tmp_path: Path) -> None:
+    summary = _client(tmp_path).get("/api/summary").json()
+    assert summary["status"] == "starting" and summary["rounds_done"] == 0
+
+
+@pytest.mark.parametrize(("credentials", "status"), [
+    ({}, 401),
+    ({"params": {"token": "wrong"}}, 401),
+    ({"headers": {"Authorization": "Bearer wrong"}}, 401),
+    ({"params": {"token": "s3cret-token"}}, 200),
+    ({"headers": {"Authorization": "Bearer s3cret-token"}}, 200),
+])
+def test_off_loopback_every_request_needs_the_token(finished_run: Path, credentials: dict[str, Any],
+                                                    status: int) -> None:
+    client = _client(finished_run, host="0.0.0.0", token="s3cret-token")
+    for path in ("/", "/api/summary", "/static/app.js"):
+        assert client.get(path, **credentials).status_code == status
+
+
+def test_the_token_is_remembered_in_a_cookie_after_the_first_visit(finished_run: Path) -> None:
+    client = _client(finished_run, host="0.0.0.0", token="s3cret-token")
+    assert client.get("/", params={"token": "s3cret-token"}).status_code == 200
+    assert client.get("/api/summary").status_code == 200  # the page's own fetches carry the cookie
+
+
+def test_off_loopback_without_a_token_is_refused() -> None:
+    with pytest.raises(ConfigError, match="needs a token"):
+        create_app(Path("."), host="0.0.0.0")
+
+
+def test_the_api_is_described_by_openapi(finished_run: Path) -> None:
+    spec = _client(finished_run).get("/api/openapi.json").json()
+    assert spec["openapi"].startswith("3.")
+    assert set(spec["paths"]) == {"/api/summary", "/api/rounds", "/api/devices", "/api/rejections", "/api/bundle"}
+
+
+# --------------------------------------------------------------------------- in a real browser
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """The dashboard on 127.0.0.1 (a real uvicorn server) for a run directory under tmp_path."""
+    import uvicorn
+
+    run_dir, port = tmp_path / "run", _free_port()
+    run_dir.mkdir()
+    server = uvicorn.Server(uvicorn.Config(create_app(run_dir), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/", run_dir
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    """Headless Debian Chromium through Selenium and Debian's chromedriver (installed by `make test`)."""
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        pytest.skip("Debian's chromium and chromium-driver are not installed; `make test` installs them")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1280,1600"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    yield driver
+    driver.quit()
+
+
+def _text(driver: Any, test_id: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    return str(driver.find_element(By.CSS_SELECTOR, f"[data-testid='{test_id}']").text)
+
+
+def _wait_for(condition: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError("the page did not show it in time")
+
+
+@pytest.mark.slow
+def test_the_page_follows_a_live_run_and_shows_the_final_result(served: tuple[str, Path], browser: Any,
+                                                               tmp_path: Path) -> None:
+    # Prepare: a simulation writing into the served run directory, in the background
+    url, run_dir = served
+    config = {**RUN, "num-rounds": 6, "model": "cnn", "local-epochs": 5, "run-dir": str(run_dir)}
+    result: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: result.update(summary=simulate(config, progress=False)[1]))
+    # Execute: open the page, start the run, watch it advance
+    browser.get(url)
+    worker.start()
+    _wait_for(lambda: _text(browser, "round-count").startswith(("1 /", "2 /", "3 /")))
+    seen_first = int(_text(browser, "round-count").split(" /")[0])
+    _wait_for(lambda: int(_text(browser, "round-count").split(" /")[0]) > seen_first)
+    worker.join(timeout=300)
+    _wait_for(lambda: _text(browser, "status") == "finished")
+    browser.save_screenshot(str(tmp_path / "dashboard.png"))
+    # Assert: the page shows the run's round count and final accuracy; the charts were drawn
+    summary = result["summary"]
+    assert _text(browser, "round-count") == "6 / 6"
+    assert _text(browser, "accuracy") == f"{summary['final_accuracy']:.4f}"
+    from selenium.webdriver.common.by import By
+
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#chart-round path")) == 2
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#devices tbody tr")) >= 5
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_the_page_fits_a_phone_screen(served: tuple[str, Path], browser: Any, finished_run: Path,
+                                      tmp_path: Path) -> None:
+    # Prepare: a finished run in the served directory, a 390 px wide window
+    url, run_dir = served
+    shutil.copytree(finished_run, run_dir, dirs_exist_ok=True)
+    browser.set_window_size(390, 844)
+    # Execute
+    browser.get(url)
+    _wait_for(lambda: _text(browser, "status") == "finished")
+    browser.save_screenshot(str(tmp_path / "phone.png"))
+    # Assert: nothing wider than the screen (no sideways scrolling)
+    width = browser.execute_script("return document.documentElement.scrollWidth")
+    viewport = browser.execute_script("return window.innerWidth")
+    assert width <= viewport
+    assert _text(browser, "round-count") == "3 / 3"
