@@ -230,3 +230,29 @@ def test_the_page_fits_a_phone_screen(served: tuple[str, Path], browser: Any, fi
     viewport = browser.execute_script("return window.innerWidth")
     assert width <= viewport
     assert _text(browser, "round-count") == "3 / 3"
+
+
+def test_the_coordinator_serves_the_dashboard_beside_a_run(finished_run: Path) -> None:
+    # Prepare: what `fedge coordinator start --dashboard` starts, on a free loopback port
+    import urllib.request
+
+    from fedge.server.dashboard import serve_in_background
+
+    port = _free_port()
+    # Execute
+    server = serve_in_background(finished_run, port=port)
+    try:
+        _wait_for(lambda: server.started, timeout=10)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/summary", timeout=5) as response:
+            summary = json.loads(response.read())
+    finally:
+        server.should_exit = True
+    # Assert
+    assert summary["status"] == "finished" and summary["rounds_done"] == 3
+
+
+def test_the_cli_refuses_a_missing_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fedge.cli.main import main
+
+    assert main(["dashboard", str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
