@@ -85,7 +85,10 @@ def make_client_app(
             max_steps=_step_budget(context, setting),
         )
         seed = _training_seed(context, int(config["seed"]), round_)
-        arrays = compressed(model_arrays(model), base, codec_for(profile, setting), context, seed)
+        codec = codec_for(profile, setting)
+        if codec.lossless and is_encoded(msg.content.array_records[wire.ARRAYS]):
+            codec = Codec(quantiser=None, fraction=None, delta=True)  # trained from a lossy copy: send the change
+        arrays = compressed(model_arrays(model), base, codec, context, seed)
         meta = ConfigRecord({
             wire.SERVER_ROUND: round_,
             wire.PROFILE: profile,

@@ -54,6 +54,7 @@ class Codec:
 
     fraction: float | None = None
     quantiser: str | None = None
+    delta: bool = False  # fp32 as a delta (what a device trained from a lossy downlink copy sends)
 
     @property
     def name(self) -> str:
@@ -64,8 +65,8 @@ class Codec:
 
     @property
     def lossless(self) -> bool:
-        """``fp32``: the plain arrays are sent."""
-        return self.fraction is None and self.quantiser is None
+        """``fp32`` as plain Flower arrays of the weights."""
+        return self.fraction is None and self.quantiser is None and not self.delta
 
     @property
     def sparse(self) -> bool:
@@ -160,7 +161,9 @@ def decode_tensor(array: Array, name: str = "array") -> tuple[Floats, bool]:
 
 
 def _channels(shape: tuple[int, ...], quantiser: str | None) -> int:
-    return shape[0] if quantiser == "int8:channel" and len(shape) >= 1 and shape[0] > 0 else 1
+    """Scales per tensor: one per output channel for ``int8:channel`` on 2-D+ tensors (a 1-D
+    tensor, e.g. a bias, gets one scale: a scale per entry would outweigh the entries)."""
+    return shape[0] if quantiser == "int8:channel" and len(shape) >= 2 and shape[0] > 0 else 1
 
 
 def _encode_dense(flat: Floats, quantiser: str | None, rng: np.random.Generator, *, channels: int = 1) -> bytes:
@@ -200,6 +203,8 @@ def _index_dtype(size: int) -> str:
 def _encode_topk(flat: Floats, codec: Codec, rng: np.random.Generator, keep: int | None = None) -> bytes:
     k = keep if keep is not None else max(1, math.ceil((codec.fraction or 1.0) * flat.size)) if flat.size else 0
     k = min(k, flat.size)
+    if k == 0:
+        return np.uint32(0).astype("<u4").tobytes() + _encode_dense(flat[:0], codec.quantiser, rng)
     indices = np.sort(np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:]) if k else np.zeros(0, int)
     values = _encode_dense(flat[indices], codec.quantiser, rng)
     return np.uint32(k).astype("<u4").tobytes() + indices.astype(_index_dtype(flat.size)).tobytes() + values
@@ -257,15 +262,15 @@ def encode_update(
 def _global_topk(deltas: Mapping[str, Floats], fraction: float) -> dict[str, int]:
     """Entries each tensor keeps when the ``fraction`` largest of the whole update are sent
     (one threshold for all tensors, so the budget goes where the update is large)."""
-    sizes = {name: delta.size for name, delta in deltas.items()}
-    total = sum(sizes.values())
+    sizes = [delta.size for delta in deltas.values()]
+    total = sum(sizes)
     if not total:
         return dict.fromkeys(deltas, 0)
     magnitudes = np.concatenate([np.abs(delta).ravel() for delta in deltas.values()])
     k = max(1, math.ceil(fraction * total))
-    threshold = np.partition(magnitudes, total - k)[total - k]
-    return {name: max(1, int(np.count_nonzero(np.abs(delta) >= threshold))) if delta.size else 0
-            for name, delta in deltas.items()}
+    chosen = np.argpartition(magnitudes, total - k)[total - k:]  # exactly k, ties broken arbitrarily
+    per_tensor = np.bincount(np.searchsorted(np.cumsum(sizes), chosen, side="right"), minlength=len(sizes))
+    return {name: int(count) for name, count in zip(deltas, per_tensor, strict=True)}
 
 
 def decode_update(record: ArrayRecord, reference: Mapping[str, NDArray[np.generic]] | None) -> dict[str, Floats]:
@@ -278,6 +283,12 @@ def decode_update(record: ArrayRecord, reference: Mapping[str, NDArray[np.generi
     """
     out = {}
     for name, array in record.items():
+        if reference is not None:  # check the declared shape before allocating anything for it
+            if name not in reference:
+                raise UpdateRejected(f"array '{name}' is not part of the model")
+            if tuple(array.shape) != tuple(np.shape(reference[name])):
+                raise UpdateRejected(f"array '{name}' has shape {tuple(array.shape)}, expected "
+                                     f"{tuple(np.shape(reference[name]))}")
         values, full = decode_tensor(array, name)
         if full:
             out[name] = values

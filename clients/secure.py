@@ -117,8 +117,10 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
         state = context.state.config_records[STATE]
         inbox, params = msg.content.config_records["inbox"], msg.content.config_records["secagg"]
         _advance(state, "secagg_masked", int(msg.content.config_records["config"][wire.SERVER_ROUND]))  # type: ignore[arg-type]
-        for name, value in inbox.items():
-            state[name] = value  # sealed shares addressed to this device ("from/<peer>")
+        known_peers = {f"from/{int(peer)}" for peer in state["neighbours"]}  # type: ignore[union-attr]
+        for name, value in inbox.items():  # only sealed shares from this device's neighbours
+            if name in known_peers and isinstance(value, bytes):
+                state[name] = value
         trained = train_content(msg, context)
         bits = int(params["bits"])  # type: ignore[arg-type]
         encoded = _encode_update(msg.content.array_records[wire.ARRAYS], trained, params)

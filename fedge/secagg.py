@@ -93,9 +93,8 @@ class FixedPoint:
         if not self.fits(count):
             raise ValueError(f"{count} vectors of clip {self.clip} at scale {self.scale} overflow {self.bits} "
                              "bits; raise secagg-bits, lower secagg-clip or coarsen secagg-precision")
-        signed = total.astype(np.uint64).astype(np.int64)
-        if self.bits < 64:
-            signed = np.where(signed >= 2 ** (self.bits - 1), signed - 2**self.bits, signed)
+        shift = np.uint64(64 - self.bits)  # sign-extend the top bit of each bits-wide word
+        signed = (total.astype(np.uint64) << shift).view(np.int64) >> np.int64(64 - self.bits)
         return signed.astype(np.float64) / self.scale
 
 
@@ -198,12 +197,14 @@ def share_secret(secret: bytes, threshold: int, holders: Sequence[int]) -> dict[
     return shares
 
 
-def rebuild_secret(shares: Iterable[bytes]) -> bytes:
+def rebuild_secret(shares: Sequence[bytes]) -> bytes:
     """The 32-byte secret from at least ``threshold`` shares made by :func:`share_secret`.
 
     With fewer shares the result is a random-looking value, not the secret.
     """
     points = [(int.from_bytes(share[:2], "big"), int.from_bytes(share[2:SHARE_BYTES], "big")) for share in shares]
+    if len({x for x, _ in points}) != len(points) or any(len(share) != SHARE_BYTES for share in shares):
+        raise ValueError("shares must be distinct and SHARE_BYTES long")
     secret = 0
     for j, (x_j, y_j) in enumerate(points):
         numerator, denominator = 1, 1

@@ -30,7 +30,7 @@ from fedge.server.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
 from fedge.server.privacy import CLIENT_CLIPPING, build_privacy
 from fedge.server.recorder import RoundRecorder
 from fedge.server.report import run_dir_for, write_json_atomic
-from fedge.server.secure import secure_variant
+from fedge.server.secure import MIN_DEVICES, secure_variant
 from fedge.server.selection import OortSelector, RandomSelector
 from fedge.server.validation import ReplyValidator
 from fedge.simulation.behaviour import Behaviour
@@ -116,7 +116,7 @@ def secure_options(config: Mapping[str, Scalar], selected: int) -> dict[str, Any
         Fewer than 3 devices a round (each would learn the other's update from the sum), or
         a ring too narrow for ``selected`` updates at ``secagg-clip`` / ``secagg-precision``.
     """
-    if selected < 3:
+    if selected < MIN_DEVICES:
         raise ConfigError(f"secure-aggregation needs at least 3 devices a round, got clients-per-round = {selected}: "
                           "with 2, each device learns the other's update from the sum; raise clients-per-round")
     clip, precision, bits = float(config["secagg-clip"]), float(config["secagg-precision"]), int(config["secagg-bits"])

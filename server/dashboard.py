@@ -10,7 +10,9 @@ that do not parse (a run still writing its last line) are skipped and counted.
 Threat model: the dashboard is read-only and shows metrics, device ids and profiles, not
 updates or data. It binds to 127.0.0.1 by default; on any other address a token is
 required (``?token=`` once, then a cookie, or ``Authorization: Bearer``), compared in
-constant time. Without TLS of its own, put it behind a TLS proxy when it leaves loopback.
+constant time; on loopback the Host header must name loopback (no DNS rebinding). It has
+no TLS of its own: put it behind a TLS proxy when it leaves loopback. A bundle's signature
+is shown as present, not verified: ``fedge verify`` does that against a trusted key.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -33,6 +36,7 @@ from starlette.staticfiles import StaticFiles
 from fedge.errors import ConfigError
 
 STATIC = Path(__file__).resolve().parent / "dashboard_static"
+LOOPBACK_NAMES = ["127.0.0.1", "localhost", "::1", "[::1]"]
 COOKIE = "fedge-dashboard-token"
 
 
@@ -139,7 +143,7 @@ class RunView:
             return {"bundle": None}
         latest = manifests[-1]
         return {"bundle": str(latest.parent.relative_to(self.run_dir)), "manifest": _read_json(latest),
-                "signed": (latest.parent / "manifest.sig").exists()}
+                "has_signature": (latest.parent / "manifest.sig").exists()}
 
 
 def create_app(run_dir: Path, *, host: str = "127.0.0.1", token: str | None = None) -> Starlette:
@@ -176,6 +180,8 @@ def create_app(run_dir: Path, *, host: str = "127.0.0.1", token: str | None = No
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     middleware = [Middleware(TokenGate, token=token)] if token else []
+    if is_loopback(host):  # a page on another site cannot reach us through a rebound DNS name
+        middleware.insert(0, Middleware(TrustedHostMiddleware, allowed_hosts=LOOPBACK_NAMES))
     return Starlette(routes=routes, middleware=middleware)
 
 
@@ -276,6 +282,6 @@ OPENAPI: dict[str, Any] = {
                                     "reason": {"type": "string"}})}})),
         "/api/bundle": _get("The latest signed edge bundle and its manifest",
                             _schema({"bundle": {"type": ["string", "null"]}, "manifest": {"type": "object"},
-                                     "signed": {"type": "boolean"}})),
+                                     "has_signature": {"type": "boolean"}})),
     },
 }

@@ -19,8 +19,9 @@ together amount to multiplier ``z``, so the same event holds.
 
 Threat model: the coordinator is trusted to add the noise (central DP); ε bounds what
 anyone who sees the released global models learns about one device's participation.
-Sensitivity ``clip / K`` holds for the uniform mean, so under DP updates are averaged
-with equal weights.
+Sensitivity ``clip / K`` holds for ``sum of clipped updates / K`` with equal weights and a
+fixed denominator K (McMahan et al.), so under DP fedge divides by K whatever number of
+updates arrived (dropouts and rejected updates shrink the step rather than the noise).
 """
 
 from __future__ import annotations

@@ -80,19 +80,28 @@ class SecureAggregation(FedAvg):
         codecs = self._codecs(len(instructions))
         try:
             total, survivors = self._protocol(grid, server_round, instructions, codecs, timeout, report)
-        except _RoundFailed as exc:
-            log.warning("round %d: secure aggregation failed (%s); global model kept", server_round, exc)
+            summed, weight, weighted_work = self._decoded(total, codecs, len(survivors))
+        except (_RoundFailed, KeyError, TypeError, ValueError) as exc:  # the latter: a malformed protocol message
+            log.warning("round %d: secure aggregation failed (%s: %s); global model kept", server_round,
+                        type(exc).__name__, exc)
             return None, MetricRecord({"accepted": 0, "failed": len(report.failed), "late": report.late})
-        values, weights, works = codecs
-        summed = values.decode_sum(total[:-2], len(survivors))
-        weight = float(weights.decode_sum(total[-2:-1], len(survivors))[0])
-        weighted_work = float(works.decode_sum(total[-1:], len(survivors))[0])
-        if not np.all(np.isfinite(summed)) or weight <= 0:
-            return None, MetricRecord({"accepted": 0, "failed": len(report.failed)})
         report.accepted, report.aggregated = len(survivors), True
         delta = summed / weight * (weighted_work / weight)
         return self._apply(arrays, delta), MetricRecord(
             {"accepted": len(survivors), "failed": len(report.failed), "late": report.late, "weight": weight})
+
+    def _decoded(self, total: Any, codecs: tuple[FixedPoint, FixedPoint, FixedPoint],
+                 count: int) -> tuple[Any, float, float]:
+        """The unmasked sums, checked: a wrong share unmasks to noise, which lands out of range."""
+        values, weights, works = codecs
+        summed = values.decode_sum(total[:-2], count)
+        weight = float(weights.decode_sum(total[-2:-1], count)[0])
+        weighted_work = float(works.decode_sum(total[-1:], count)[0])
+        plausible = (0 < weight <= count * weights.clip * (1 + 1e-6) and weighted_work > 0
+                     and np.all(np.isfinite(summed)) and np.abs(summed).max(initial=0.0) <= count * values.clip)
+        if not plausible:
+            raise _RoundFailed("the unmasked sum is out of range (a wrong share or a tampered input)")
+        return summed, weight, weighted_work
 
     def _codecs(self, selected: int) -> tuple[FixedPoint, FixedPoint, FixedPoint]:
         """Fixed point for the update (from ``precision``), for ``w`` and ``w * a`` (as fine as fits)."""
@@ -115,15 +124,15 @@ class SecureAggregation(FedAvg):
         threshold = self._threshold(graph)
         peers = {n: RecordDict({"peers": _peer_record(keys, graph[n], server_round, threshold)}) for n in alive}
         sealed = self._step(grid, "secagg_share", peers, timeout, report)
-        shared = [n for n in alive if n in sealed]
+        shared = [n for n in alive if n in sealed and _has_shares_for(sealed[n], graph[n])]
         inboxes = {n: ConfigRecord({f"from/{p}": sealed[p].content.config_records["sealed"][f"to/{n}"]
-                                    for p in graph[n] if p in sealed}) for n in shared}
+                                    for p in graph[n] if p in shared}) for n in shared}
         masked = self._masked_step(grid, server_round, instructions, inboxes, codecs, timeout, report)
         length = sum(int(np.prod(a.shape)) for a in self.global_numpy().values()) + 2  # update, w, w * a
         survivors = [n for n in shared if n in masked and _vector(masked[n], length, self.bits) is not None]
-        if len(survivors) < self.min_train_replies:
-            raise _RoundFailed(f"{len(survivors)} devices sent masked inputs, min-train-replies is "
-                               f"{self.min_train_replies}")
+        if len(survivors) < max(MIN_DEVICES, self.min_train_replies):
+            raise _RoundFailed(f"{len(survivors)} devices sent masked inputs, need {MIN_DEVICES} and "
+                               f"min-train-replies {self.min_train_replies}")
         dropped = [n for n in shared if n not in survivors]
         short = [n for n in shared if len(graph[n] & set(survivors)) < threshold]
         if short:  # someone's secret could not be rebuilt: stop before anything is revealed
@@ -184,17 +193,20 @@ class SecureAggregation(FedAvg):
 
     def _threshold(self, graph: dict[int, set[int]]) -> int:
         smallest = min((len(peers) for peers in graph.values()), default=0)
-        if smallest == 0:
-            raise _RoundFailed("too few devices to share secrets")
-        return max(1, math.ceil(self.threshold_fraction * smallest))
+        if smallest < 2:
+            raise _RoundFailed("too few devices to share secrets (each needs 2 neighbours or more)")
+        return shares_needed(self.threshold_fraction, smallest)
 
     @staticmethod
     def _rebuild(revealed: dict[int, Message], name: str, threshold: int, owner: int) -> bytes:
-        shares = [bytes(reply.content.config_records["revealed"][name]) for reply in revealed.values()  # type: ignore[arg-type]
-                  if name in reply.content.config_records["revealed"]]
+        shares = [value for reply in revealed.values()
+                  if isinstance(value := reply.content.config_records["revealed"].get(name), bytes)]
         if len(shares) < threshold:
             raise _RoundFailed(f"only {len(shares)} of {threshold} shares to unmask device {owner}")
-        return rebuild_secret(shares[:threshold])
+        secret = rebuild_secret(shares[:threshold])
+        if len(shares) > threshold and rebuild_secret(shares[-threshold:]) != secret:
+            raise _RoundFailed(f"the shares revealed for device {owner} disagree (a wrong share)")
+        return secret
 
     def _apply(self, arrays: ArrayRecord, delta: np.ndarray) -> ArrayRecord:
         new, offset = {}, 0
@@ -208,6 +220,23 @@ class SecureAggregation(FedAvg):
 
 class _RoundFailed(Exception):
     pass
+
+
+MIN_DEVICES = 3  # with 2, each device learns the other's update from the sum
+
+
+def shares_needed(fraction: float, neighbours: int) -> int:
+    """Shares needed to rebuild a secret: more than ``fraction`` of ``neighbours``, at least 2.
+
+    At least 2 so that no single neighbour holds a secret (with t = 1 every share is the
+    secret, and one colluding neighbour could unmask anyone); a majority by default.
+    """
+    return min(neighbours, max(2, math.floor(fraction * neighbours) + 1))
+
+
+def _has_shares_for(reply: Message, neighbours: set[int]) -> bool:
+    sealed = reply.content.config_records.get("sealed")
+    return sealed is not None and all(isinstance(sealed.get(f"to/{n}"), bytes) for n in neighbours)
 
 
 def _peer_record(keys: dict[int, Message], neighbours: set[int], server_round: int, threshold: int) -> ConfigRecord:

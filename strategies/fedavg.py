@@ -46,6 +46,7 @@ class PrivacyLayer(Protocol):
 
     wrapper: Strategy
     client_side: bool
+    num_sampled: int
 
     def release(self) -> float: ...
 
@@ -171,8 +172,9 @@ class FedAvg(FlowerFedAvg):
             self.downlink.learn(exchange.replies)
         if self.privacy is None:
             return self.aggregate_train(server_round, exchange.replies)
-        new_arrays, metrics = driver.aggregate_train(server_round, self._screened(server_round, exchange.replies))
-        if new_arrays is not None:
+        screened = self._screened(server_round, exchange.replies)
+        new_arrays, metrics = driver.aggregate_train(server_round, screened)
+        if screened:  # conservative: adaptive clipping released a noised count even if no model came out
             self.reports[-1].epsilon = self.privacy.release()
         return new_arrays, metrics
 
@@ -310,7 +312,22 @@ class FedAvg(FlowerFedAvg):
                         "kept as it was", server_round, report.accepted, self.min_train_replies)
             return None, metrics
         report.aggregated = True
+        if self.privacy is not None:
+            aggregate = self._fixed_denominator(aggregate, report.accepted)
         return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in aggregate.items()}), metrics
+
+    def _fixed_denominator(self, mean: dict[str, NDArray[np.generic]], count: int) -> dict[str, NDArray[np.generic]]:
+        """DP-FedAvg's fixed denominator: ``global + sum(delta) / K`` instead of the mean of the
+        ``count`` updates that arrived, so one device changes the result by at most ``clip / K``
+        whoever else dropped out, which is what the noise ``z * clip / K`` is calibrated to."""
+        assert self.privacy is not None
+        scale = count / self.privacy.num_sampled
+        base = self.global_numpy()
+        out: dict[str, NDArray[np.generic]] = {}
+        for name, value in mean.items():
+            start = np.asarray(base[name], np.float64)
+            out[name] = (start + scale * (np.asarray(value, np.float64) - start)).astype(value.dtype)
+        return out
 
     def aggregate_updates(
         self, updates: Iterator[AcceptedUpdate]

@@ -61,7 +61,8 @@ def test_int8_is_within_one_step_of_its_scale(values: np.ndarray, per_channel: b
     # Execute
     decoded = _roundtrip(values, "int8:channel" if per_channel else "int8")
     # Assert: stochastic rounding moves each value by less than one step max|x| / 127 of its group
-    groups = values.reshape(values.shape[0], -1) if per_channel else values.reshape(1, -1)
+    # one scale per output channel of a 2-D+ tensor; 1-D tensors get one scale either way
+    groups = values.reshape(values.shape[0], -1) if per_channel and values.ndim >= 2 else values.reshape(1, -1)
     step = np.abs(groups).max(axis=1, keepdims=True).astype(np.float64) / 127
     error = np.abs(decoded.reshape(groups.shape).astype(np.float64) - groups)
     assert np.all(error <= step * (1 + 1e-6))
@@ -176,3 +177,29 @@ def test_codec_names_parse(text: str, expected: Codec) -> None:
 def test_bad_codec_names_are_refused(text: str, reason: str) -> None:
     with pytest.raises(ConfigError, match=reason):
         parse_codec(text, key="codec.phone")
+
+
+def test_topk_sends_exactly_k_entries_even_when_most_are_zero() -> None:
+    # Prepare: 1000 entries of which 990 are exactly zero (a threshold of 0 would keep them all)
+    delta = np.zeros(1000, np.float32)
+    delta[:10] = np.arange(1, 11)
+    # Execute
+    record, _ = encode_update({"w": delta}, {"w": np.zeros(1000, np.float32)}, parse_codec("topk:0.05"),
+                              np.random.default_rng(0))
+    # Assert: k = 50 entries travel (10 non-zero + 40 zeros), 4 + 50 * (2 + 4) bytes
+    assert len(bytes(record["w"].data)) == 4 + 50 * 6
+    np.testing.assert_array_equal(decode_update(record, {"w": np.zeros(1000, np.float32)})["w"], delta)
+
+
+def test_per_channel_int8_gives_a_bias_one_scale() -> None:
+    bias = np.linspace(-1, 1, 64, dtype=np.float32)
+    encoded = encode_tensor(bias, parse_codec("int8:channel"), np.random.default_rng(0))
+    assert len(bytes(encoded.data)) == 4 + 64
+
+
+def test_a_huge_declared_shape_is_rejected_before_anything_is_allocated() -> None:
+    huge = Array(dtype="float32", shape=(2**42,), stype="fedge.delta/topk:0.1", data=b"\x00" * 8)
+    with pytest.raises(UpdateRejected, match="has shape"):
+        decode_update(ArrayRecord({"w": huge}), {"w": np.zeros(10, np.float32)})
+    with pytest.raises(UpdateRejected, match="not part of the model"):
+        decode_update(ArrayRecord({"x": huge}), {"w": np.zeros(10, np.float32)})

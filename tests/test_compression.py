@@ -80,7 +80,7 @@ def _tampering(partition: int, corrupt: Any) -> ClientApp:
 @pytest.mark.parametrize(("corrupt", "reason"), [
     (lambda a: Array(dtype=a.dtype, shape=a.shape, stype=a.stype, data=bytes(a.data)[:-3]), "bytes"),
     (lambda a: Array(dtype=a.dtype, shape=a.shape, stype="fedge.delta/lz4", data=bytes(a.data)), "unknown codec"),
-    (lambda a: Array(dtype=a.dtype, shape=(3,), stype=a.stype, data=bytes(a.data)), "bytes"),
+    (lambda a: Array(dtype=a.dtype, shape=(3,), stype=a.stype, data=bytes(a.data)), "has shape (3,)"),
 ])
 def test_a_malformed_encoded_update_is_rejected_and_the_round_goes_on(corrupt: Any, reason: str,
                                                                        tmp_path: Path) -> None:
@@ -134,3 +134,24 @@ def test_decoded_updates_match_what_the_device_trained(tmp_path: Path) -> None:
     plain, half = (load_checkpoint(runs[c] / "checkpoint.npz").arrays for c in ("fp32", "fp16"))
     for name, value in plain.items():
         np.testing.assert_allclose(half[name], value, atol=1e-3)
+
+
+def test_a_device_trained_from_a_lossy_downlink_sends_its_change_not_its_weights() -> None:
+    # Prepare: an int8-encoded global model in the instruction, fp32 uplink
+    from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+    from fedge.clients.codec import encode_tensor, parse_codec
+    from fedge.clients.models import build_model, model_arrays
+
+    app = make_default_client_app()
+    context = Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 4, "profile": "laptop"},
+                      state=RecordDict(), run_config={"fleet": "laptop=4", "model": "mlp", "local-epochs": 1})
+    weights = model_arrays(build_model("mlp", 64, 10, seed=0))
+    encoded = ArrayRecord({name: encode_tensor(array.numpy(), parse_codec("int8"), np.random.default_rng(0), full=True)
+                           for name, array in weights.items()})
+    message = Message(RecordDict({"arrays": encoded, "config": ConfigRecord({"server-round": 1})}),
+                      dst_node_id=5, message_type="train")
+    # Execute
+    reply = app(message, context)
+    # Assert: an fp32 delta (the coordinator adds it to its exact model, not to the int8 copy)
+    assert {str(a.stype) for a in reply.content.array_records["arrays"].values()} == {"fedge.delta/fp32"}

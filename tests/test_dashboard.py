@@ -32,7 +32,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _client(run_dir: Path, **kwargs: Any) -> TestClient:
-    return TestClient(create_app(run_dir, **kwargs))
+    return TestClient(create_app(run_dir, **kwargs), base_url="http://127.0.0.1:8765")
 
 
 def test_the_api_describes_a_finished_run(finished_run: Path) -> None:
@@ -52,7 +52,7 @@ def test_the_api_describes_a_finished_run(finished_run: Path) -> None:
     assert joined == sum(row["participants"] for row in rows) == 15
     assert {d["profile"] for d in got["devices"]["devices"]} <= {"phone", "laptop", "gpu-box"}
     assert got["rejections"]["rejections"] == []
-    assert got["bundle"]["bundle"] == "bundles/round-0003" and got["bundle"]["signed"]
+    assert got["bundle"]["bundle"] == "bundles/round-0003" and got["bundle"]["has_signature"]
     assert got["bundle"]["manifest"]["round"] == 3
 
 
@@ -111,6 +111,13 @@ def test_the_token_is_remembered_in_a_cookie_after_the_first_visit(finished_run:
     client = _client(finished_run, host="0.0.0.0", token="s3cret-token")
     assert client.get("/", params={"token": "s3cret-token"}).status_code == 200
     assert client.get("/api/summary").status_code == 200  # the page's own fetches carry the cookie
+
+
+def test_on_loopback_a_foreign_host_name_is_refused(finished_run: Path) -> None:
+    # a DNS-rebinding page would reach 127.0.0.1 under its own host name
+    client = _client(finished_run)
+    assert client.get("/api/summary", headers={"host": "evil.example:8765"}).status_code == 400
+    assert client.get("/api/summary", headers={"host": "localhost:8765"}).status_code == 200
 
 
 def test_off_loopback_without_a_token_is_refused() -> None:

@@ -116,3 +116,20 @@ def test_impossible_dp_settings_are_refused_at_start(
     # Assert
     assert code == 2 and reason in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_the_mean_has_a_fixed_denominator_whoever_dropped_out() -> None:
+    # Prepare: K = 6 sampled, only 2 updates arrived; the global model is 0, their mean is 3
+    from flwr.app import Array, ArrayRecord
+
+    from fedge.server.privacy import DifferentialPrivacy
+    from fedge.strategies import FedAvg
+
+    strategy = FedAvg(clients_per_round=6)
+    strategy.privacy = DifferentialPrivacy(strategy=strategy, mode="server-fixed", noise_multiplier=1.0,
+                                           clipping_norm=1.0, num_sampled=6, population=10, delta=1e-5)
+    strategy.global_arrays = ArrayRecord({"w": Array(np.zeros(3, np.float32))})
+    # Execute
+    result = strategy._fixed_denominator({"w": np.full(3, 3.0, np.float32)}, count=2)
+    # Assert: global + (3 + 3) / 6 = 1, the step DP-FedAvg's sensitivity clip / K is computed for
+    np.testing.assert_allclose(result["w"], np.ones(3))

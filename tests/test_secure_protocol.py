@@ -217,3 +217,71 @@ def test_impossible_secure_settings_are_refused_at_start(
     # Assert: refused before anything ran
     assert code == 2 and reason in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(("fraction", "neighbours", "expected"), [
+    (0.5, 2, 2), (0.5, 3, 2), (0.5, 4, 3), (0.5, 9, 5), (0.5, 14, 8), (0.1, 9, 2), (1.0, 5, 5), (0.9, 10, 10),
+])
+def test_a_secret_always_needs_a_majority_and_at_least_two_shares(fraction: float, neighbours: int,
+                                                                  expected: int) -> None:
+    from fedge.server.secure import shares_needed
+
+    assert shares_needed(fraction, neighbours) == expected
+
+
+@pytest.mark.parametrize("bits", [40, 62, 63])
+def test_negative_sums_decode_at_any_ring_width(bits: int) -> None:
+    codec = FixedPoint(clip=4.0, scale=2.0**10, bits=bits)
+    values = np.array([-4.0, -1.5, 0.0, 2.25, 4.0])
+    total = ring_add(codec.encode(values), codec.encode(values), bits)
+    np.testing.assert_allclose(codec.decode_sum(total, 2), 2 * values)
+
+
+def _lying(partition: int, step: str, lie: Any) -> Any:
+    """fedge's ClientApp, except that one device tampers with its reply at one protocol step."""
+    from flwr.clientapp import ClientApp
+
+    honest = make_default_client_app()
+    app = ClientApp()
+
+    def handler(name: str) -> Any:
+        def handle(msg: Message, context: Context) -> Message:
+            reply = honest(msg, context)
+            if int(context.node_config["partition-id"]) == partition and name == step:
+                lie(reply.content)
+            return reply
+        return handle
+
+    app.train()(handler("train"))
+    for name in ("secagg_setup", "secagg_share", "secagg_masked", "secagg_unmask"):
+        app.train(name)(handler(name))
+    app.evaluate()(lambda msg, context: honest(msg, context))
+    return app
+
+
+def _flip_shares(content: RecordDict) -> None:
+    revealed = content.config_records["revealed"]
+    for name in list(revealed):
+        share = bytearray(revealed[name])  # type: ignore[arg-type]
+        share[-1] ^= 0xFF
+        revealed[name] = bytes(share)
+
+
+@pytest.mark.parametrize(("step", "lie", "aggregated"), [
+    ("secagg_unmask", _flip_shares, False),        # a wrong share: caught, the model is kept
+    ("secagg_share", lambda c: c.config_records["sealed"].clear(), True),  # no shares: a dropout
+    ("secagg_unmask", lambda c: c.config_records["revealed"].clear(), True),  # the others' shares suffice
+])
+def test_a_device_lying_in_the_protocol_cannot_corrupt_the_model_or_stop_the_run(
+    step: str, lie: Any, aggregated: bool, tmp_path: Path
+) -> None:
+    # Prepare: 6 devices, all pairs (5 neighbours, 3 shares needed), device 2 lies at `step`
+    config = resolve_run_config({**BASE, "fleet": "laptop=6", "clients-per-round": 6,
+                                 "secure-aggregation": True, "run-dir": str(tmp_path / "r")})
+    nodes = [{"partition-id": i, "num-partitions": 6, "profile": "laptop"} for i in range(6)]
+    # Execute
+    run_coordinator(InlineGrid(_lying(2, step, lie), nodes, config), config, progress=False)
+    # Assert: every round either aggregated or kept the model; the run completed; the model is finite
+    rows = read_jsonl(tmp_path / "r" / "metrics.jsonl")[1:]
+    assert len(rows) == 2 and all(row["aggregated"] == aggregated for row in rows)
+    assert rows[-1]["accuracy"] >= 0.05

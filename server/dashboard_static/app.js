@@ -171,7 +171,8 @@ function renderRejections(data) {
 function renderBundle(data) {
   if (!data.bundle) return;
   const m = data.manifest || {};
-  document.getElementById("bundle").textContent = `${data.bundle} · round ${m.round ?? "?"} · ${data.signed ? "signed" : "UNSIGNED"}`;
+  const signature = data.has_signature ? "manifest.sig present (check with fedge verify)" : "NO SIGNATURE";
+  document.getElementById("bundle").textContent = `${data.bundle} · round ${m.round ?? "?"} · ${signature}`;
   document.getElementById("manifest").textContent = JSON.stringify(m, null, 2);
 }
 
@@ -192,4 +193,8 @@ async function refresh() {
   setTimeout(refresh, POLL_MS);
 }
 
+// The token (off loopback) came in the URL once and now lives in a cookie: keep it out of history.
+if (new URLSearchParams(window.location.search).has("token")) {
+  window.history.replaceState(null, "", window.location.pathname);
+}
 refresh();
