@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,10 +151,27 @@ def test_deadline_with_over_selection_in_deployment(federation: LoopbackFederati
     assert all(r["participants"] == 2 and r["aggregated"] for r in rows[1:])
 
 
+def _dashboard_status(port: int) -> str | None:
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/summary", timeout=2) as response:
+            return str(json.loads(response.read())["status"])
+    except OSError:
+        return None
+
+
 def test_secure_aggregation_in_deployment(federation: LoopbackFederation) -> None:
-    # The four secure-aggregation steps over a real SuperLink, TLS and device auth on
-    federation.start_coordinator("--rounds", "1", "--clients-per-round", "3", "--run-config",
+    # The four secure-aggregation steps over a real SuperLink, TLS and device auth on; the
+    # coordinator also serves its dashboard (before any device connects, the run is "starting")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    federation.start_coordinator("--rounds", "1", "--clients-per-round", "3", "--dashboard", "--dashboard-port",
+                                 str(port), "--run-config",
                                  "model='mlp' local-epochs=2 export-onnx=false secure-aggregation=true")
+    federation.wait_for(lambda: _dashboard_status(port) == "starting", 120, "the dashboard")
     for index in range(3):
         federation.start_device(index)
     federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 300, "the summary")
