@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
 
 from fedge import wire
 
@@ -44,3 +48,34 @@ def train_reply(
 def good_arrays(value: float) -> dict[str, np.ndarray]:
     """Arrays shaped like :func:`global_arrays`, all equal to ``value``."""
     return {"w": np.full((2, 3), value, np.float32), "b": np.full(3, value, np.float32)}
+
+
+SECURE_STEPS = ("secagg_setup", "secagg_share", "secagg_masked", "secagg_unmask")
+
+
+def tampered_app(partition: int, step: str, tamper: Callable[[RecordDict], None]) -> ClientApp:
+    """fedge's own ClientApp, except that device ``partition`` runs ``tamper`` on its reply's
+    content at ``step`` ("train" or a secure-aggregation step); ``tamper`` may raise (a dropout)."""
+    from fedge.clients.app import make_default_client_app
+
+    honest = make_default_client_app()
+    app = ClientApp()
+
+    def handler(name: str) -> Any:
+        def handle(msg: Message, context: Context) -> Message:
+            reply = honest(msg, context)
+            if int(context.node_config["partition-id"]) == partition and name == step:
+                tamper(reply.content)
+            return reply
+        return handle
+
+    app.train()(handler("train"))
+    for name in SECURE_STEPS:
+        app.train(name)(handler(name))
+    app.evaluate()(lambda msg, context: honest(msg, context))
+    return app
+
+
+def drop_out(_: RecordDict) -> None:
+    """A ``tamper`` for :func:`tampered_app`: the device goes away instead of replying."""
+    raise ConnectionError("device went away")

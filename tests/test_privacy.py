@@ -8,17 +8,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message
-from flwr.clientapp import ClientApp
 
 from fedge.cli.main import main
-from fedge.clients.app import make_default_client_app
 from fedge.config import resolve_run_config
 from fedge.server.app import run_coordinator
 from fedge.server.checkpoint import load_checkpoint
 from fedge.server.report import read_jsonl
 from fedge.simulation.grid import InlineGrid
 from fedge.simulation.runner import simulate
+from replies import drop_out, tampered_app
 
 BASE = {"fleet": "laptop=12", "clients-per-round": 6, "num-rounds": 3, "model": "logreg", "local-epochs": 1,
         "export-onnx": False, "dp-noise-multiplier": 1.0}
@@ -67,15 +65,7 @@ def test_clipping_bounds_how_far_one_round_moves_the_model(mode: str, tmp_path: 
 
 def test_a_failing_device_is_left_out_and_the_dp_round_goes_on(tmp_path: Path) -> None:
     # Prepare: partition 2 fails every time it trains
-    honest = make_default_client_app()
-    app = ClientApp()
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        if int(context.node_config["partition-id"]) == 2:
-            raise ConnectionError("device went away")
-        return honest(msg, context)
-
+    app = tampered_app(2, "train", drop_out)
     config = resolve_run_config({**BASE, "fleet": "laptop=6", "num-rounds": 2, "dp": "server-fixed",
                                  "run-dir": str(tmp_path / "r")})
     nodes = [{"partition-id": i, "num-partitions": 6, "profile": "laptop"} for i in range(6)]

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
-from flwr.clientapp import ClientApp
 
 from fedge.cli.main import main
 from fedge.clients.app import make_default_client_app
@@ -18,6 +16,7 @@ from fedge.server.checkpoint import load_checkpoint
 from fedge.server.report import read_jsonl
 from fedge.simulation.grid import InlineGrid
 from fedge.simulation.runner import simulate
+from replies import drop_out, tampered_app
 
 BASE = {"fleet": "phone=6,laptop=3,gpu-box=1", "clients-per-round": 6, "num-rounds": 3, "model": "mlp",
         "local-epochs": 2, "export-onnx": False}
@@ -45,25 +44,6 @@ def test_secure_rounds_give_the_plaintext_model(strategy: str, tmp_path: Path) -
     assert summary["final_accuracy"] == pytest.approx(read_jsonl(plain / "metrics.jsonl")[-1]["accuracy"], abs=0.01)
 
 
-def _failing(partition: int, action: str) -> ClientApp:
-    """fedge's ClientApp, except that one device fails at one step (a dropout)."""
-    honest = make_default_client_app()
-    app = ClientApp()
-
-    def handler(name: str) -> Any:
-        def handle(msg: Message, context: Context) -> Message:
-            if int(context.node_config["partition-id"]) == partition and name == action:
-                raise ConnectionError("device went away")
-            return honest(msg, context)
-        return handle
-
-    app.train()(handler("train"))
-    for step in ("secagg_setup", "secagg_share", "secagg_masked", "secagg_unmask"):
-        app.train(step)(handler(step))
-    app.evaluate()(lambda msg, context: honest(msg, context))
-    return app
-
-
 @pytest.mark.parametrize("step", ["secagg_setup", "secagg_share", "secagg_masked", "secagg_unmask"])
 def test_a_dropout_at_any_step_leaves_the_plaintext_mean_of_the_rest(step: str, tmp_path: Path) -> None:
     # Prepare: all 10 devices every round; partition 3 fails at `step` (secure) or at training (plain)
@@ -72,8 +52,10 @@ def test_a_dropout_at_any_step_leaves_the_plaintext_mean_of_the_rest(step: str, 
     secure_config = resolve_run_config({**config, "secure-aggregation": True, "run-dir": str(tmp_path / "s")})
     plain_config = resolve_run_config({**config, "run-dir": str(tmp_path / "p")})
     # Execute
-    secure = run_coordinator(InlineGrid(_failing(3, step), nodes, secure_config), secure_config, progress=False)
-    plain = run_coordinator(InlineGrid(_failing(3, "train"), nodes, plain_config), plain_config, progress=False)
+    secure = run_coordinator(InlineGrid(tampered_app(3, step, drop_out), nodes, secure_config), secure_config,
+                             progress=False)
+    plain = run_coordinator(InlineGrid(tampered_app(3, "train", drop_out), nodes, plain_config), plain_config,
+                            progress=False)
     # Assert: a device that dropped before its masked input is left out, like a failed plaintext device;
     # one that dropped only at the unmask step is already in the sum (its shares are not needed)
     expected = _final(plain) if step != "secagg_unmask" else _final(simulate(

@@ -31,6 +31,7 @@ from fedge.secagg import (
 from fedge.server.app import run_coordinator
 from fedge.server.report import read_jsonl
 from fedge.simulation.grid import InlineGrid
+from replies import tampered_app
 
 BASE = {"fleet": "phone=6,laptop=3,gpu-box=1", "clients-per-round": 6, "num-rounds": 2, "model": "mlp",
         "local-epochs": 1, "export-onnx": False}
@@ -237,28 +238,6 @@ def test_negative_sums_decode_at_any_ring_width(bits: int) -> None:
     np.testing.assert_allclose(codec.decode_sum(total, 2), 2 * values)
 
 
-def _lying(partition: int, step: str, lie: Any) -> Any:
-    """fedge's ClientApp, except that one device tampers with its reply at one protocol step."""
-    from flwr.clientapp import ClientApp
-
-    honest = make_default_client_app()
-    app = ClientApp()
-
-    def handler(name: str) -> Any:
-        def handle(msg: Message, context: Context) -> Message:
-            reply = honest(msg, context)
-            if int(context.node_config["partition-id"]) == partition and name == step:
-                lie(reply.content)
-            return reply
-        return handle
-
-    app.train()(handler("train"))
-    for name in ("secagg_setup", "secagg_share", "secagg_masked", "secagg_unmask"):
-        app.train(name)(handler(name))
-    app.evaluate()(lambda msg, context: honest(msg, context))
-    return app
-
-
 def _flip_shares(content: RecordDict) -> None:
     revealed = content.config_records["revealed"]
     for name in list(revealed):
@@ -280,7 +259,7 @@ def test_a_device_lying_in_the_protocol_cannot_corrupt_the_model_or_stop_the_run
                                  "secure-aggregation": True, "run-dir": str(tmp_path / "r")})
     nodes = [{"partition-id": i, "num-partitions": 6, "profile": "laptop"} for i in range(6)]
     # Execute
-    run_coordinator(InlineGrid(_lying(2, step, lie), nodes, config), config, progress=False)
+    run_coordinator(InlineGrid(tampered_app(2, step, lie), nodes, config), config, progress=False)
     # Assert: every round either aggregated or kept the model; the run completed; the model is finite
     rows = read_jsonl(tmp_path / "r" / "metrics.jsonl")[1:]
     assert len(rows) == 2 and all(row["aggregated"] == aggregated for row in rows)
