@@ -265,7 +265,6 @@ def _vector(reply: Message, length: int, bits: int) -> np.ndarray | None:
     return vector if vector.dtype == ring_dtype(bits) and vector.shape == (length,) else None
 
 
-SecureFedAvg = SecureAggregation
 SECURE_STRATEGIES: dict[str, type[FedAvg]] = {"fedavg": FedAvg, "fedprox": FedProx, "fednova": FedNova}
 
 
