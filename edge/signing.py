@@ -9,7 +9,9 @@ they trust. A key is identified by the SHA-256 of its raw 32-byte public key.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import stat
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
@@ -17,8 +19,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from fedge.errors import BundleVerificationError, ConfigError
 
+log = logging.getLogger("fedge.edge")
+
 PRIVATE_NAME = "signing.key"
 PUBLIC_NAME = "signing.pub"
+PRIVATE_DIR_MODE = 0o700
+PUBLIC_FILE_MODE = 0o644
 
 
 def fingerprint(public_key: Ed25519PublicKey) -> str:
@@ -35,8 +41,7 @@ def generate_signing_key(directory: str | Path, *, force: bool = False) -> tuple
     ConfigError
         If either file exists and ``force`` is not set.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = ensure_private_dir(directory)
     private_path, public_path = directory / PRIVATE_NAME, directory / PUBLIC_NAME
     existing = [p for p in (private_path, public_path) if p.exists()]
     if existing and not force:
@@ -46,9 +51,58 @@ def generate_signing_key(directory: str | Path, *, force: bool = False) -> tuple
     private_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption())
     _write_private(private_path, private_pem)
-    public_path.write_bytes(key.public_key().public_bytes(
+    write_public(public_path, key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
     return private_path, public_path
+
+
+def ensure_private_dir(directory: str | Path) -> Path:
+    """Make ``directory`` a directory only its owner can write: mode 0700 whatever the umask.
+
+    Threat model: a key directory (or a device's freshness state) that others can
+    write lets them swap a public key in an allow-list, plant a key, or delete a
+    record. ``mkdir`` alone follows the umask (0777 under umask 0), so a new
+    directory is created 0700 and then ``chmod``-ed to exactly 0700. Missing parents
+    are created with the usual umask. An existing directory that group or others
+    can write is tightened to 0700 and a warning is logged; one that is only
+    readable by them is left as it is.
+
+    Raises
+    ------
+    ConfigError
+        If ``directory`` exists but is not a directory, or is writable by others
+        and cannot be tightened (not ours): choose a private directory instead.
+    """
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(directory, PRIVATE_DIR_MODE)
+    except FileExistsError:
+        if not directory.is_dir():
+            raise ConfigError(f"'{directory}' exists and is not a directory") from None
+        _tighten(directory)
+        return directory
+    os.chmod(directory, PRIVATE_DIR_MODE)
+    return directory
+
+
+def _tighten(directory: Path) -> None:
+    mode = stat.S_IMODE(directory.stat().st_mode)
+    if not mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return
+    try:
+        os.chmod(directory, PRIVATE_DIR_MODE)
+    except PermissionError:
+        raise ConfigError(f"'{directory}' is writable by group or others (mode {mode:04o}) and is not "
+                          "yours to tighten; keep keys in a private directory (mode 0700)") from None
+    log.warning("'%s' was writable by group or others (mode %04o); tightened it to 0700",
+                directory, mode)
+
+
+def write_public(path: Path, data: bytes) -> None:
+    """Write a public file (key, certificate) with mode 0644, whatever the umask."""
+    path.write_bytes(data)
+    os.chmod(path, PUBLIC_FILE_MODE)
 
 
 def _write_private(path: Path, data: bytes) -> None:

@@ -7,6 +7,11 @@ asked (``force``). The CA and coordinator keys stay on the coordinator host;
 each device gets ``ca.crt`` (to check the coordinator) and its own key.
 Formats are the ones Flower's SuperLink/SuperNode accept: PEM for TLS, and EC
 NIST P-384 keys in OpenSSH format for SuperNode authentication.
+
+The key directory and ``devices/`` (the allow-list of devices the coordinator
+registers) are created with mode 0700 whatever the umask, and an existing one
+that group or others can write is tightened to 0700 (with a warning): whoever
+can write ``devices/`` can add a device of their own. Public files are 0644.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedge.edge.signing import ensure_private_dir, write_public
 from fedge.errors import ConfigError
 
 DEVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -90,9 +96,7 @@ def _subject_alt_names(hosts: list[str]) -> list[x509.GeneralName]:
 def init_keys(directory: str | Path, *, hosts: list[str] | None = None, days: int = 365,
               force: bool = False) -> CoordinatorKeys:
     """Create a CA and a CA-signed coordinator certificate for ``localhost``, ``127.0.0.1`` and ``hosts``."""
-    keys = CoordinatorKeys(Path(directory))
-    keys.directory.mkdir(parents=True, exist_ok=True)
-    keys.devices.mkdir(exist_ok=True)
+    keys = _private_dirs(directory)
     for path in (keys.ca_key, keys.key):
         if path.exists() and not force:
             raise ConfigError(f"{path} already exists; pass --force to replace it (devices will then "
@@ -123,8 +127,8 @@ def init_keys(directory: str | Path, *, hosts: list[str] | None = None, days: in
                    .sign(ca_key, hashes.SHA384()))
     write_private(keys.ca_key, _pem(ca_key), force=force)
     write_private(keys.key, _pem(server_key), force=force)
-    keys.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    keys.cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    write_public(keys.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
+    write_public(keys.cert, server_cert.public_bytes(serialization.Encoding.PEM))
     return keys
 
 
@@ -132,13 +136,19 @@ def add_device(directory: str | Path, name: str, *, force: bool = False) -> tupl
     """Create device ``name``'s auth key pair (EC P-384, OpenSSH format) under ``devices/``."""
     if not DEVICE_NAME.match(name):
         raise ConfigError(f"device name '{name}' must be 1-64 letters, digits, '.', '_' or '-'")
-    keys = CoordinatorKeys(Path(directory))
-    keys.devices.mkdir(parents=True, exist_ok=True)
+    keys = _private_dirs(directory)
     private = ec.generate_private_key(ec.SECP384R1())
     private_path, public_path = keys.devices / f"{name}.key", keys.devices / f"{name}.pub"
     write_private(private_path, private.private_bytes(serialization.Encoding.PEM,
                                                       serialization.PrivateFormat.OpenSSH,
                                                       serialization.NoEncryption()), force=force)
-    public_path.write_bytes(private.public_key().public_bytes(
+    write_public(public_path, private.public_key().public_bytes(
         serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + f" {name}\n".encode())
     return private_path, public_path
+
+
+def _private_dirs(directory: str | Path) -> CoordinatorKeys:
+    """The key directory and its ``devices/`` allow-list, both mode 0700 (see the module's threat model)."""
+    keys = CoordinatorKeys(ensure_private_dir(directory))
+    ensure_private_dir(keys.devices)
+    return keys
