@@ -1,16 +1,18 @@
 """``fedge coordinator start``: Flower's SuperLink, secured, running fedge's ServerApp.
 
-fedge does not carry messages itself: Flower's SuperLink does (Fleet, Control and
-runtime APIs on one HTTPS port). This module starts it with TLS and SuperNode
-authentication on by default, registers the known device keys, and starts a
-run of ``fedge.server.app:app`` with ``flwr run``.
+fedge does not carry messages itself: Flower's SuperLink does. This module starts it
+(through :mod:`fedge.server.superlink`, which keeps Flower's Control and runtime APIs off
+the address devices use) with TLS and SuperNode authentication on by default, registers
+the known device keys, and starts a run of ``fedge.server.app:app`` with ``flwr run``.
 
 Threat model: TLS (certificates from ``fedge keys init``) stops eavesdroppers and
 impostor coordinators; SuperNode authentication admits only devices whose
-public keys the operator registered. ``insecure=True`` turns both off and is
-announced on every start. The SuperLink never installs packages at run time
-(runtime dependency installation is off) and Flower's telemetry and update
-checks are off.
+public keys the operator registered. The device address serves only the Fleet API;
+the Control API (register devices, start runs) answers only on a loopback port and
+only to the operator token kept 0600 in the state directory. ``insecure=True`` turns
+TLS and device authentication off and is announced on every start (the Control API
+stays operator-only). The SuperLink never installs packages at run time (runtime
+dependency installation is off) and Flower's telemetry and update checks are off.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import datetime as dt
 import json
 import logging
 import os
+import secrets
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -110,6 +114,7 @@ class Coordinator:
     keys: CoordinatorKeys | None
     host: str = "127.0.0.1"
     port: int = 9095
+    control_port: int = 0  # the operator's loopback port; 0: a free one, chosen at start
     superlink: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -117,8 +122,14 @@ class Coordinator:
         return self.keys is None
 
     @property
-    def address(self) -> str:  # noqa: D102
+    def address(self) -> str:
+        """Where devices connect (Fleet API only)."""
         return f"{self.host}:{self.port}"
+
+    @property
+    def control_address(self) -> str:
+        """Where the operator's ``flwr`` CLI connects (loopback, token required)."""
+        return f"127.0.0.1:{self.control_port}"
 
     def env(self) -> dict[str, str]:
         """Environment of every Flower process this coordinator starts."""
@@ -132,6 +143,8 @@ class Coordinator:
         else:
             assert self.keys is not None
             check_coordinator_keys(self.keys)
+        if not self.control_port:
+            self.control_port = _free_loopback_port()
         self._write_flower_config()
         logs = (self.state_dir / "superlink.log").open("ab")
         self.superlink = subprocess.Popen(self._superlink_command(), env=self.env(),
@@ -140,8 +153,9 @@ class Coordinator:
         self.register_devices()
 
     def _superlink_command(self) -> list[str]:
-        command = [flower_bin("flower-superlink"), "--host", self.host, "--port", str(self.port),
-                   "--isolation", "subprocess", "--disable-runtime-dependency-installation",
+        command = [sys.executable, "-m", "fedge.server.superlink", "--operator-port", str(self.control_port),
+                   "--operator-token-file", str(self._operator_token().resolve()),
+                   "--host", self.host, "--port", str(self.port), "--isolation", "subprocess", "--disable-runtime-dependency-installation",
                    "--database", str((self.state_dir / "superlink.db").resolve())]
         if self.keys is None:
             return [*command, "--insecure"]
@@ -149,14 +163,34 @@ class Coordinator:
                 "--ssl-certfile", str(self.keys.cert.resolve()),
                 "--ssl-keyfile", str(self.keys.key.resolve()), "--enable-supernode-auth"]
 
+    def _operator_token(self) -> Path:
+        """The Control API's bearer token (0600, made once per state directory)."""
+        path = self.state_dir / "operator-token"
+        if not path.exists():
+            from fedge.server.pki import write_private
+
+            write_private(path, secrets.token_urlsafe(32).encode(), force=False)
+        return path
+
     def _write_flower_config(self) -> None:
+        """Point the operator's ``flwr`` CLI (this FLWR_HOME) at the loopback Control API, with the token."""
+        from flwr.cli.constant import ACCESS_TOKEN_STORE_KEY, AUTHN_TYPE_STORE_KEY, REFRESH_TOKEN_STORE_KEY
+        from flwr.supercore.credential_store.file_credential_store import FileCredentialStore
+
+        from fedge.server.superlink import AUTHN_TYPE
+
         home = self.state_dir / "flwr-home"
         home.mkdir(parents=True, exist_ok=True)
-        entry = [f'[superlink.{CONNECTION}]', f'address = "{self.address}"']
+        os.chmod(home, 0o700)
+        entry = [f'[superlink.{CONNECTION}]', f'address = "{self.control_address}"']
         entry.append("insecure = true" if self.keys is None
                      else f'root-certificates = "{self.keys.ca_cert.resolve()}"')
         header = f'[superlink]\ndefault = "{CONNECTION}"\n\n'
         (home / "config.toml").write_text(header + "\n".join(entry) + "\n")
+        store, token = FileCredentialStore(home / "credentials.yaml"), self._operator_token().read_bytes().strip()
+        store.set(AUTHN_TYPE_STORE_KEY % self.control_address, AUTHN_TYPE.encode())
+        store.set(ACCESS_TOKEN_STORE_KEY % self.control_address, token)
+        store.set(REFRESH_TOKEN_STORE_KEY % self.control_address, b"none")  # never honoured by the SuperLink
 
     def _wait_healthy(self, timeout: float) -> None:
         scheme = "http" if self.keys is None else "https"
@@ -238,6 +272,12 @@ class Coordinator:
         except subprocess.TimeoutExpired:
             self.superlink.kill()
             self.superlink.wait()
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def _toml(value: Scalar) -> str:
