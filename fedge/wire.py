@@ -9,7 +9,13 @@ profile and how many samples it processed (for the virtual clock).
 
 from __future__ import annotations
 
+import math
+import re
+from dataclasses import dataclass
+
 from flwr.app import ConfigRecord, RecordDict
+
+from fedge.errors import UpdateRejected
 
 ARRAYS = "arrays"
 CONFIG = "config"
@@ -21,6 +27,11 @@ SERVER_ROUND = "server-round"
 DP_CLIENT_CLIPPING = "dp-client-clipping"
 PROFILE = "profile"
 SAMPLES_PROCESSED = "samples-processed"
+STEPS = "steps"
+TRAIN_LOSS = "train-loss"
+
+PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+MAX_COUNT = 10**12  # no device processes more samples or steps than this in one round
 
 
 def reply_meta(content: RecordDict) -> ConfigRecord | None:
@@ -39,3 +50,100 @@ def payload_bytes(content: RecordDict) -> int:
                 for record in content.config_records.values() for value in record.values()
                 if isinstance(value, bytes | list))
     return arrays + blobs
+
+
+# --------------------------------------------------------------------------- reading what devices send
+# Threat model: every value below comes from a device that may be buggy or hostile. These
+# readers are the ONLY place that turns a reply's meta and metrics into Python values: types
+# are exact (no int("lots"), no int(inf)), numbers are bounded, names are short and plain.
+# Everything downstream (the virtual clock, FedNova, selectors, codec policy, validation)
+# uses their results, never the raw record.
+
+
+@dataclass(frozen=True)
+class ReplyMeta:
+    """The checked fields of a reply's fedge meta record."""
+
+    server_round: int | None = None
+    profile: str | None = None
+    samples_processed: int = 0
+    steps: int | None = None
+
+
+def _count(record: ConfigRecord, key: str, *, low: int) -> int | None:
+    value = record.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UpdateRejected(f"reply meta '{key}' must be an integer, got {type(value).__name__} {value!r:.40}")
+    if not low <= value <= MAX_COUNT:
+        raise UpdateRejected(f"reply meta '{key}' = {value} is outside [{low}, {MAX_COUNT}]")
+    return value
+
+
+def read_reply_meta(content: RecordDict) -> ReplyMeta | None:
+    """The reply's fedge meta, every field checked; ``None`` when the sender added none.
+
+    Raises
+    ------
+    UpdateRejected
+        Naming the field that has the wrong type or is out of range.
+    """
+    record = reply_meta(content)
+    if record is None:
+        return None
+    profile = record.get(PROFILE)
+    if profile is not None and (not isinstance(profile, str) or not PROFILE_NAME.match(profile)):
+        raise UpdateRejected(f"reply meta '{PROFILE}' must be 1-64 letters, digits, '.', '_' or '-', "
+                             f"got {profile!r:.40}")
+    return ReplyMeta(server_round=_count(record, SERVER_ROUND, low=0), profile=profile,
+                     samples_processed=_count(record, SAMPLES_PROCESSED, low=0) or 0,
+                     steps=_count(record, STEPS, low=1))
+
+
+def read_reply_meta_or_none(content: RecordDict) -> ReplyMeta | None:
+    """:func:`read_reply_meta` for bookkeeping before validation: a malformed meta reads as none.
+
+    The reply itself is rejected later by validation, with the reason.
+    """
+    try:
+        return read_reply_meta(content)
+    except UpdateRejected:
+        return None
+
+
+@dataclass(frozen=True)
+class TrainMetrics:
+    """The checked metrics of a train reply."""
+
+    num_examples: int
+    loss: float | None
+    values: dict[str, float]
+
+
+def read_train_metrics(content: RecordDict, *, max_num_examples: int) -> TrainMetrics:
+    """The reply's single MetricRecord: ``num-examples`` an int in ``[1, max_num_examples]``, all finite.
+
+    Raises
+    ------
+    UpdateRejected
+        Naming the metric that is missing, of the wrong type, out of range or not finite.
+    """
+    if len(content.metric_records) != 1:
+        raise UpdateRejected(f"a train reply needs exactly one MetricRecord, got {len(content.metric_records)}")
+    metrics = next(iter(content.metric_records.values()))
+    if NUM_EXAMPLES not in metrics:
+        raise UpdateRejected(f"the MetricRecord has no '{NUM_EXAMPLES}'")
+    count = metrics[NUM_EXAMPLES]
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise UpdateRejected(f"'{NUM_EXAMPLES}' must be an int, got {count!r}")
+    if not 1 <= count <= max_num_examples:
+        raise UpdateRejected(f"'{NUM_EXAMPLES}' = {count} is outside [1, {max_num_examples}] (max-num-examples)")
+    values: dict[str, float] = {}
+    for key, value in metrics.items():
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in items):
+            raise UpdateRejected(f"metric '{key}' is not finite")
+        if not isinstance(value, list):
+            values[key] = float(value)
+    return TrainMetrics(num_examples=count, loss=values.get(TRAIN_LOSS), values=values)

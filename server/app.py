@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -96,7 +97,8 @@ def build_strategy(config: Mapping[str, Scalar], num_nodes: int | None = None) -
     return strategy_class(
         clients_per_round=per_round,
         policy=build_policy(config),
-        validator=ReplyValidator(max_num_examples=int(config["max-num-examples"])),
+        validator=ReplyValidator(max_num_examples=int(config["max-num-examples"]),
+                                 max_local_steps=local_step_limit(config)),
         selector=build_selector(config),
         min_train_replies=min(int(config["min-train-replies"]), per_round),
         wait_for_nodes_s=float(config["round-timeout"]),
@@ -105,6 +107,23 @@ def build_strategy(config: Mapping[str, Scalar], num_nodes: int | None = None) -
         min_evaluate_nodes=0 if not config["fraction-evaluate"] else 1,
         **extra,
     )
+
+
+def local_step_limit(config: Mapping[str, Scalar]) -> Callable[[int], int]:
+    """The most local SGD steps a round's instruction allows a device holding ``n`` examples.
+
+    ``local-epochs * ceil(n / batch-size)`` (one step per batch, the last one partial), or
+    with ``local-budget = "time"`` the steps the budget buys on the fleet's fastest profile
+    (what :func:`fedge.clients.app._step_budget` gives a device). Stragglers do fewer.
+    """
+    batch = int(config["batch-size"])
+    if config["local-budget"] == "time":
+        fleet = parse_fleet(str(config["fleet"]), str(config["fleet-file"]))
+        fastest = max([1.0, *(profile.compute_rate for profile in fleet.profiles.values())])
+        steps = max(1, int(float(config["time-budget-s"]) * fastest) // batch)
+        return lambda n: steps
+    epochs = int(config["local-epochs"])
+    return lambda n: epochs * math.ceil(n / batch)
 
 
 def secure_options(config: Mapping[str, Scalar], selected: int) -> dict[str, Any]:
@@ -134,7 +153,8 @@ def build_selector(config: Mapping[str, Scalar]) -> RandomSelector:
     """Random selection, or Oort-style capability-aware selection."""
     if config["selector"] == "oort":
         return OortSelector(int(config["seed"]), preferred_s=float(config["preferred-round-s"]),
-                            epsilon=float(config["exploration"]), fairness_rounds=int(config["fairness-rounds"]))
+                            epsilon=float(config["exploration"]), fairness_rounds=int(config["fairness-rounds"]),
+                            max_num_examples=int(config["max-num-examples"]))
     return RandomSelector(int(config["seed"]))
 
 

@@ -90,6 +90,6 @@ class DownlinkEncoder:
     def learn(self, replies: list[Message]) -> None:
         """Remember the profiles devices named in their replies."""
         for reply in replies:
-            meta = None if reply.has_error() else wire.reply_meta(reply.content)
-            if meta and meta.get(wire.PROFILE):
-                self.profiles[reply.metadata.src_node_id] = str(meta[wire.PROFILE])
+            meta = None if reply.has_error() else wire.read_reply_meta_or_none(reply.content)
+            if meta and meta.profile:
+                self.profiles[reply.metadata.src_node_id] = meta.profile

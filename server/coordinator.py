@@ -155,7 +155,8 @@ class Coordinator:
     def _superlink_command(self) -> list[str]:
         command = [sys.executable, "-m", "fedge.server.superlink", "--operator-port", str(self.control_port),
                    "--operator-token-file", str(self._operator_token().resolve()),
-                   "--host", self.host, "--port", str(self.port), "--isolation", "subprocess", "--disable-runtime-dependency-installation",
+                   "--host", self.host, "--port", str(self.port), "--isolation", "subprocess",
+                   "--disable-runtime-dependency-installation",
                    "--database", str((self.state_dir / "superlink.db").resolve())]
         if self.keys is None:
             return [*command, "--insecure"]

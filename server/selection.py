@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from flwr.app import Message
 
 from fedge import wire
+from fedge.errors import UpdateRejected
 
 
 class RandomSelector:
@@ -55,9 +56,10 @@ class OortSelector(RandomSelector):
     """
 
     def __init__(self, seed: int = 0, *, preferred_s: float = 10.0, alpha: float = 2.0,
-                 epsilon: float = 0.2, fairness_rounds: int = 20) -> None:
+                 epsilon: float = 0.2, fairness_rounds: int = 20, max_num_examples: int = 100_000) -> None:
         super().__init__(seed)
         self.preferred_s, self.alpha, self.epsilon, self.fairness_rounds = preferred_s, alpha, epsilon, fairness_rounds
+        self.max_num_examples = max_num_examples
         self.records: dict[int, _Record] = {}
         self.last_selected: dict[int, int] = {}
 
@@ -87,12 +89,14 @@ class OortSelector(RandomSelector):
     def observe(self, server_round: int, replies: Sequence[Message], durations: Mapping[int, float]) -> None:
         """Update each replying device's utility and duration."""
         for reply in replies:
-            if reply.has_error() or len(reply.content.metric_records) != 1:
+            if reply.has_error():
                 continue
-            metrics = next(iter(reply.content.metric_records.values()))
-            loss, count = metrics.get("train-loss"), metrics.get(wire.NUM_EXAMPLES)
-            if not isinstance(loss, (int, float)) or not isinstance(count, int) or not math.isfinite(loss):
+            try:  # the same checks as validation: a malformed reply teaches the selector nothing
+                metrics = wire.read_train_metrics(reply.content, max_num_examples=self.max_num_examples)
+            except UpdateRejected:
+                continue
+            if metrics.loss is None:
                 continue
             node = reply.metadata.src_node_id
-            self.records[node] = _Record(utility=max(float(loss), 0.0) * max(count, 0),
+            self.records[node] = _Record(utility=max(metrics.loss, 0.0) * metrics.num_examples,
                                          duration=max(durations.get(node, 0.0), 1e-9), last_round=server_round)

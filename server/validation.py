@@ -2,8 +2,10 @@
 
 Threat model: a device may be buggy or hostile. It can send arrays of the wrong
 names, shapes or dtypes, NaN/Inf values, an absurd or non-positive sample count
-(to dominate a weighted mean), a stale reply from an earlier round, or bytes
-that do not decode. Each such reply is rejected with a reason naming the
+(to dominate a weighted mean), a stale reply from an earlier round, bytes
+that do not decode, or meta of the wrong type or out of range (``"lots"`` or
+``inf`` samples processed, ``2**62`` local steps: read only through
+:func:`fedge.wire.read_reply_meta`). Each such reply is rejected with a reason naming the
 problem, logged with the sender's node id, and left out; the rest of the round
 goes on. Validation cannot detect a well-formed but poisoned update: that is
 what robust aggregation (trimmed mean, median, Krum) is for.
@@ -12,8 +14,7 @@ what robust aggregation (trimmed mean, median, Krum) is for.
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,7 @@ class AcceptedUpdate:
     arrays: dict[str, NDArray[np.generic]]
     weight: float
     content: RecordDict
+    meta: wire.ReplyMeta | None = None
 
 
 @dataclass(frozen=True)
@@ -73,14 +75,17 @@ def check_arrays(arrays: Mapping[str, NDArray[np.generic]], spec: ArraySpec) -> 
             raise UpdateRejected(f"array '{name}' contains NaN or Inf")
 
 
-def check_num_examples(value: object, cap: int) -> int:
-    """Raise unless ``value`` is an int in ``[1, cap]``; return it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise UpdateRejected(f"'{wire.NUM_EXAMPLES}' must be an int, got {value!r}")
-    if not 1 <= value <= cap:
-        raise UpdateRejected(f"'{wire.NUM_EXAMPLES}' = {value} is outside [1, {cap}] "
-                             "(max-num-examples)")
-    return value
+StepLimit = Callable[[int], int]
+
+
+@dataclass(frozen=True)
+class CheckedReply:
+    """Everything a train reply carries, decoded and checked."""
+
+    arrays: dict[str, NDArray[np.generic]]
+    weight: float
+    meta: wire.ReplyMeta | None
+    metrics: wire.TrainMetrics
 
 
 class ReplyValidator:
@@ -93,17 +98,32 @@ class ReplyValidator:
     require_round_tag : bool
         Require fedge's reply meta with ``server-round`` equal to the current round.
         Turn off only for Flower clients that are not built with fedge's SDK.
+    max_local_steps : Callable[[int], int], optional
+        The most local SGD steps the round's instruction allows a device with that many
+        examples (``local-epochs * ceil(n / batch-size)``, or the time budget's steps on the
+        fastest profile). A reply claiming more is rejected: FedNova scales every update by
+        the claimed work, so one inflated ``steps`` would blow up the global model.
     """
 
-    def __init__(self, *, max_num_examples: int = 100_000, require_round_tag: bool = True) -> None:
+    def __init__(self, *, max_num_examples: int = 100_000, require_round_tag: bool = True,
+                 max_local_steps: StepLimit | None = None) -> None:
         self.max_num_examples = max_num_examples
         self.require_round_tag = require_round_tag
+        self.max_local_steps = max_local_steps
 
     def check(
         self, content: RecordDict, *, server_round: int, spec: ArraySpec,
         reference: Mapping[str, NDArray[np.generic]] | None = None,
     ) -> tuple[dict[str, NDArray[np.generic]], float]:
-        """Validate one reply's content; return its decoded arrays and weight.
+        """Validate one reply's content; return its decoded arrays and weight (see :meth:`read`)."""
+        checked = self.read(content, server_round=server_round, spec=spec, reference=reference)
+        return checked.arrays, checked.weight
+
+    def read(
+        self, content: RecordDict, *, server_round: int, spec: ArraySpec,
+        reference: Mapping[str, NDArray[np.generic]] | None = None,
+    ) -> CheckedReply:
+        """Validate every field of one reply: arrays, metrics and fedge's meta.
 
         Compressed updates (fedge codecs, see :mod:`fedge.clients.codec`) are decoded
         here, deltas added to ``reference`` (the model the device started from), and
@@ -119,29 +139,30 @@ class ReplyValidator:
                 f"a train reply needs exactly one ArrayRecord and one MetricRecord, got "
                 f"{len(content.array_records)} and {len(content.metric_records)}"
             )
-        self._check_round(content, server_round)
-        metrics = next(iter(content.metric_records.values()))
-        if wire.NUM_EXAMPLES not in metrics:
-            raise UpdateRejected(f"the MetricRecord has no '{wire.NUM_EXAMPLES}'")
-        weight = check_num_examples(metrics[wire.NUM_EXAMPLES], self.max_num_examples)
-        for key, value in metrics.items():
-            values = value if isinstance(value, list) else [value]
-            if not all(math.isfinite(v) for v in values):
-                raise UpdateRejected(f"metric '{key}' is not finite")
+        meta = wire.read_reply_meta(content)
+        self._check_round(meta, server_round)
+        metrics = wire.read_train_metrics(content, max_num_examples=self.max_num_examples)
+        self._check_steps(meta, metrics.num_examples)
         record = next(iter(content.array_records.values()))
         arrays = decode_update(record, reference) if is_encoded(record) else _decoded(record)
         check_arrays(arrays, spec)
-        return arrays, float(weight)
+        return CheckedReply(arrays, float(metrics.num_examples), meta, metrics)
 
-    def _check_round(self, content: RecordDict, server_round: int) -> None:
-        meta = wire.reply_meta(content)
+    def _check_round(self, meta: wire.ReplyMeta | None, server_round: int) -> None:
         if meta is None:
             if self.require_round_tag:
                 raise UpdateRejected(f"reply has no '{wire.REPLY_META}' record naming its round")
             return
-        tagged = meta.get(wire.SERVER_ROUND)
-        if tagged != server_round:
-            raise UpdateRejected(f"reply is for round {tagged!r}, current round is {server_round}")
+        if meta.server_round != server_round:
+            raise UpdateRejected(f"reply is for round {meta.server_round!r}, current round is {server_round}")
+
+    def _check_steps(self, meta: wire.ReplyMeta | None, num_examples: int) -> None:
+        if meta is None or meta.steps is None or self.max_local_steps is None:
+            return
+        limit = self.max_local_steps(num_examples)
+        if meta.steps > limit:
+            raise UpdateRejected(f"reply claims {meta.steps} local steps; its instruction allows at most {limit} "
+                                 f"for {num_examples} examples")
 
     def screen(
         self, server_round: int, replies: Iterable[Message], reference: ArrayRecord
@@ -161,14 +182,13 @@ class ReplyValidator:
             try:
                 if weights is None:  # what compressed deltas are added to
                     weights = {name: array.numpy() for name, array in reference.items()}
-                arrays, weight = self.check(message.content, server_round=server_round, spec=spec,
-                                            reference=weights)
+                checked = self.read(message.content, server_round=server_round, spec=spec, reference=weights)
             except UpdateRejected as exc:
                 log.warning("round %d: rejected update from node %d: %s",
                             server_round, node_id, exc.reason)
                 yield Rejection(node_id, exc.reason)
                 continue
-            yield AcceptedUpdate(node_id, arrays, weight, message.content)
+            yield AcceptedUpdate(node_id, checked.arrays, checked.weight, message.content, checked.meta)
 
 
 def _decoded(record: ArrayRecord) -> dict[str, NDArray[np.generic]]:

@@ -22,6 +22,7 @@ from flwr.supercore.run import Run
 
 from fedge import wire
 from fedge.clients.profiles import DeviceProfile, Fleet
+from fedge.errors import UpdateRejected
 from fedge.simulation.behaviour import Behaviour
 
 log = logging.getLogger("fedge.simulation")
@@ -120,20 +121,24 @@ class MeteredGrid(Grid):
             self.current.replies.append({"node": node, "profile": str(self.node_profile(node) or ""),
                                          "status": "error", "reason": str(reply.error.reason)[:200]})
             return
-        meta = wire.reply_meta(reply.content)
-        if meta is None:  # a protocol step (secure aggregation's keys, shares), not an update
+        if wire.reply_meta(reply.content) is None:  # a protocol step (secure aggregation's keys, shares)
             return
-        self.current.replies.append({"node": node, "profile": str(meta.get(wire.PROFILE, "")),
+        try:
+            meta = wire.read_reply_meta(reply.content)
+        except UpdateRejected as exc:
+            self.current.replies.append({"node": node, "profile": str(self.node_profile(node) or ""),
+                                         "status": "rejected", "reason": exc.reason[:200]})
+            return
+        self.current.replies.append({"node": node, "profile": (meta.profile if meta else None) or "",
                                      "status": "ok", "reply_s": round(seconds, 4)})
 
     def count_participants(self, replies: list[Message]) -> None:
         """Count the replies a round keeps, per profile (training replies: those with reply meta)."""
         for reply in replies:
-            meta = None if reply.has_error() else wire.reply_meta(reply.content)
+            meta = None if reply.has_error() else wire.read_reply_meta_or_none(reply.content)
             if not meta or not wire.payload_bytes(reply.content):
                 continue
-            name = str(meta.get(wire.PROFILE, ""))
-            self.current.participants[self.fleet.profiles.get(name, self.fallback).name] += 1
+            self.current.participants[self.fleet.profiles.get(meta.profile or "", self.fallback).name] += 1
 
     def advance(self, seconds: float) -> None:
         """Move the clock on by ``seconds`` (the duration of an exchange)."""
@@ -166,13 +171,12 @@ class MeteredGrid(Grid):
     def _charge(self, content: RecordDict, bytes_down: int, node: int) -> float:
         bytes_up = wire.payload_bytes(content)
         self.current.bytes_up += bytes_up
-        meta = wire.reply_meta(content)
-        name = str(meta.get(wire.PROFILE, "")) if meta else ""
-        profile = self.fleet.profiles.get(name or str(self.node_profile(node) or ""), self.fallback)
+        meta = wire.read_reply_meta_or_none(content)  # malformed: charged as no work, rejected by validation
+        name = meta.profile if meta and meta.profile else str(self.node_profile(node) or "")
+        profile = self.fleet.profiles.get(name, self.fallback)
         self.current.bytes_up_by_profile[profile.name] += bytes_up
         self.current.bytes_down_by_profile[profile.name] += bytes_down
-        samples = int(meta.get(wire.SAMPLES_PROCESSED, 0)) if meta else 0  # type: ignore[arg-type]
-        return reply_seconds(profile, bytes_down, bytes_up, samples)
+        return reply_seconds(profile, bytes_down, bytes_up, meta.samples_processed if meta else 0)
 
     def node_profile(self, node: int) -> str | None:
         """The inner grid's idea of ``node``'s profile, if it has one (fedge's simulation does)."""

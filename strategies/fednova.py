@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from fedge import wire
 from fedge.server.validation import AcceptedUpdate
 from fedge.strategies.aggregate import FedNovaAccumulator, fednova_norm
 from fedge.strategies.fedavg import FedAvg
@@ -36,8 +35,7 @@ class FedNova(FedAvg):
     def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
         """Streaming normalised averaging."""
         accumulator = FedNovaAccumulator(self.global_numpy())
-        for update in updates:
-            meta = wire.reply_meta(update.content)
-            steps = int(meta.get("steps", 0)) if meta else 0  # type: ignore[arg-type]
-            accumulator.add(update.arrays, update.weight, fednova_norm(max(steps, 1), self.local_momentum))
+        for update in updates:  # steps were checked (type, range, the instruction's limit) by validation
+            steps = update.meta.steps if update.meta is not None and update.meta.steps is not None else 1
+            accumulator.add(update.arrays, update.weight, fednova_norm(steps, self.local_momentum))
         return accumulator.result() if accumulator.count else None
