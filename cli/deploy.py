@@ -20,7 +20,9 @@ def add_parsers(sub: Any) -> None:
     start.add_argument("--insecure", action="store_true",
                        help="NO TLS, NO device authentication (a throwaway test network only)")
     start.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    start.add_argument("--port", type=int, default=9095)
+    start.add_argument("--port", type=int, default=9095, help="port devices connect to (Fleet API only)")
+    start.add_argument("--control-port", type=int, default=0,
+                       help="loopback port of the operator's Control API (default: a free one)")
     start.add_argument("--state-dir", type=Path, default=Path("coordinator-state"),
                        help="SuperLink database, Flower home and logs (keep it across restarts)")
     start.add_argument("--run-dir", type=Path, help="where the run writes (default runs/<name>)")
@@ -77,7 +79,7 @@ def _start(args: argparse.Namespace) -> int:
 
     run_config = _run_config(args)
     coordinator = Coordinator(args.state_dir, None if args.insecure else CoordinatorKeys(args.keys),
-                              host=args.host, port=args.port)
+                              host=args.host, port=args.port, control_port=args.control_port)
     try:
         coordinator.start()
         (args.state_dir / "current-run").write_text(str(run_config["run-dir"]) + "\n")
