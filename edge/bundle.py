@@ -4,7 +4,9 @@ A bundle is a directory (or a ``.zip`` of one) holding:
 
 * ``model.onnx`` and ``model.int8.onnx``: the models;
 * ``manifest.json``: what the models are (inputs, outputs, preprocessing, labels,
-  metrics, versions) and the SHA-256 and size of every other file;
+  metrics, versions), which model lineage and version they are (``model_id``,
+  ``version``, ``issued_at``, optional ``expires_at``) and the SHA-256 and size of
+  every other file;
 * ``manifest.sig``: JSON ``{"algorithm": "ed25519", "key_fingerprint":
   "sha256:<hex of the raw public key>", "signature": "<base64>"}``, the Ed25519
   signature over the exact bytes of ``manifest.json``.
@@ -14,26 +16,46 @@ accepts it only if the manifest is signed by a key it trusts, and every file
 the manifest lists is present with the listed hash, and no other file is
 there. Verification runs on the bytes read once into memory, and the runtime
 builds its session from those same bytes, so a file swapped after the check is
-never run.
+never run. A zip whose entries could mean different files to different readers
+(two entries of one name, absolute paths, ``..``) is refused, and so is a
+manifest with a key written twice. A signature alone does not stop *rollback*:
+an attacker who replays an older signed bundle (a model with a known flaw)
+passes every check above. A device that keeps a :class:`FreshnessStore` refuses
+a bundle whose ``version`` is lower than the highest it accepted for that
+``model_id``; a bundle past its signed ``expires_at`` is refused by everyone.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import collections
+import datetime as dt
 import hashlib
 import json
 import logging
+import lzma
+import math
+import os
+import re
+import struct
+import sys
+import tempfile
 import zipfile
-from collections.abc import Iterable, Mapping
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from fedge.edge.signing import fingerprint, load_public_key
-from fedge.errors import BundleVerificationError
+from fedge.edge.signing import ensure_private_dir, fingerprint, load_public_key
+from fedge.errors import BundleVerificationError, ConfigError
+
+if sys.platform != "win32":
+    import fcntl
 
 log = logging.getLogger("fedge.edge")
 
@@ -41,6 +63,17 @@ FORMAT = "fedge-bundle/1"
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
 MAX_BUNDLE_BYTES = 2**31
+MAX_MANIFEST_BYTES = 2**20
+MAX_SIGNATURE_BYTES = 2**12
+MAX_VERSION = 2**63 - 1
+MAX_FEATURES = 2**24
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+REEXPORT = "re-export the bundle with `fedge export` (or upgrade fedge on the device)"
+# Everything zipfile and its decompressors raise on a damaged archive.
+ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, RuntimeError,
+              struct.error, zlib.error, lzma.LZMAError)
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_DRIVE = re.compile(r"^[A-Za-z]:")
 
 TrustedKey = Ed25519PublicKey | str | Path
 
@@ -60,6 +93,17 @@ def sign_manifest(manifest_bytes: bytes, private_key: Ed25519PrivateKey) -> byte
     return (json.dumps(envelope, indent=2) + "\n").encode()
 
 
+def pack_bundle(
+    files: Mapping[str, bytes], manifest: Mapping[str, Any], *, private_key: Ed25519PrivateKey
+) -> dict[str, bytes]:
+    """``files`` plus ``manifest.json`` (``manifest`` with the format and every file's hash) and its signature."""
+    manifest = {**manifest, "format": FORMAT,
+                "files": {name: {"sha256": sha256(data), "bytes": len(data)}
+                          for name, data in sorted(files.items())}}
+    manifest_bytes = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+    return {**files, MANIFEST: manifest_bytes, SIGNATURE: sign_manifest(manifest_bytes, private_key)}
+
+
 def write_bundle(
     out_dir: str | Path,
     files: Mapping[str, bytes],
@@ -74,11 +118,7 @@ def write_bundle(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    manifest = {**manifest, "format": FORMAT,
-                "files": {name: {"sha256": sha256(data), "bytes": len(data)}
-                          for name, data in sorted(files.items())}}
-    manifest_bytes = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
-    contents = {**files, MANIFEST: manifest_bytes, SIGNATURE: sign_manifest(manifest_bytes, private_key)}
+    contents = pack_bundle(files, manifest, private_key=private_key)
     for name, data in contents.items():
         (out / name).write_bytes(data)
     if make_zip:
@@ -89,7 +129,15 @@ def write_bundle(
 
 
 def read_bundle(path: str | Path) -> dict[str, bytes]:
-    """Every file of a bundle directory or ``.zip``, read once into memory."""
+    """Every file of a bundle directory or ``.zip``, read once into memory.
+
+    Raises
+    ------
+    BundleVerificationError
+        For a missing path, a damaged zip, or a zip whose entries are duplicated,
+        absolute, climb out with ``..``, are nested or hidden, or unpack to more
+        than 2 GiB.
+    """
     path = Path(path)
     if path.is_dir():
         return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
@@ -97,30 +145,88 @@ def read_bundle(path: str | Path) -> dict[str, bytes]:
         raise BundleVerificationError(f"bundle '{path}' does not exist")
     try:
         with zipfile.ZipFile(path) as archive:
-            members = [m for m in archive.infolist() if not m.is_dir()]
-            if sum(m.file_size for m in members) > MAX_BUNDLE_BYTES:
-                raise BundleVerificationError(f"bundle '{path}' unpacks to more than 2 GiB; refused")
-            if any("/" in m.filename or m.filename.startswith(".") for m in members):
-                raise BundleVerificationError(f"bundle '{path}' has nested or hidden paths; refused")
+            members = archive.infolist()
+            _check_members(path, members)
             return {m.filename: archive.read(m) for m in members}
-    except (zipfile.BadZipFile, EOFError, OSError, zipfile.LargeZipFile) as exc:
+    except ZIP_ERRORS as exc:
         raise BundleVerificationError(
             f"bundle '{path}' is not a valid zip (truncated or corrupt: {exc}); fetch it again"
         ) from None
 
 
+def _check_members(path: Path, members: list[zipfile.ZipInfo]) -> None:
+    """Refuse entries that different unzip tools could read as different files."""
+    names = [m.filename for m in members]
+    unsafe = sorted({n for n in names if _escapes(n)})
+    if unsafe:
+        raise BundleVerificationError(f"bundle '{path}' has entries with an absolute path or '..' "
+                                      f"({unsafe}); refused: fetch the bundle again from the coordinator")
+    duplicated = sorted(n for n, count in collections.Counter(names).items() if count > 1)
+    if duplicated:
+        raise BundleVerificationError(
+            f"bundle '{path}' has duplicate entries {duplicated}: one reader could verify one copy and "
+            "another load the other; refused: fetch the bundle again (`fedge export --zip` writes each once)"
+        )
+    if any(m.is_dir() or not _plain_name(m.filename) for m in members):
+        raise BundleVerificationError(f"bundle '{path}' has nested or hidden paths; refused: zip the "
+                                      "bundle's files at the top level (`fedge export --zip` does)")
+    if sum(m.file_size for m in members) > MAX_BUNDLE_BYTES:
+        raise BundleVerificationError(f"bundle '{path}' unpacks to more than 2 GiB; refused")
+
+
+def _escapes(name: str) -> bool:
+    """Whether an entry name is absolute or climbs out of the extraction directory."""
+    parts = re.split(r"[/\\]", name)
+    return name.startswith(("/", "\\")) or bool(_DRIVE.match(name)) or ".." in parts or "\0" in name
+
+
+def _plain_name(name: object) -> bool:
+    """A file name at the top level of a bundle: not empty, not hidden, no separators."""
+    return (isinstance(name, str) and 0 < len(name) <= 255 and not name.startswith(".")
+            and not any(c in name for c in "/\\\0"))
+
+
 def verify_bundle(
-    files: Mapping[str, bytes], *, trusted_keys: Iterable[TrustedKey], allow_unsigned: bool = False
+    files: Mapping[str, bytes],
+    *,
+    trusted_keys: Iterable[TrustedKey],
+    allow_unsigned: bool = False,
+    freshness: FreshnessStore | None = None,
+    model_id: str | None = None,
+    now: dt.datetime | None = None,
 ) -> dict[str, Any]:
-    """Check signature, trust and every file's hash; return the manifest.
+    """Check signature, trust, manifest, every file's hash, expiry and freshness; return the manifest.
+
+    Threat model: see the module docstring. The checks run in this order, and the
+    manifest is parsed only after its signature is verified.
+
+    Parameters
+    ----------
+    files : mapping of name to bytes
+        The bundle as :func:`read_bundle` returns it.
+    trusted_keys : iterable of Ed25519PublicKey or PEM paths
+        Signers this device trusts.
+    allow_unsigned : bool
+        Development only: accept a bundle with no signature (and log a warning).
+    freshness : FreshnessStore, optional
+        Refuse a bundle older than the highest version of its ``model_id`` this
+        device accepted (rollback). Checking does not record: call
+        :meth:`FreshnessStore.record` once the bundle is in use.
+    model_id : str, optional
+        The model lineage this device runs; a bundle of any other is refused.
+    now : datetime, optional
+        Timezone-aware clock for ``expires_at`` (default: the system clock).
 
     Raises
     ------
     BundleVerificationError
-        Naming the check that failed: signature, trust, missing/extra file, hash, format.
+        Naming the check that failed: signature, trust, missing/extra file, hash,
+        format, expiry, lineage or rollback, and what to do about it.
     """
     if MANIFEST not in files:
         raise BundleVerificationError(f"bundle has no {MANIFEST}; it is not a fedge bundle")
+    if len(files[MANIFEST]) > MAX_MANIFEST_BYTES:
+        raise BundleVerificationError(f"{MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes; refused")
     if SIGNATURE in files:
         _check_signature(files[MANIFEST], files[SIGNATURE], _trusted(trusted_keys))
     elif allow_unsigned:
@@ -131,6 +237,14 @@ def verify_bundle(
                                       "`fedge export --key` or pass allow_unsigned=True in development")
     manifest = _parse_manifest(files[MANIFEST])
     _check_files(files, manifest["files"])
+    check_expiry(manifest, now=now)
+    if model_id is not None and manifest.get("model_id") != model_id:
+        raise BundleVerificationError(
+            f"bundle is of model '{manifest.get('model_id')}', not '{model_id}' that this device runs; "
+            "refused (versions of different models are not ordered): fetch a bundle of that model"
+        )
+    if freshness is not None:
+        freshness.check(manifest)
     return manifest
 
 
@@ -143,18 +257,23 @@ def _trusted(keys: Iterable[TrustedKey]) -> dict[str, Ed25519PublicKey]:
 
 
 def _check_signature(manifest: bytes, envelope_bytes: bytes, trusted: dict[str, Ed25519PublicKey]) -> None:
+    malformed = BundleVerificationError(f"{SIGNATURE} is malformed; the bundle was damaged or forged")
+    if len(envelope_bytes) > MAX_SIGNATURE_BYTES:
+        raise malformed
+    envelope = _load_json(envelope_bytes, SIGNATURE)
     try:
-        envelope = json.loads(envelope_bytes)
-        signer = str(envelope["key_fingerprint"])
+        signer = envelope["key_fingerprint"]
         signature = base64.b64decode(envelope["signature"], validate=True)
         algorithm = envelope["algorithm"]
     except (ValueError, KeyError, TypeError, binascii.Error):
-        raise BundleVerificationError(f"{SIGNATURE} is malformed; the bundle was damaged or forged") from None
+        raise malformed from None
+    if not isinstance(signer, str) or not isinstance(algorithm, str):
+        raise malformed
     if algorithm != "ed25519":
-        raise BundleVerificationError(f"{SIGNATURE} uses '{algorithm}'; only ed25519 is accepted")
+        raise BundleVerificationError(f"{SIGNATURE} uses '{algorithm[:40]}'; only ed25519 is accepted")
     if signer not in trusted:
         raise BundleVerificationError(
-            f"bundle is signed by untrusted key {signer}; add that signer's public key to "
+            f"bundle is signed by untrusted key {signer[:80]}; add that signer's public key to "
             "trusted_keys only if you trust it"
         )
     try:
@@ -165,16 +284,102 @@ def _check_signature(manifest: bytes, envelope_bytes: bytes, trusted: dict[str, 
         ) from None
 
 
-def _parse_manifest(data: bytes) -> dict[str, Any]:
+def _load_json(data: bytes, what: str) -> Any:
+    """Strict JSON: no key written twice, no NaN/Infinity, bounded nesting."""
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            twice = sorted({k for k in keys if keys.count(k) > 1})
+            raise BundleVerificationError(f"{what} has key(s) {twice[:5]} written twice: readers could "
+                                          "disagree on the value; refused")
+        return dict(pairs)
+
+    def constant(name: str) -> Any:
+        raise BundleVerificationError(f"{what} contains {name}, which is not JSON; refused")
+
     try:
-        manifest = json.loads(data)
-    except ValueError:
-        raise BundleVerificationError(f"{MANIFEST} is not valid JSON") from None
+        return json.loads(data, object_pairs_hook=unique, parse_constant=constant)
+    except (ValueError, RecursionError):
+        raise BundleVerificationError(f"{what} is malformed (not valid JSON); the bundle was damaged "
+                                      "or forged") from None
+
+
+def _parse_manifest(data: bytes) -> dict[str, Any]:
+    manifest = _load_json(data, MANIFEST)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BundleVerificationError(f"{MANIFEST} is not format {FORMAT}; upgrade fedge or re-export")
-    if not isinstance(manifest.get("files"), dict):
+    if not isinstance(manifest.get("files"), dict) or not manifest["files"]:
         raise BundleVerificationError(f"{MANIFEST} lists no files")
+    for name, entry in manifest["files"].items():
+        _check_file_entry(name, entry)
+    _check_inputs(manifest.get("inputs"))
+    _check_variants(manifest.get("variants"), manifest["files"])
+    _check_optional(manifest)
     return manifest
+
+
+def _bad(field: str, expected: str) -> BundleVerificationError:
+    return BundleVerificationError(f"{MANIFEST} field '{field}' {expected}; {REEXPORT}")
+
+
+def _is_int(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _is_number(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return abs(value) <= sys.float_info.max if isinstance(value, int) else math.isfinite(value)
+
+
+def _check_file_entry(name: str, entry: object) -> None:
+    if not _plain_name(name) or name in (MANIFEST, SIGNATURE):
+        raise _bad("files", f"names '{name[:80]}', which is not a plain file name")
+    if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) \
+            or not _SHA256_HEX.match(entry["sha256"]) or not _is_int(entry.get("bytes"), 0, MAX_BUNDLE_BYTES):
+        raise _bad(f"files.{name}", "must be {\"sha256\": <64 hex digits>, \"bytes\": <size>}")
+
+
+def _check_inputs(inputs: object) -> None:
+    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+        raise _bad("inputs", "must list exactly one input")
+    spec = inputs[0]
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise _bad("inputs[0].name", "must be the model's input name")
+    shape = spec.get("shape")
+    if not isinstance(shape, list) or len(shape) != 2 or not _is_int(shape[1], 1, MAX_FEATURES):
+        raise _bad("inputs[0].shape", f"must be [batch, features] with 1 <= features <= {MAX_FEATURES}")
+
+
+def _check_variants(variants: object, files: Mapping[str, Any]) -> None:
+    if not isinstance(variants, dict) or not variants:
+        raise _bad("variants", "must map variant names to their model files")
+    for name, entry in variants.items():
+        if not isinstance(entry, dict) or entry.get("file") not in files:
+            raise _bad(f"variants.{name[:40]}", "must name a file listed in 'files'")
+
+
+def _check_optional(manifest: Mapping[str, Any]) -> None:
+    """Fields a bundle may omit (older bundles) but must get right when present."""
+    preprocessing = manifest.get("preprocessing", {})
+    if not isinstance(preprocessing, dict) or not all(
+            _is_number(preprocessing[k]) for k in ("scale", "offset") if k in preprocessing):
+        raise _bad("preprocessing", "must be {\"scale\": <number>, \"offset\": <number>}")
+    labels = manifest.get("labels")
+    if labels is not None and not (isinstance(labels, list) and all(isinstance(x, str) for x in labels)):
+        raise _bad("labels", "must be a list of class names")
+    if "round" in manifest and not _is_int(manifest["round"], 0, MAX_VERSION):
+        raise _bad("round", "must be a round number")
+    model_id = manifest.get("model_id")
+    if model_id is not None and not (isinstance(model_id, str) and 0 < len(model_id) <= 256
+                                     and model_id.isprintable()):
+        raise _bad("model_id", "must be a printable name of at most 256 characters")
+    if "version" in manifest and not _is_int(manifest["version"], 0, MAX_VERSION):
+        raise _bad("version", f"must be an integer from 0 to {MAX_VERSION}")
+    if "issued_at" in manifest:
+        parse_time(manifest["issued_at"], "issued_at")
+    if manifest.get("expires_at") is not None:
+        parse_time(manifest["expires_at"], "expires_at")
 
 
 def _check_files(files: Mapping[str, bytes], listed: Mapping[str, Any]) -> None:
@@ -183,8 +388,179 @@ def _check_files(files: Mapping[str, bytes], listed: Mapping[str, Any]) -> None:
     if missing:
         raise BundleVerificationError(f"file(s) {missing} listed in {MANIFEST} are missing")
     if extra:
-        raise BundleVerificationError(f"unexpected file(s) {extra} not listed in {MANIFEST}; refused")
+        raise BundleVerificationError(f"unexpected file(s) {extra[:10]} not listed in {MANIFEST}; refused")
     for name, entry in sorted(listed.items()):
-        if sha256(files[name]) != entry.get("sha256"):
+        if sha256(files[name]) != entry["sha256"] or len(files[name]) != entry["bytes"]:
             raise BundleVerificationError(f"{name}: SHA-256 does not match {MANIFEST}; the file was "
                                           "altered or damaged")
+
+
+# --------------------------------------------------------------------------- time and freshness
+
+
+def format_time(moment: dt.datetime) -> str:
+    """``moment`` as manifests write times: UTC, ``YYYY-MM-DDTHH:MM:SSZ``."""
+    return moment.astimezone(dt.UTC).strftime(TIME_FORMAT)
+
+
+def parse_time(value: object, field: str) -> dt.datetime:
+    """A manifest time (``YYYY-MM-DDTHH:MM:SSZ``, UTC) as an aware datetime."""
+    try:
+        if isinstance(value, str):
+            return dt.datetime.strptime(value, TIME_FORMAT).replace(tzinfo=dt.UTC)
+    except ValueError:
+        pass
+    raise _bad(field, "must be a UTC time like 2025-01-31T12:00:00Z")
+
+
+def _clock(now: dt.datetime | None) -> dt.datetime:
+    if now is None:
+        return dt.datetime.now(dt.UTC)
+    if now.tzinfo is None:
+        raise ConfigError("now must be timezone-aware (e.g. datetime.now(datetime.UTC))")
+    return now
+
+
+def check_expiry(manifest: Mapping[str, Any], *, now: dt.datetime | None = None) -> None:
+    """Refuse a bundle whose signed ``expires_at`` is at or before ``now`` (default: the system clock)."""
+    if manifest.get("expires_at") is None:
+        return
+    expires, moment = parse_time(manifest["expires_at"], "expires_at"), _clock(now)
+    if moment >= expires:
+        raise BundleVerificationError(
+            f"bundle expired at {manifest['expires_at']} (now {format_time(moment)}); fetch a current "
+            "bundle from the coordinator (or re-export with `fedge export --valid-days N`)"
+        )
+
+
+def lineage(manifest: Mapping[str, Any]) -> tuple[str, int]:
+    """``(model_id, version)`` of a bundle, for freshness; refused if the bundle has none."""
+    model_id, version = manifest.get("model_id"), manifest.get("version")
+    if not isinstance(model_id, str) or not model_id or not isinstance(version, int) \
+            or not _is_int(version, 0, MAX_VERSION):
+        raise BundleVerificationError(
+            "bundle has no model_id/version (it was made by a fedge without rollback protection), so a "
+            "freshness store cannot order it; re-export it with `fedge export` (or let the coordinator "
+            "sign a new round)"
+        )
+    return model_id, version
+
+
+class FreshnessStore:
+    """The highest bundle ``version`` a device accepted, per ``model_id``, kept in ``directory``.
+
+    Threat model: a signature proves who made a bundle, not that it is current; an
+    attacker who controls the channel or the storage can replay an older signed
+    bundle (rollback to a model with a known flaw). The store records, per model
+    lineage, the highest version accepted and refuses anything lower; the same
+    version is accepted again (reloading). It fails closed: a record that cannot be
+    read or parsed refuses every bundle of that model. Records are small JSON files
+    written atomically with mode 0600 in a directory kept at 0700, under an advisory
+    lock so that two loaders cannot lower a record. Whoever can write ``directory``
+    can reset the protection, so keep it on storage only the device's user can write.
+    Versions of different model ids are not ordered against each other: pin the
+    lineage with ``model_id=`` where that matters.
+
+    Parameters
+    ----------
+    directory : str or Path
+        Where the records live; created (mode 0700) on the first record.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+
+    def record_path(self, model_id: str) -> Path:
+        """The record file of ``model_id`` (named by its hash: any id is a safe file name)."""
+        digest = hashlib.sha256(model_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+        return self.directory / f"{digest}.json"
+
+    def accepted_version(self, model_id: str) -> int | None:
+        """The highest version of ``model_id`` accepted so far, or None."""
+        path = self.record_path(model_id)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._corrupt(path, f"cannot be read ({exc.strerror})") from None
+        try:
+            record = json.loads(data)
+        except (ValueError, RecursionError):
+            raise self._corrupt(path, "is not JSON") from None
+        if not isinstance(record, dict) or record.get("model_id") != model_id \
+                or not _is_int(record.get("version"), 0, MAX_VERSION):
+            raise self._corrupt(path, f"is not a record of model '{model_id}'")
+        return int(record["version"])
+
+    def check(self, manifest: Mapping[str, Any]) -> None:
+        """Refuse ``manifest`` if it is older than the version accepted for its ``model_id``.
+
+        Raises
+        ------
+        BundleVerificationError
+            For a rollback, a bundle without ``model_id``/``version``, or an unreadable record.
+        """
+        model_id, version = lineage(manifest)
+        accepted = self.accepted_version(model_id)
+        if accepted is not None and version < accepted:
+            raise BundleVerificationError(
+                f"bundle '{model_id}' version {version} is older than version {accepted} this device "
+                f"already accepted (rollback refused); fetch version {accepted} or newer. If going back "
+                f"is intended, delete {self.record_path(model_id)}"
+            )
+
+    def record(self, manifest: Mapping[str, Any], *, now: dt.datetime | None = None) -> None:
+        """Raise the record of the manifest's ``model_id`` to its ``version`` (never lower it).
+
+        Call only once the bundle is fully verified and in use. Rechecks under the
+        lock, so a bundle that became older meanwhile is refused.
+        """
+        model_id, version = lineage(manifest)
+        ensure_private_dir(self.directory)
+        with self._locked(model_id):
+            self.check(manifest)
+            if self.accepted_version(model_id) == version:
+                return
+            record = {"model_id": model_id, "version": version, "issued_at": manifest.get("issued_at"),
+                      "accepted_at": format_time(_clock(now))}
+            _write_atomic(self.record_path(model_id), (json.dumps(record, indent=2) + "\n").encode())
+
+    @contextmanager
+    def _locked(self, model_id: str) -> Iterator[None]:
+        if sys.platform == "win32":  # no advisory locks: one loader at a time on Windows
+            yield
+            return
+        fd = os.open(self.record_path(model_id).with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _corrupt(path: Path, problem: str) -> BundleVerificationError:
+        return BundleVerificationError(
+            f"freshness record '{path}' {problem}; every bundle of this model is refused until it is "
+            "restored from a backup (or deleted, which accepts the next bundle at any version)"
+        )
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` via a 0600 temporary file in the same directory and ``os.replace``."""
+    fd, scratch = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(scratch, path)
+    except BaseException:
+        Path(scratch).unlink(missing_ok=True)
+        raise
+    if sys.platform != "win32":
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
