@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,15 @@ def add_parsers(sub: Any) -> None:
     export.add_argument("--key", required=True, type=Path, help="Ed25519 private key (PEM)")
     export.add_argument("-o", "--output", required=True, type=Path, help="bundle directory to write")
     export.add_argument("--zip", action="store_true", help="also write OUTPUT.zip")
+    export.add_argument("--valid-days", type=float, metavar="DAYS",
+                        help="the bundle expires DAYS after signing (default: never)")
     export.set_defaults(handler=_export)
 
-    verify = sub.add_parser("verify", help="check a bundle's signature and file hashes")
+    verify = sub.add_parser("verify", help="check a bundle's signature, file hashes, expiry and freshness")
     verify.add_argument("bundle", type=Path)
     verify.add_argument("--trusted", action="append", required=True, type=Path,
                         help="a trusted signer's public key (repeatable)")
+    _add_freshness_arguments(verify, "and record its version as accepted")
     verify.set_defaults(handler=_verify)
 
     predict = sub.add_parser("predict", help="run a verified bundle on inputs from a .npy file")
@@ -47,7 +51,16 @@ def add_parsers(sub: Any) -> None:
                          help="inputs are raw; apply the manifest's preprocessing first")
     predict.add_argument("--allow-unsigned", action="store_true",
                          help="DEVELOPMENT ONLY: accept a bundle without a signature")
+    _add_freshness_arguments(predict, "and record its version once it is loaded")
     predict.set_defaults(handler=_predict)
+
+
+def _add_freshness_arguments(parser: Any, recording: str) -> None:
+    parser.add_argument("--state-dir", type=Path, metavar="DIR",
+                        help="freshness store (created 0700): refuse a bundle older than the highest version "
+                             f"of its model_id accepted before (rollback), {recording}")
+    parser.add_argument("--model-id", metavar="ID",
+                        help="refuse a bundle of any other model_id (pin this device's model lineage)")
 
 
 def _add_deployment_key_parsers(keys: Any) -> None:
@@ -100,27 +113,40 @@ def _keys_signing_init(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from fedge.server.export_run import export_run_round
 
+    if args.valid_days is not None and not 0 < args.valid_days <= 36500:
+        raise ConfigError(f"--valid-days {args.valid_days} must be more than 0 and at most 36500")
+    valid_for = dt.timedelta(days=args.valid_days) if args.valid_days is not None else None
     built = export_run_round(args.run_dir, server_round=args.round, key_path=args.key,
-                             out_dir=args.output, make_zip=args.zip)
-    metrics = built.manifest["metrics"]
+                             out_dir=args.output, make_zip=args.zip, valid_for=valid_for)
+    manifest, metrics = built.manifest, built.manifest["metrics"]
     print(f"bundle: {built.path}" + (f" (+ {built.path.with_suffix('.zip')})" if args.zip else ""))
+    print(f"model {manifest['model_id']} version {manifest['version']}, issued {manifest['issued_at']}, "
+          f"expires {manifest['expires_at'] or 'never'}")
     print(f"round {built.manifest['round']}: fp32 accuracy {metrics['fp32_accuracy']:.4f}, int8 "
           f"{metrics['int8_accuracy']:.4f}, agreement {metrics['int8_top1_agreement']:.4f}")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from fedge.edge.bundle import read_bundle, verify_bundle
+    from fedge.edge.bundle import FreshnessStore, read_bundle, verify_bundle
 
-    manifest = verify_bundle(read_bundle(args.bundle), trusted_keys=args.trusted)
+    store = FreshnessStore(args.state_dir) if args.state_dir else None
+    manifest = verify_bundle(read_bundle(args.bundle), trusted_keys=args.trusted, freshness=store,
+                             model_id=args.model_id)
     print(f"OK: {args.bundle} is signed by a trusted key and every file matches its hash")
-    print(json.dumps({k: manifest[k] for k in ("model_name", "source_run", "round", "metrics")}, indent=2))
+    if store is not None:
+        store.record(manifest)
+        print(f"fresh: version {manifest['version']} of {manifest['model_id']}; highest accepted now "
+              f"{store.accepted_version(manifest['model_id'])} (in {args.state_dir})")
+    shown = ("model_name", "source_run", "round", "model_id", "version", "issued_at", "expires_at", "metrics")
+    print(json.dumps({k: manifest[k] for k in shown if k in manifest}, indent=2))
     return 0
 
 
 def _predict(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from fedge.edge.bundle import FreshnessStore
     from fedge.edge.runtime import EdgeModel
 
     if not args.trusted and not args.allow_unsigned:
@@ -130,7 +156,8 @@ def _predict(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read '{args.inputs}' as .npy: {exc}") from None
     model = EdgeModel.load(args.bundle, trusted_keys=args.trusted, variant=args.variant,
-                           allow_unsigned=args.allow_unsigned)
+                           allow_unsigned=args.allow_unsigned, model_id=args.model_id,
+                           freshness=FreshnessStore(args.state_dir) if args.state_dir else None)
     prediction = model.predict(model.preprocess(inputs) if args.raw else inputs)
     for name, probs in zip(prediction.label_names, prediction.probabilities, strict=True):
         print(f"{name}\t{float(probs.max()):.4f}")

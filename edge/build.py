@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from torch import nn
 
 import fedge
-from fedge.edge.bundle import write_bundle
+from fedge.edge.bundle import format_time, write_bundle
 from fedge.edge.export import INPUT_NAME, OUTPUT_NAME, ExportError, export_onnx
 from fedge.edge.quantize import quantize_int8
 
@@ -25,13 +25,31 @@ FP32_FILE, INT8_FILE = "model.onnx", "model.int8.onnx"
 
 @dataclass(frozen=True)
 class BundleSpec:
-    """What a bundle says about its model, beyond the model itself."""
+    """What a bundle says about its model, beyond the model itself.
+
+    ``model_id`` names the model's lineage (default ``<source_run>/<model_name>``)
+    and ``server_round`` is its ``version``: devices with a freshness store refuse
+    a lower version of the same lineage (rollback). ``valid_for`` makes the bundle
+    expire that long after it is signed (default: never).
+    """
 
     model_name: str
     source_run: str
     server_round: int
     preprocessing: dict[str, Any]
     labels: list[str]
+    model_id: str | None = None
+    valid_for: dt.timedelta | None = None
+
+    @property
+    def lineage(self) -> str:
+        """``model_id``, or ``<source_run>/<model_name>`` when none was given."""
+        return self.model_id or default_model_id(self.source_run, self.model_name)
+
+
+def default_model_id(source_run: str, model_name: str) -> str:
+    """The lineage of a run's bundles: every round of one run shares it."""
+    return f"{source_run}/{model_name}"
 
 
 @dataclass(frozen=True)
@@ -61,7 +79,8 @@ def build_bundle(
     out_dir : str or Path
         Bundle directory to create.
     spec : BundleSpec
-        Name, provenance, preprocessing and labels for the manifest.
+        Name, provenance, lineage and version, expiry, preprocessing and labels
+        for the manifest.
     private_key : Ed25519PrivateKey
         Signs the manifest (keyword-only: a security-sensitive argument).
     test_set : (x, y)
@@ -79,11 +98,16 @@ def build_bundle(
         raise ExportError(f"exported model fails onnx.checker: {exc}") from exc
     int8, method = quantize_int8(fp32, calibration, input_name=INPUT_NAME)
     fp32_pred, int8_pred = _predict(fp32, x_test), _predict(int8, x_test)
+    issued = dt.datetime.now(dt.UTC)
     manifest = {
         "model_name": spec.model_name,
         "source_run": spec.source_run,
         "round": spec.server_round,
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "model_id": spec.lineage,
+        "version": spec.server_round,
+        "issued_at": format_time(issued),
+        "expires_at": format_time(issued + spec.valid_for) if spec.valid_for is not None else None,
+        "created_at": format_time(issued),
         "versions": {"fedge": fedge.__version__, "onnx": onnx.__version__,
                      "onnxruntime": ort.__version__, "torch": torch.__version__, "opset": report.opset},
         "inputs": [{"name": INPUT_NAME, "shape": ["batch", int(x_test.shape[1])], "dtype": "float32"}],

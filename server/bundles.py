@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,7 +12,7 @@ from torch import nn
 
 from fedge.clients.data import FederatedData, calibration_sample, label_names, preprocessing_for
 from fedge.config import Scalar
-from fedge.edge.build import BuiltBundle, BundleSpec, build_bundle
+from fedge.edge.build import BuiltBundle, BundleSpec, build_bundle, default_model_id
 from fedge.edge.signing import PRIVATE_NAME, fingerprint, generate_signing_key, load_private_key
 
 log = logging.getLogger("fedge.server")
@@ -45,18 +46,29 @@ def export_global_model(
     source_run: str,
     private_key: Ed25519PrivateKey,
     make_zip: bool = False,
+    valid_for: dt.timedelta | None = None,
 ) -> BuiltBundle:
-    """Build and sign the bundle of ``model`` (the global model after ``server_round``)."""
+    """Build and sign the bundle of ``model`` (the global model after ``server_round``).
+
+    The manifest's ``model_id`` is ``<source_run>/<model>-<dataset>``, shared by every
+    bundle of the run (the coordinator's and ``fedge export``'s alike), and its
+    ``version`` is ``server_round``, so a device with a freshness store refuses an
+    earlier round of the run once it has run a later one. ``valid_for`` sets
+    ``expires_at`` (default: no expiry).
+    """
+    model_name = f"{config['model']}-{config['dataset']}"
     spec = BundleSpec(
-        model_name=f"{config['model']}-{config['dataset']}",
+        model_name=model_name,
         source_run=source_run,
         server_round=server_round,
         preprocessing=preprocessing_for(str(config["dataset"])),
         labels=label_names(data.num_classes),
+        model_id=default_model_id(source_run, model_name),
+        valid_for=valid_for,
     )
     built = build_bundle(model, out_dir, spec=spec, private_key=private_key, test_set=data.test,
                          calibration=calibration_sample(data, CALIBRATION_SIZE, int(config["seed"])),
                          make_zip=make_zip)
-    log.info("round %d: signed bundle %s (signer %s)", server_round, built.path,
-             fingerprint(private_key.public_key()))
+    log.info("round %d: signed bundle %s (model %s version %d, signer %s)", server_round, built.path,
+             spec.lineage, server_round, fingerprint(private_key.public_key()))
     return built

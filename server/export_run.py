@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from pathlib import Path
 
@@ -19,9 +20,14 @@ from fedge.server.checkpoint import load_checkpoint
 
 
 def export_run_round(
-    run_dir: Path, *, server_round: int | None, key_path: Path, out_dir: Path, make_zip: bool
+    run_dir: Path, *, server_round: int | None, key_path: Path, out_dir: Path, make_zip: bool,
+    valid_for: dt.timedelta | None = None,
 ) -> BuiltBundle:
-    """Rebuild the run's model from ``config.json`` and a checkpoint, then sign a bundle."""
+    """Rebuild the run's model from ``config.json`` and a checkpoint, then sign a bundle.
+
+    The bundle carries the same ``model_id`` as the coordinator's bundles of the run
+    and the checkpoint's round as ``version`` (see :func:`export_global_model`).
+    """
     if not (run_dir / "config.json").exists():
         raise ConfigError(f"'{run_dir}' is not a fedge run directory (no config.json)")
     config = resolve_run_config(json.loads((run_dir / "config.json").read_text()))
@@ -33,7 +39,7 @@ def export_run_round(
                 source=f"checkpoint of round {checkpoint.server_round}")
     return export_global_model(model, out_dir, config=config, data=data,
                                server_round=checkpoint.server_round, source_run=run_dir.name,
-                               private_key=private_key, make_zip=make_zip)
+                               private_key=private_key, make_zip=make_zip, valid_for=valid_for)
 
 
 def _checkpoint_path(run_dir: Path, server_round: int | None) -> Path:

@@ -24,7 +24,7 @@ from fedge.clients.training import as_dataset, train_local
 from fedge.config import resolve_run_config
 from fedge.edge import EdgeModel
 from fedge.edge.build import BuiltBundle, BundleSpec, build_bundle
-from fedge.edge.bundle import MANIFEST, SIGNATURE, read_bundle, sign_manifest, verify_bundle
+from fedge.edge.bundle import MANIFEST, SIGNATURE, parse_time, read_bundle, sign_manifest, verify_bundle
 from fedge.edge.signing import generate_signing_key, load_private_key
 from fedge.errors import BundleVerificationError
 
@@ -63,6 +63,21 @@ def test_fp32_parity_and_int8_quality(bundle: BuiltBundle) -> None:
     assert metrics["int8_top1_agreement"] >= 0.99
     expected = "static-qdq" if bundle.manifest["model_name"].startswith("cnn") else "dynamic"
     assert bundle.manifest["variants"]["int8"]["quantization"] == expected
+
+
+def test_manifest_names_the_lineage_and_version_for_freshness(bundle: BuiltBundle) -> None:
+    # Prepare: the spec said source_run "test", round 7, no expiry
+    manifest = bundle.manifest
+    # Execute
+    issued = parse_time(manifest["issued_at"], "issued_at")
+    # Assert: model_id <source_run>/<model_name>, version = round, signed as written
+    assert (manifest["model_id"], manifest["version"], manifest["expires_at"]) == (
+        f"test/{manifest['model_name']}", 7, None)
+    assert manifest["issued_at"] == manifest["created_at"] and issued.tzinfo is not None
+    signed = json.loads(read_bundle(bundle.path)[MANIFEST])
+    assert {k: signed[k] for k in ("model_id", "version", "issued_at", "expires_at")} == {
+        "model_id": f"test/{manifest['model_name']}", "version": 7, "issued_at": manifest["issued_at"],
+        "expires_at": None}
 
 
 @pytest.mark.parametrize("name", ["model.onnx", "model.int8.onnx"])
@@ -111,7 +126,9 @@ def _wrong_hash_signed_by_trusted(files: dict[str, bytes], keys: Path) -> None:
 
 
 def _remove(name: str) -> Callable[[dict[str, bytes], Path], None]:
-    return lambda files, keys: files.pop(name)
+    def tamper(files: dict[str, bytes], keys: Path) -> None:
+        del files[name]
+    return tamper
 
 
 def _add_extra(files: dict[str, bytes], keys: Path) -> None:

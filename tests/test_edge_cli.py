@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from fedge.cli.main import main
 from fedge.edge import EdgeModel
+from fedge.edge.bundle import parse_time
 from fedge.simulation.runner import simulate
 
 
@@ -30,6 +32,7 @@ def test_coordinator_exports_every_n_rounds_and_at_the_end(run: tuple[Path, dict
     assert summary["latest_bundle"] == "bundles/round-0003"
     model = EdgeModel.load(run_dir / summary["latest_bundle"], trusted_keys=[run_dir / "keys/signing.pub"])
     assert model.manifest["round"] == 3 and model.manifest["source_run"] == "run"
+    assert (model.manifest["model_id"], model.manifest["version"]) == ("run/mlp-digits", 3)
     assert summary["edge"]["fp32_accuracy"] == pytest.approx(summary["final_accuracy"])
     assert (run_dir / "model.onnx").read_bytes() == (run_dir / "bundles/round-0003/model.onnx").read_bytes()
 
@@ -40,7 +43,7 @@ def test_export_verify_predict_from_the_command_line(
     run_dir, _ = run
     assert main(["keys", "signing", "init", str(tmp_path / "k")]) == 0
     assert main(["export", str(run_dir), "--round", "1", "--key", str(tmp_path / "k/signing.key"),
-                 "-o", str(tmp_path / "b1"), "--zip"]) == 0
+                 "-o", str(tmp_path / "b1"), "--zip", "--valid-days", "2"]) == 0
     assert main(["verify", str(tmp_path / "b1.zip"), "--trusted", str(tmp_path / "k/signing.pub")]) == 0
     np.save(tmp_path / "x.npy", np.eye(3, 64, dtype=np.float32))
     capsys.readouterr()
@@ -50,6 +53,29 @@ def test_export_verify_predict_from_the_command_line(
     assert len(lines) == 3 and all(line.split("\t")[0] in {str(i) for i in range(10)} for line in lines)
     manifest = json.loads((tmp_path / "b1/manifest.json").read_text())
     assert manifest["round"] == 1
+    # the same lineage as the coordinator's bundles of the run, version = the round, expiring in 2 days
+    assert (manifest["model_id"], manifest["version"]) == ("run/mlp-digits", 1)
+    expires, issued = parse_time(manifest["expires_at"], "e"), parse_time(manifest["issued_at"], "i")
+    assert expires - issued == dt.timedelta(days=2)
+
+
+def test_state_dir_refuses_a_rollback_from_the_command_line(
+    run: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare: the coordinator's bundles of rounds 2 and 3, and a device state directory
+    run_dir, _ = run
+    trusted, state = ["--trusted", str(run_dir / "keys/signing.pub")], ["--state-dir", str(tmp_path / "state")]
+    np.save(tmp_path / "x.npy", np.zeros((1, 64), np.float32))
+    # Execute: run round 3, check it again (same version), then get round 2 replayed
+    ran = main(["predict", str(run_dir / "bundles/round-0003"), str(tmp_path / "x.npy"), *trusted, *state])
+    again = main(["verify", str(run_dir / "bundles/round-0003"), *trusted, *state])
+    capsys.readouterr()
+    replayed = main(["verify", str(run_dir / "bundles/round-0002"), *trusted, *state])
+    err = capsys.readouterr().err
+    # Assert
+    assert (ran, again, replayed) == (0, 0, 2)
+    assert "bundle 'run/mlp-digits' version 2 is older than version 3 this device already accepted" in err
+    assert main(["verify", str(run_dir / "bundles/round-0002"), *trusted]) == 0  # no store: no memory
 
 
 @pytest.mark.parametrize(
@@ -64,6 +90,10 @@ def test_export_verify_predict_from_the_command_line(
         (["predict", "{run}/bundles/round-0003", "{tmp}/bad.npy", "--trusted", "{run}/keys/signing.pub"],
          "the model takes \\(64,\\)"),
         (["predict", "{run}/bundles/round-0003", "{tmp}/bad.npy"], "give --trusted"),
+        (["verify", "{run}/bundles/round-0003", "--trusted", "{run}/keys/signing.pub", "--model-id", "x"],
+         "bundle is of model 'run/mlp-digits', not 'x' that this device runs"),
+        (["export", "{run}", "--key", "{keys}/signing.key", "-o", "{tmp}/o", "--valid-days", "0"],
+         "--valid-days 0.0 must be more than 0"),
     ],
 )
 def test_edge_cli_errors_exit_2(run: tuple[Path, dict[str, Any]], tmp_path: Path, argv: list[str],
