@@ -72,6 +72,9 @@ REEXPORT = "re-export the bundle with `fedge export` (or upgrade fedge on the de
 # Everything zipfile and its decompressors raise on a damaged archive.
 ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, RuntimeError,
               struct.error, zlib.error, lzma.LZMAError)
+# Zip compression methods a bundle may use: stored and deflate (what ``write_bundle`` writes).
+# Others (bzip2, LZMA with its attacker-chosen dictionary size, unknown ids) are refused unread.
+COMPRESSION = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
@@ -150,8 +153,14 @@ def read_bundle(path: str | Path) -> dict[str, bytes]:
             return {m.filename: archive.read(m) for m in members}
     except ZIP_ERRORS as exc:
         raise BundleVerificationError(
-            f"bundle '{path}' is not a valid zip (truncated or corrupt: {exc}); fetch it again"
+            f"bundle '{path}' is not a valid zip (truncated or corrupt: {_short(exc)}); fetch it again"
         ) from None
+
+
+def _short(exc: BaseException, limit: int = 160) -> str:
+    """An exception's text cut to ``limit`` characters (zipfile quotes whole headers)."""
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _check_members(path: Path, members: list[zipfile.ZipInfo]) -> None:
@@ -167,7 +176,11 @@ def _check_members(path: Path, members: list[zipfile.ZipInfo]) -> None:
             f"bundle '{path}' has duplicate entries {duplicated}: one reader could verify one copy and "
             "another load the other; refused: fetch the bundle again (`fedge export --zip` writes each once)"
         )
-    if any(m.is_dir() or not _plain_name(m.filename) for m in members):
+    odd = sorted({m.compress_type for m in members} - set(COMPRESSION))
+    if odd:
+        raise BundleVerificationError(f"bundle '{path}' uses zip compression method(s) {odd}; only "
+                                      "stored (0) and deflate (8) are accepted: re-zip it with `fedge export --zip`")
+    if any(not _plain_name(m.filename) or m.is_dir() for m in members):  # is_dir() fails on ""
         raise BundleVerificationError(f"bundle '{path}' has nested or hidden paths; refused: zip the "
                                       "bundle's files at the top level (`fedge export --zip` does)")
     if sum(m.file_size for m in members) > MAX_BUNDLE_BYTES:
@@ -355,7 +368,7 @@ def _check_variants(variants: object, files: Mapping[str, Any]) -> None:
     if not isinstance(variants, dict) or not variants:
         raise _bad("variants", "must map variant names to their model files")
     for name, entry in variants.items():
-        if not isinstance(entry, dict) or entry.get("file") not in files:
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or entry["file"] not in files:
             raise _bad(f"variants.{name[:40]}", "must name a file listed in 'files'")
 
 

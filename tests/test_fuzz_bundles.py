@@ -1,0 +1,414 @@
+"""Fuzzing the edge bundle readers: zip, signature envelope, manifest, freshness record (issue 12).
+
+Each fuzz test starts from one valid signed bundle (made once per module), mutates it
+(flip, overwrite, insert, delete and truncate bytes; wrong types, missing keys, huge,
+negative, NaN and infinite numbers in the manifest; duplicate, extra, renamed, dropped
+and truncated zip entries) or draws it at random, and checks the contract of the
+verify/load path: either a bundle that verifies (and then loads and predicts), or a
+:class:`~fedge.errors.FedgeError` with a message; never another exception, never a hang.
+
+Mutated manifests are *re-signed by the trusted key*, so that the parser and the
+runtime see them (an unsigned mutation is stopped by the signature before any parsing).
+The verification layer runs the default number of cases (``tests/fuzzing.py``); full
+loads build an onnxruntime session per accepted case (a few ms with the tiny model).
+Inputs that crashed the previous code are pinned below as regular regression tests.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import io
+import json
+import math
+import time
+import tracemalloc
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given
+from hypothesis import strategies as st
+from tiny_bundles import MODEL_ID, tiny_bundle, write_zip
+
+from fedge.edge import EdgeModel
+from fedge.edge.bundle import MANIFEST, SIGNATURE, FreshnessStore, read_bundle, sign_manifest, verify_bundle
+from fedge.errors import FedgeError
+from fuzzing import FUZZ_EXAMPLES, fuzz
+
+NOW = dt.datetime(2025, 6, 1, tzinfo=dt.UTC)
+# Cases per test, as shares of the shared default (2000; FEDGE_FUZZ_EXAMPLES scales them all):
+# the verification layer gets the most, full loads (an onnxruntime session each) fewer.
+VERIFY_CASES, LOAD_CASES, SMALL_CASES = FUZZ_EXAMPLES * 3 // 4, FUZZ_EXAMPLES // 2, FUZZ_EXAMPLES // 4
+MAX_SECONDS = 10.0
+MAX_ALLOCATION = 64 * 2**20
+
+
+@pytest.fixture(scope="module")
+def key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.generate()
+
+
+@pytest.fixture(scope="module")
+def valid(key: Ed25519PrivateKey) -> dict[str, bytes]:
+    """The bundle every case mutates: signed, version 5, expiring after :data:`NOW`."""
+    return tiny_bundle(key, version=5, expires_at="2030-01-01T00:00:00Z")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fuzz-bundles")
+
+
+@pytest.fixture(scope="module")
+def store(workdir: Path) -> FreshnessStore:
+    """A device that has accepted version 3 of the model (so versions 0..2 are rollbacks)."""
+    store = FreshnessStore(workdir / "state")
+    store.directory.mkdir(mode=0o700)
+    store.record_path(MODEL_ID).write_text(json.dumps({"model_id": MODEL_ID, "version": 3}))
+    return store
+
+
+# --------------------------------------------------------------------------- mutation strategies
+
+
+@st.composite
+def mutated(draw: st.DrawFn, original: bytes, max_ops: int = 4) -> bytes:
+    """``original`` after 1..``max_ops`` random byte edits."""
+    data = bytearray(original)
+    for _ in range(draw(st.integers(1, max_ops))):
+        op = draw(st.sampled_from(["flip", "overwrite", "insert", "delete", "truncate", "repeat"]))
+        pos = draw(st.integers(0, len(data)))
+        if op == "flip" and data:
+            data[min(pos, len(data) - 1)] ^= 1 << draw(st.integers(0, 7))
+        elif op == "overwrite":
+            chunk = draw(st.binary(min_size=1, max_size=8))
+            data[pos:pos + len(chunk)] = chunk
+        elif op == "insert":
+            data[pos:pos] = draw(st.one_of(st.binary(min_size=1, max_size=16),
+                                           st.sampled_from([b'"', b"{", b"[", b",", b"\\", b"\xff", b"\x00",
+                                                            b"1e999", b"NaN", b"-", b'"version": 9,'])))
+        elif op == "delete":
+            del data[pos:pos + draw(st.integers(1, 16))]
+        elif op == "truncate":
+            del data[pos:]
+        elif op == "repeat":
+            data[pos:pos] = data[pos:pos + draw(st.integers(1, 64))] * draw(st.integers(1, 4))
+    return bytes(data)
+
+
+NASTY_NUMBERS = [0, -1, 1, 2**31, 2**63, -(2**63) - 1, 10**400, 1e308, -1e-320, math.nan, math.inf, -math.inf,
+                 0.5, True]
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True, allow_infinity=True),
+              st.sampled_from(NASTY_NUMBERS), st.text(max_size=20),
+              st.sampled_from(["", "model.onnx", "model.int8.onnx", "../x", "2025-01-01T00:00:00Z",
+                               "2000-01-01T00:00:00Z", "batch", "input", "\ud800", "a" * 300, "x\ny"])),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12,
+)
+
+
+def _containers(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every dict and list in ``node`` with its path."""
+    if isinstance(node, dict | list):
+        yield path, node
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            yield from _containers(v, (*path, k))
+
+
+@st.composite
+def mutated_manifest(draw: st.DrawFn, manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` with 1..3 structural edits: a value replaced (any type), a key dropped or added."""
+    manifest = json.loads(json.dumps(manifest))
+    for _ in range(draw(st.integers(1, 3))):
+        path, node = draw(st.sampled_from(list(_containers(manifest))))
+        keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+        op = draw(st.sampled_from(["replace", "replace", "drop", "add"]))
+        if op == "add" or not keys:
+            new_key = draw(st.one_of(st.text(max_size=8), st.sampled_from(["version", "expires_at", "model_id"])))
+            if isinstance(node, dict):
+                node[new_key] = draw(json_values)
+            else:
+                node.append(draw(json_values))
+        elif op == "drop":
+            del node[draw(st.sampled_from(keys))]
+        else:
+            node[draw(st.sampled_from(keys))] = draw(json_values)
+    return manifest
+
+
+@contextmanager
+def bounded(*, memory: bool = False) -> Iterator[None]:
+    """Fail if the block runs longer than :data:`MAX_SECONDS` (or, with ``memory``, allocates
+    more than :data:`MAX_ALLOCATION`): a case takes milliseconds."""
+    if memory:
+        tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1] if memory else 0
+        if memory:
+            tracemalloc.stop()
+    assert elapsed <= MAX_SECONDS, f"took {elapsed:.1f} s"
+    assert peak <= MAX_ALLOCATION, f"allocated {peak / 2**20:.0f} MiB"
+
+
+def accepted_or_refused(action: Callable[[], object]) -> object | None:
+    """Run ``action``: its result, or None for a clear refusal; any other exception fails the test."""
+    with bounded():
+        try:
+            return action()
+        except FedgeError as exc:
+            message = str(exc)
+            assert message.strip() and len(message) < 2000, repr(message)
+            return None
+
+
+def _full_load(files: dict[str, bytes], key: Ed25519PrivateKey, store: FreshnessStore | None) -> EdgeModel:
+    """Load (never recording: the shared store stays at version 3) and predict once."""
+    model = EdgeModel.from_files(files, trusted_keys=[key.public_key()], variant="fp32", now=NOW)
+    if store is not None:
+        store.check(model.manifest)
+    with np.errstate(all="ignore"):
+        model.predict(model.preprocess(np.ones((2, model.num_features))))
+    return model
+
+
+def _resigned(valid: dict[str, bytes], manifest_bytes: bytes, key: Ed25519PrivateKey) -> dict[str, bytes]:
+    return {**valid, MANIFEST: manifest_bytes, SIGNATURE: sign_manifest(manifest_bytes, key)}
+
+
+# --------------------------------------------------------------------------- 1. manifests signed by the trusted key
+
+
+def test_the_unmutated_bundle_loads(valid: dict[str, bytes], key: Ed25519PrivateKey, store: FreshnessStore) -> None:
+    assert _full_load(valid, key, store).manifest["version"] == 5
+
+
+@fuzz(VERIFY_CASES)
+@given(data=st.data())
+def test_fuzz_signed_manifest_bytes(data: st.DataObject, valid: dict[str, bytes], key: Ed25519PrivateKey,
+                                    store: FreshnessStore) -> None:
+    files = _resigned(valid, data.draw(mutated(valid[MANIFEST])), key)
+    accepted_or_refused(lambda: _full_load(files, key, store))
+
+
+@fuzz(LOAD_CASES)
+@given(data=st.data())
+def test_fuzz_signed_manifest_fields(data: st.DataObject, valid: dict[str, bytes], key: Ed25519PrivateKey,
+                                     store: FreshnessStore) -> None:
+    manifest = data.draw(mutated_manifest(json.loads(valid[MANIFEST])))
+    files = _resigned(valid, json.dumps(manifest).encode(), key)  # NaN/Infinity included
+    accepted_or_refused(lambda: _full_load(files, key, store))
+
+
+@fuzz(SMALL_CASES)
+@given(manifest=st.one_of(st.binary(max_size=200), json_values.map(lambda v: json.dumps(v).encode())))
+def test_fuzz_random_unsigned_manifests(manifest: bytes, valid: dict[str, bytes]) -> None:
+    files = {name: data for name, data in valid.items() if name != SIGNATURE}
+    files[MANIFEST] = manifest
+    accepted_or_refused(lambda: verify_bundle(files, trusted_keys=[], allow_unsigned=True, now=NOW))
+
+
+# --------------------------------------------------------------------------- 2. signature envelope
+
+
+@fuzz(SMALL_CASES)
+@given(data=st.data())
+def test_fuzz_signature_envelope(data: st.DataObject, valid: dict[str, bytes], key: Ed25519PrivateKey) -> None:
+    envelope = data.draw(st.one_of(mutated(valid[SIGNATURE]), json_values.map(lambda v: json.dumps(v).encode()),
+                                   st.binary(max_size=64)))
+    files = {**valid, SIGNATURE: envelope}
+    result = accepted_or_refused(lambda: verify_bundle(files, trusted_keys=[key.public_key()], now=NOW))
+    if result is not None:  # accepted: it still carries the genuine signature (extra keys are ignored)
+        signature = base64.b64decode(json.loads(envelope)["signature"])
+        assert signature == base64.b64decode(json.loads(valid[SIGNATURE])["signature"])
+
+
+# --------------------------------------------------------------------------- 3. zip archives
+
+
+def _zip_bytes(entries: list[tuple[str, bytes]], method: int = zipfile.ZIP_DEFLATED) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", method) as archive:
+        for name, data in entries:
+            archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+@st.composite
+def mutated_zip(draw: st.DrawFn, files: dict[str, bytes]) -> bytes:
+    """A zip of ``files`` with entries duplicated, added, renamed or dropped, and/or bytes mutated."""
+    entries = sorted(files.items())
+    for _ in range(draw(st.integers(0, 2))):
+        op = draw(st.sampled_from(["duplicate", "extra", "rename", "drop"]))
+        index = draw(st.integers(0, len(entries) - 1)) if entries else 0
+        if op == "duplicate" and entries:
+            entries.insert(draw(st.integers(0, len(entries))), (entries[index][0], draw(st.binary(max_size=32))))
+        elif op == "extra":
+            name = draw(st.one_of(st.text(min_size=1, max_size=12),
+                                  st.sampled_from(["../x", "/abs", "a/b", ".hidden", "C:x", "..", "d/"])))
+            entries.append((name, draw(st.binary(max_size=32))))
+        elif op == "rename" and entries:
+            entries[index] = (draw(st.text(min_size=1, max_size=12)), entries[index][1])
+        elif op == "drop" and entries:
+            del entries[index]
+    method = draw(st.sampled_from([zipfile.ZIP_DEFLATED] * 4 + [zipfile.ZIP_STORED] * 2
+                                  + [zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA]))
+    try:
+        archive = _zip_bytes(entries, method)
+    except (UnicodeEncodeError, ValueError, IndexError):  # a name zipfile cannot write ("\0", lone surrogate)
+        archive = _zip_bytes(sorted(files.items()), method)
+    return draw(mutated(archive)) if draw(st.booleans()) else archive
+
+
+@fuzz(VERIFY_CASES)
+@given(data=st.data())
+def test_fuzz_zip_archives(data: st.DataObject, valid: dict[str, bytes], key: Ed25519PrivateKey,
+                           workdir: Path) -> None:
+    path = workdir / "case.zip"
+    path.write_bytes(data.draw(mutated_zip(valid)))
+    with bounded(memory=True):
+        accepted_or_refused(lambda: verify_bundle(read_bundle(path), trusted_keys=[key.public_key()], now=NOW))
+
+
+@fuzz(FUZZ_EXAMPLES // 8)
+@given(data=st.data())
+def test_fuzz_zip_archives_full_load(data: st.DataObject, valid: dict[str, bytes], key: Ed25519PrivateKey,
+                                     workdir: Path, store: FreshnessStore) -> None:
+    path = workdir / "load.zip"
+    path.write_bytes(data.draw(mutated_zip(valid)))
+    accepted_or_refused(lambda: _full_load(read_bundle(path), key, store))
+
+
+# --------------------------------------------------------------------------- 4. freshness records
+
+
+@fuzz(SMALL_CASES)
+@given(record=st.one_of(st.binary(max_size=100), json_values.map(lambda v: json.dumps(v).encode()),
+                        st.integers().map(lambda v: json.dumps({"model_id": MODEL_ID, "version": v}).encode())))
+def test_fuzz_freshness_records(record: bytes, valid: dict[str, bytes], workdir: Path) -> None:
+    store = FreshnessStore(workdir / "records")
+    store.directory.mkdir(mode=0o700, exist_ok=True)
+    store.record_path(MODEL_ID).write_bytes(record)
+    accepted_or_refused(lambda: store.check(json.loads(valid[MANIFEST])))
+
+
+# --------------------------------------------------------------------------- regressions: crashes of the old code
+
+
+def _signed_with(valid: dict[str, bytes], key: Ed25519PrivateKey, **changes: Any) -> dict[str, bytes]:
+    manifest = {**json.loads(valid[MANIFEST]), **changes}
+    return _resigned(valid, json.dumps(manifest).encode(), key)
+
+
+# (case, manifest changes signed by the trusted key, expected reason)
+SIGNED_BAD_MANIFESTS: list[tuple[str, dict[str, Any], str]] = [
+    ("file entry not an object", {"files": {"model.onnx": "x", "model.int8.onnx": "y"}},
+     "field 'files.model.onnx' must be"),
+    ("variants a list", {"variants": []}, "field 'variants' must map variant names"),
+    ("variant entry a string", {"variants": {"fp32": "model.onnx"}}, "field 'variants.fp32' must name a file"),
+    ("no inputs", {"inputs": []}, "field 'inputs' must list exactly one input"),
+    ("input shape of one dimension", {"inputs": [{"name": "input", "shape": [4]}]}, "field 'inputs\\[0\\].shape'"),
+    ("features a string", {"inputs": [{"name": "input", "shape": ["batch", "four"]}]}, "field 'inputs\\[0\\].shape'"),
+    ("preprocessing scale a string", {"preprocessing": {"scale": "x"}}, "field 'preprocessing'"),
+    ("preprocessing scale 10**400", {"preprocessing": {"scale": 10**400}}, "field 'preprocessing'"),
+    ("labels not strings", {"labels": [1, 2, 3]}, "field 'labels'"),
+    ("version a string", {"version": "9"}, "field 'version' must be an integer"),
+    ("version a bool", {"version": True}, "field 'version' must be an integer"),
+    ("version 2**64", {"version": 2**64}, "field 'version' must be an integer"),
+    ("expires_at not a time", {"expires_at": "tomorrow"}, "field 'expires_at' must be a UTC time"),
+    ("model_id with a lone surrogate", {"model_id": "\ud800"}, "field 'model_id' must be a printable name"),
+]
+
+
+@pytest.mark.parametrize(("case", "changes", "reason"), SIGNED_BAD_MANIFESTS, ids=[c[0] for c in SIGNED_BAD_MANIFESTS])
+def test_signed_manifests_of_the_wrong_shape_are_refused(
+    valid: dict[str, bytes], key: Ed25519PrivateKey, case: str, changes: dict[str, Any], reason: str
+) -> None:
+    # Prepare
+    files = _signed_with(valid, key, **changes)
+    # Execute / Assert: a BundleVerificationError naming the field, not a TypeError/KeyError/ValueError
+    with pytest.raises(FedgeError, match=reason):
+        EdgeModel.from_files(files, trusted_keys=[key.public_key()], variant="fp32", now=NOW)
+
+
+@pytest.mark.parametrize(("case", "manifest", "reason"), [
+    ("nested 100000 deep", b"[" * 100_000 + b"]" * 100_000, "is malformed"),
+    ("NaN literal", b'{"format": "fedge-bundle/1", "x": NaN}', "contains NaN, which is not JSON"),
+    ("not UTF-8", b"\xff\xfe\xfa", "is malformed"),
+])
+def test_unparseable_manifests_are_refused(valid: dict[str, bytes], case: str, manifest: bytes, reason: str) -> None:
+    files = {MANIFEST: manifest, "model.onnx": valid["model.onnx"]}
+    with pytest.raises(FedgeError, match=reason):
+        verify_bundle(files, trusted_keys=[], allow_unsigned=True)
+
+
+def _unknown_compression(valid: dict[str, bytes]) -> bytes:
+    """A zip whose entries claim compression method 99 (zipfile raised NotImplementedError)."""
+    data = bytearray(_zip_bytes(sorted(valid.items()), zipfile.ZIP_STORED))
+    for signature, offset in ((b"PK\x03\x04", 8), (b"PK\x01\x02", 10)):
+        start = 0
+        while (start := data.find(signature, start)) >= 0:
+            data[start + offset:start + offset + 2] = (99).to_bytes(2, "little")
+            start += 4
+    return bytes(data)
+
+
+def _corrupt_deflate(valid: dict[str, bytes]) -> bytes:
+    """A deflated zip with bytes inside the first entry's compressed stream overwritten (zlib.error)."""
+    data = bytearray(_zip_bytes(sorted(valid.items())))
+    name_length = int.from_bytes(data[26:28], "little")
+    start = 30 + name_length
+    data[start:start + 8] = b"\xff" * 8
+    return bytes(data)
+
+
+def _lzma(valid: dict[str, bytes]) -> bytes:
+    """LZMA entries: their header picks the decoder's dictionary size (memory), so they are refused unread."""
+    return _zip_bytes(sorted(valid.items()), zipfile.ZIP_LZMA)
+
+
+def _empty_name(valid: dict[str, bytes]) -> bytes:
+    """A zip whose last central-directory entry has an empty name (zipfile's is_dir() raised IndexError)."""
+    data = bytearray(_zip_bytes([*sorted(valid.items()), ("Q", b"x")], zipfile.ZIP_STORED))
+    entry = data.rfind(b"PK\x01\x02")
+    data[entry + 28:entry + 30] = (0).to_bytes(2, "little")  # name length 1 -> 0 ...
+    del data[entry + 46]                                      # ... and the name "Q" gone
+    end = data.rfind(b"PK\x05\x06")
+    size = int.from_bytes(data[end + 12:end + 16], "little")
+    data[end + 12:end + 16] = (size - 1).to_bytes(4, "little")  # central directory one byte shorter
+    return bytes(data)
+
+
+@pytest.mark.parametrize(("make", "reason"), [
+    (_unknown_compression, r"uses zip compression method\(s\) \[99\]; only stored \(0\) and deflate \(8\)"),
+    (_lzma, r"uses zip compression method\(s\) \[14\]"),
+    (_corrupt_deflate, "is not a valid zip"),
+    (_empty_name, "has nested or hidden paths"),
+])
+def test_damaged_or_unusual_zip_streams_are_refused(
+    valid: dict[str, bytes], key: Ed25519PrivateKey, tmp_path: Path,
+    make: Callable[[dict[str, bytes]], bytes], reason: str,
+) -> None:
+    path = tmp_path / "bad.zip"
+    path.write_bytes(make(valid))
+    with pytest.raises(FedgeError, match=reason):
+        verify_bundle(read_bundle(path), trusted_keys=[key.public_key()])
+
+
+def test_a_duplicated_zip_entry_is_refused_even_when_both_copies_match(
+    valid: dict[str, bytes], key: Ed25519PrivateKey, tmp_path: Path
+) -> None:
+    path = write_zip([*valid.items(), ("model.onnx", valid["model.onnx"])], tmp_path / "twice.zip")
+    with pytest.raises(FedgeError, match=r"duplicate entries \['model.onnx'\]"):
+        read_bundle(path)
