@@ -97,6 +97,16 @@ def test_a_device_can_pin_its_model_lineage(key: Ed25519PrivateKey) -> None:
     assert _load(tiny_bundle(key), key, model_id=MODEL_ID).manifest["model_id"] == MODEL_ID
 
 
+def test_record_never_lowers_a_version_recorded_meanwhile(key: Ed25519PrivateKey, store: FreshnessStore) -> None:
+    # Prepare: a loader checked version 6, then another loader recorded 7 before it could record
+    store.record(_load(tiny_bundle(key, version=7), key).manifest)
+    late = _load(tiny_bundle(key, version=6), key).manifest
+    # Execute / Assert: the late record is refused under the lock, and 7 stays
+    with pytest.raises(BundleVerificationError, match="version 6 is older than version 7"):
+        store.record(late)
+    assert store.accepted_version(MODEL_ID) == 7
+
+
 @pytest.fixture
 def umask_zero() -> Iterator[None]:
     previous = os.umask(0)
