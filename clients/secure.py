@@ -1,12 +1,29 @@
 """Device side of fedge's secure aggregation (see :mod:`fedge.secagg` and
-:mod:`fedge.server.secure`): four train actions of the ClientApp.
+:mod:`fedge.server.secure`): five train actions of the ClientApp, after SecAgg
+(Bonawitz et al., CCS 2017, §4) and SecAgg+ (Bell et al., CCS 2020).
 
-``secagg_setup``: make X25519 key pairs, send the public halves. ``secagg_share``:
-Shamir-share the self-mask seed and the mask key among the neighbours, each share
-sealed for its recipient (the coordinator relays ciphertext only). ``secagg_masked``:
+``secagg_setup``: make two X25519 key pairs (share encryption, pairwise masks) and an
+Ed25519 signing key pair for this round, send the public halves. ``secagg_share``:
+check the threshold (``t >= 2`` and ``t > neighbours / 2``) and that the neighbours'
+keys are distinct, Shamir-share the self-mask seed and the mask key among the
+neighbours, each share sealed for its recipient (the coordinator relays ciphertext
+only). ``secagg_masked``: refuse with shares from fewer than ``t`` neighbours, else
 train, encode ``w * (local - global)`` and ``w`` in fixed point, add the masks, send.
-``secagg_unmask``: reveal, for each neighbour, the one share the protocol allows.
-Secrets live in the node's ``Context.state`` between the steps of one round.
+``secagg_consistency`` (the paper's ConsistencyCheck): refuse a survivor set that
+leaves this device out, names a neighbour whose shares never arrived or holds fewer
+than ``t`` neighbours, else sign ``(round, survivors)``; at most once a round.
+``secagg_unmask``: refuse without ``t`` neighbours' valid signatures over the set this
+device signed, else reveal, for each neighbour whose shares it holds, the self-mask
+share if that neighbour is in the set and the mask-key share if not: decided here,
+never from a list the coordinator sends.
+Secrets live in the node's ``Context.state`` between the steps of one round and are
+deleted after the unmask step.
+
+Threat model: a coordinator that deviates from the protocol (withholds shares, sends
+different survivor sets to different devices, asks for a threshold of 1) learns no
+more than the sum while each device's neighbours hold an honest majority. Not stopped
+(see :mod:`fedge.secagg`): key substitution in the share step without a PKI, Sybil
+devices, and weaker per-neighbourhood guarantees with sparse SecAgg+ graphs.
 """
 
 from __future__ import annotations
@@ -16,21 +33,29 @@ from collections.abc import Callable
 
 import numpy as np
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedge import wire
 from fedge.secagg import (
+    PUBLIC_KEYS,
     SHARE_BYTES,
+    STEPS,
     FixedPoint,
+    ProtocolViolation,
     Vector,
     derive,
     masked_input,
+    minimum_threshold,
     open_sealed,
     public_bytes,
     seal,
     share_secret,
+    sign_survivors,
+    signing_public_bytes,
+    valid_survivors_signature,
 )
 from fedge.strategies.aggregate import fednova_norm
 
@@ -38,7 +63,7 @@ STATE = "secagg"
 TrainContent = Callable[[Message, Context], RecordDict]
 
 
-def _raw(key: X25519PrivateKey) -> bytes:
+def _raw(key: X25519PrivateKey | Ed25519PrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                              serialization.NoEncryption())
 
@@ -47,16 +72,83 @@ def _ad(sender: int, receiver: int, server_round: int) -> bytes:
     return f"{sender}->{receiver}/{server_round}".encode()
 
 
-STAGES = ("secagg_setup", "secagg_share", "secagg_masked", "secagg_unmask")
+STAGES = STEPS
 
 
 def _advance(state: ConfigRecord, stage: str, server_round: int) -> None:
-    """Refuse a step from another round or out of order (a replayed or reordered message)."""
+    """Refuse a step from another round or out of order (a replayed or reordered message).
+
+    Each step runs at most once a round, so a device signs at most one survivor set.
+    """
     expected = STAGES[STAGES.index(str(state["stage"])) + 1] if state["stage"] != STAGES[-1] else None
     if int(state["round"]) != server_round or stage != expected:  # type: ignore[arg-type]
         raise ValueError(f"refusing {stage} for round {server_round}: this device is at {state['stage']!s} of "
                          f"round {state['round']!s} (a replayed or reordered message)")
     state["stage"] = stage
+
+
+def _state(context: Context, stage: str) -> ConfigRecord:
+    """This round's secrets, or a refusal when no round is in progress (its secrets are spent)."""
+    if STATE not in context.state.config_records:
+        raise ValueError(f"refusing {stage}: this device has no secure-aggregation round in progress "
+                         "(a replayed or reordered message)")
+    return context.state.config_records[STATE]
+
+
+def _ids(values: object) -> list[int]:
+    """Node ids from a record's list value (a malformed one is a protocol violation)."""
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ProtocolViolation("refusing: a node list is malformed")
+    return [int(v) for v in values]
+
+
+def check_threshold(*, threshold: int, neighbours: list[int], me: int) -> None:
+    """Refuse a threshold or neighbourhood a device must not share its secrets under.
+
+    Threat model: a coordinator that asks for ``t = 1`` (every share is the secret) or for
+    ``t`` at most half the neighbours (two disjoint groups of ``t`` could then be told
+    different survivor sets and reveal both secrets of one device). Bonawitz et al.,
+    CCS 2017, §4 (round 1); see :func:`fedge.secagg.minimum_threshold`.
+
+    Raises
+    ------
+    ProtocolViolation
+        If ``neighbours`` repeats a node or holds this device, or ``threshold`` is below
+        the floor or above the number of neighbours.
+    """
+    if len(set(neighbours)) != len(neighbours) or me in neighbours:
+        raise ProtocolViolation("refusing secagg_share: the neighbour list repeats a node or holds this device")
+    floor = minimum_threshold(len(neighbours))
+    if not floor <= threshold <= len(neighbours):
+        raise ProtocolViolation(
+            f"refusing secagg_share: threshold {threshold} with {len(neighbours)} neighbours; a device needs "
+            f"{floor} <= t <= {len(neighbours)} (at least 2 and more than half its neighbours)")
+
+
+def check_survivors(*, survivors: list[int], me: int, holding: list[int], neighbours: list[int],
+                    threshold: int) -> None:
+    """The device's checks on a survivor set before it signs it (the ConsistencyCheck round).
+
+    Bonawitz et al., CCS 2017, §4 round 3: ``U3 subset of U2`` and ``|U3| >= t``, here per
+    neighbourhood (Bell et al., CCS 2020): this device is a survivor, every surviving
+    neighbour is one whose shares it holds, and at least ``t`` neighbours survive.
+
+    Raises
+    ------
+    ProtocolViolation
+        If any check fails.
+    """
+    alive = set(survivors)
+    if me not in alive:
+        raise ProtocolViolation("refusing the survivor set: this device sent its masked input but is not in it")
+    foreign = sorted((alive & set(neighbours)) - set(holding))
+    if foreign:
+        raise ProtocolViolation(f"refusing the survivor set: it names neighbour {foreign[0]}, whose shares never "
+                                "reached this device (it cannot have masked with it)")
+    count = len(alive & set(holding))
+    if count < threshold:
+        raise ProtocolViolation(f"refusing the survivor set: it holds {count} of this device's neighbours, "
+                                f"fewer than the threshold {threshold}")
 
 
 def _encode_update(global_arrays: ArrayRecord, trained: RecordDict, params: ConfigRecord) -> Vector:
@@ -81,24 +173,35 @@ def _encode_update(global_arrays: ArrayRecord, trained: RecordDict, params: Conf
 
 
 def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
-    """Register the four secure-aggregation train actions on ``app``."""
+    """Register the five secure-aggregation train actions on ``app``."""
 
     @app.train("secagg_setup")
     def setup(msg: Message, context: Context) -> Message:
         cipher_key, mask_key = X25519PrivateKey.generate(), X25519PrivateKey.generate()
+        signing_key = Ed25519PrivateKey.generate()
         server_round = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
         context.state[STATE] = ConfigRecord({"c-sk": _raw(cipher_key), "s-sk": _raw(mask_key),
-                                             "round": server_round, "stage": "secagg_setup"})
-        keys = ConfigRecord({"c-pk": public_bytes(cipher_key), "s-pk": public_bytes(mask_key)})
+                                             "g-sk": _raw(signing_key), "round": server_round,
+                                             "stage": "secagg_setup"})
+        keys = ConfigRecord({"c-pk": public_bytes(cipher_key), "s-pk": public_bytes(mask_key),
+                             "g-pk": signing_public_bytes(signing_key)})
         return Message(RecordDict({"keys": keys}), reply_to=msg)
 
     @app.train("secagg_share")
     def share(msg: Message, context: Context) -> Message:
-        state, peers = context.state.config_records[STATE], msg.content.config_records["peers"]
+        state, peers = _state(context, "secagg_share"), msg.content.config_records["peers"]
         me, server_round = context.node_id, int(peers["server-round"])  # type: ignore[arg-type]
-        neighbours = [int(n) for n in peers["neighbours"]]  # type: ignore[union-attr]
-        threshold = int(peers["threshold"])  # type: ignore[arg-type]
         _advance(state, "secagg_share", server_round)
+        neighbours = _ids(peers["neighbours"])
+        threshold = int(peers["threshold"])  # type: ignore[arg-type]
+        check_threshold(threshold=threshold, neighbours=neighbours, me=me)
+        # Bonawitz et al. round 1: all public keys distinct. (The coordinator refuses keys of small
+        # order at setup; a small-order X25519 key here makes `derive` raise; checking every
+        # neighbour's keys again would cost ~0.3 ms each and stop nothing a coordinator that
+        # substitutes keys cannot do with valid ones: see the module's threat model.)
+        for kind in PUBLIC_KEYS:
+            if len({bytes(peers[f"{kind}/{peer}"]) for peer in neighbours}) != len(neighbours):  # type: ignore[arg-type]
+                raise ProtocolViolation(f"refusing secagg_share: two neighbours have the same {kind}")
         self_seed = os.urandom(32)
         seed_shares = share_secret(self_seed, threshold, neighbours)
         key_shares = share_secret(bytes(state["s-sk"]), threshold, neighbours)  # type: ignore[arg-type]
@@ -107,53 +210,79 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
         for peer in neighbours:
             key = derive(cipher_key, bytes(peers[f"c-pk/{peer}"]), "share")  # type: ignore[arg-type]
             sealed[f"to/{peer}"] = seal(key, seed_shares[peer] + key_shares[peer], _ad(me, peer, server_round))
-            state[f"s-pk/{peer}"] = peers[f"s-pk/{peer}"]
-            state[f"c-pk/{peer}"] = peers[f"c-pk/{peer}"]
-        state["b"], state["neighbours"] = self_seed, neighbours
+            for kind in PUBLIC_KEYS:
+                state[f"{kind}/{peer}"] = peers[f"{kind}/{peer}"]
+        state["b"], state["neighbours"], state["threshold"] = self_seed, neighbours, threshold
         return Message(RecordDict({"sealed": sealed}), reply_to=msg)
 
     @app.train("secagg_masked")
     def masked(msg: Message, context: Context) -> Message:
-        state = context.state.config_records[STATE]
+        state = _state(context, "secagg_masked")
         inbox, params = msg.content.config_records["inbox"], msg.content.config_records["secagg"]
         _advance(state, "secagg_masked", int(msg.content.config_records["config"][wire.SERVER_ROUND]))  # type: ignore[arg-type]
-        known_peers = {f"from/{int(peer)}" for peer in state["neighbours"]}  # type: ignore[union-attr]
-        for name, value in inbox.items():  # only sealed shares from this device's neighbours
-            if name in known_peers and isinstance(value, bytes):
-                state[name] = value
+        me, server_round = context.node_id, int(state["round"])  # type: ignore[arg-type]
+        threshold = int(state["threshold"])  # type: ignore[arg-type]
+        # pair masks only with neighbours that completed the share step (their shares reached us)
+        holding = [peer for peer in _ids(state["neighbours"]) if isinstance(inbox.get(f"from/{peer}"), bytes)]
+        if len(holding) < threshold:  # Bonawitz et al. round 2: |U2| >= t, else the self-mask alone hides x
+            raise ProtocolViolation(f"refusing secagg_masked: shares from only {len(holding)} neighbours reached "
+                                    f"this device, fewer than the threshold {threshold}")
+        for peer in holding:
+            state[f"from/{peer}"] = inbox[f"from/{peer}"]
+        state["holding"] = holding
         trained = train_content(msg, context)
         bits = int(params["bits"])  # type: ignore[arg-type]
         encoded = _encode_update(msg.content.array_records[wire.ARRAYS], trained, params)
         mask_key = X25519PrivateKey.from_private_bytes(bytes(state["s-sk"]))  # type: ignore[arg-type]
-        me, server_round = context.node_id, int(state["round"])  # type: ignore[arg-type]
-        # pair masks only with peers that completed the share step (their shares reached us)
-        known = [int(peer) for peer in state["neighbours"]]  # type: ignore[union-attr]
-        neighbours = [peer for peer in known if f"from/{peer}" in inbox]
         pair_seeds = {peer: derive(mask_key, bytes(state[f"s-pk/{peer}"]), "mask",  # type: ignore[arg-type]
                                    str(server_round).encode())
-                      for peer in neighbours}
+                      for peer in holding}
         vector = masked_input(encoded, bytes(state["b"]), pair_seeds, me, bits)  # type: ignore[arg-type]
         content = RecordDict({"masked": ArrayRecord({"vector": Array(vector)}),
                               wire.REPLY_META: trained.config_records[wire.REPLY_META]})
         return Message(content, reply_to=msg)
 
+    @app.train("secagg_consistency")
+    def consistency(msg: Message, context: Context) -> Message:
+        state, check = _state(context, "secagg_consistency"), msg.content.config_records["check"]
+        _advance(state, "secagg_consistency", int(check["server-round"]))  # type: ignore[arg-type]
+        survivors = sorted(set(_ids(check["survivors"])))
+        check_survivors(survivors=survivors, me=context.node_id, holding=_ids(state["holding"]),
+                        neighbours=_ids(state["neighbours"]), threshold=int(state["threshold"]))  # type: ignore[arg-type]
+        signing_key = Ed25519PrivateKey.from_private_bytes(bytes(state["g-sk"]))  # type: ignore[arg-type]
+        signature = sign_survivors(signing_key, server_round=int(state["round"]), survivors=survivors)  # type: ignore[arg-type]
+        state["signed"] = survivors
+        return Message(RecordDict({"consistency": ConfigRecord({"signature": signature})}), reply_to=msg)
+
     @app.train("secagg_unmask")
     def unmask(msg: Message, context: Context) -> Message:
-        state, ask = context.state.config_records[STATE], msg.content.config_records["ask"]
+        state, ask = _state(context, "secagg_unmask"), msg.content.config_records["ask"]
         _advance(state, "secagg_unmask", int(ask["server-round"]))  # type: ignore[arg-type]
-        survivors = {int(n) for n in ask["survivors"]}  # type: ignore[union-attr]
-        dropped = {int(n) for n in ask["dropped"]}  # type: ignore[union-attr]
-        if survivors & dropped:
-            raise ValueError("refusing to reveal both shares of one device (the safety rule)")
         me, server_round = context.node_id, int(state["round"])  # type: ignore[arg-type]
+        if "signed" not in state:
+            raise ProtocolViolation("refusing secagg_unmask: this device signed no survivor set this round")
+        survivors = _ids(state["signed"])
+        if sorted(set(_ids(ask["survivors"]))) != survivors:
+            raise ProtocolViolation("refusing secagg_unmask: its survivor set is not the one this device signed")
+        threshold = int(state["threshold"])  # type: ignore[arg-type]
+        signers = 0
+        for peer in _ids(state["neighbours"]):  # stop at t: that is all the check needs
+            signers += valid_survivors_signature(bytes(state[f"g-pk/{peer}"]), ask.get(f"sig/{peer}"),  # type: ignore[arg-type]
+                                                 server_round=server_round, survivors=survivors)
+            if signers == threshold:
+                break
+        if signers < threshold:  # Bonawitz et al. round 4: |U5| >= t valid signatures over the same U3
+            raise ProtocolViolation(f"refusing secagg_unmask: {signers} neighbours signed the survivor set this "
+                                    f"device signed, fewer than the threshold {threshold} (inconsistent dropouts?)")
+        alive = set(survivors)
         cipher_key = X25519PrivateKey.from_private_bytes(bytes(state["c-sk"]))  # type: ignore[arg-type]
         revealed = ConfigRecord()
-        for peer in [int(p) for p in state["neighbours"]]:  # type: ignore[union-attr]
-            if f"from/{peer}" not in state or (peer not in survivors and peer not in dropped):
-                continue
+        for peer in _ids(state["holding"]):  # one share per neighbour, chosen here from the signed set
             key = derive(cipher_key, bytes(state[f"c-pk/{peer}"]), "share")  # type: ignore[arg-type]
             shares = open_sealed(key, bytes(state[f"from/{peer}"]), _ad(peer, me, server_round))  # type: ignore[arg-type]
-            revealed[f"b/{peer}" if peer in survivors else f"s/{peer}"] = shares[:SHARE_BYTES] \
-                if peer in survivors else shares[SHARE_BYTES:]
+            if peer in alive:
+                revealed[f"b/{peer}"] = shares[:SHARE_BYTES]
+            else:
+                revealed[f"s/{peer}"] = shares[SHARE_BYTES:]
         del context.state[STATE]  # this round's secrets are spent
         return Message(RecordDict({"revealed": revealed}), reply_to=msg)

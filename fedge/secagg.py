@@ -9,16 +9,38 @@ Overhead", CCS 2020. Pieces:
   Flower 1.42's SecAgg+ folds its seed to 32 bits for numpy's RandomState);
 * X25519 key agreement, HKDF-SHA256 key derivation, AES-256-GCM for shares in transit;
 * Shamir t-of-n sharing of 32-byte secrets over GF(2^521 - 1) (see below why by hand);
-* a seeded k-regular neighbour graph (SecAgg+), or all pairs for small n.
+* a seeded k-regular neighbour graph (SecAgg+), or all pairs for small n;
+* public-key checks (X25519 and Ed25519 keys of small order are refused) and the
+  Ed25519 signatures of the consistency check (Bonawitz et al. §4, round 3).
 
-Threat model: an honest-but-curious coordinator that relays every message learns only
-the sum of the masked vectors of devices that finished; pairwise masks cancel in the
-sum and self-masks are removed with shares from surviving neighbours. A device is never
-asked for both shares of one peer (self-mask seed and mask key), which would unmask it.
+Threat model. The coordinator relays every message and may deviate from the protocol
+(an active adversary, as in Bonawitz et al.'s security analysis): it may drop, withhold or reorder messages,
+send different devices different survivor sets, choose the threshold and the
+neighbourhoods, and collude with fewer than ``t`` devices of a neighbourhood. It learns
+only the sum of the masked inputs of devices that finished, because every device
+enforces the paper's checks itself (see :mod:`fedge.clients.secure`): ``t >
+neighbours / 2`` and ``t >= 2``; shares from at least ``t`` neighbours before masking;
+a survivor set that contains it and at least ``t`` of its neighbours, signed once per
+round; at least ``t`` neighbours' signatures over that same set before it reveals; and
+for each neighbour exactly one share, chosen locally from that set (the self-mask seed
+of a survivor, the mask key of a dropout). Two different survivor sets can then not both
+collect ``t`` signatures in a neighbourhood with an honest majority, so no device's
+self-mask seed and mask key are both revealed.
+
+Out of scope. (1) Without a PKI that binds the X25519 and Ed25519 keys to registered
+devices, a coordinator that substitutes public keys in the share step (a
+man-in-the-middle of the key exchange) or simulates Sybil devices is not stopped:
+Bonawitz et al.'s active security assumes such a PKI. fedge's SuperNode authentication
+keys identify devices to the SuperLink only; devices do not see each other's. (2)
+``t > neighbours / 2`` means an honest majority among each device's neighbours, not among
+all devices. (3) SecAgg+'s sparse neighbourhoods give Bell et al.'s per-neighbourhood
+guarantee (with high probability over a random graph), not the global one of the complete
+graph; and the coordinator picks the graph, so a graph it chose adversarially weakens it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -27,7 +49,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -166,6 +190,147 @@ def open_sealed(key: bytes, sealed: bytes, associated: bytes) -> bytes:
     return AESGCM(key).decrypt(sealed[:12], sealed[12:], associated)
 
 
+class InvalidPublicKey(ValueError):
+    """A public key that is malformed, not on its curve, or of small order.
+
+    An X25519 key of small order makes every key agreement with it all zeros (its
+    holder's neighbours could not derive their keys: the round would fail for them, not
+    for its sender); an Ed25519 key of small order admits signatures that verify for many
+    messages.
+    """
+
+
+@functools.cache
+def _probe() -> X25519PrivateKey:
+    """A throwaway private key for :func:`check_x25519_public` (the secrets it makes are discarded)."""
+    return X25519PrivateKey.generate()
+
+
+def check_x25519_public(raw: object, *, name: str = "X25519 public key") -> bytes:
+    """``raw`` if it is a usable X25519 public key, else :class:`InvalidPublicKey`.
+
+    A key agreement with a throwaway private key: ``cryptography`` refuses an all-zero
+    shared secret (RFC 7748 §6.1), which every small-order point yields whatever the
+    private key.
+    """
+    if not isinstance(raw, bytes) or len(raw) != 32:
+        raise InvalidPublicKey(f"{name} is not 32 bytes")
+    try:
+        _probe().exchange(X25519PublicKey.from_public_bytes(raw))
+    except ValueError as exc:
+        raise InvalidPublicKey(f"{name} is of small order (its key agreements are all zeros)") from exc
+    return raw
+
+
+_ED_P = 2**255 - 19
+_ED_D = -121665 * pow(121666, -1, _ED_P) % _ED_P
+
+
+def _ed25519_point(raw: bytes) -> tuple[int, int] | None:
+    """The affine point ``raw`` encodes (RFC 8032 §5.1.3), or ``None`` if it encodes none."""
+    encoded = int.from_bytes(raw, "little")
+    sign, y = encoded >> 255, encoded & ((1 << 255) - 1)
+    if y >= _ED_P:
+        return None
+    u, v = (y * y - 1) % _ED_P, (_ED_D * y * y + 1) % _ED_P
+    x = u * pow(v, 3, _ED_P) * pow(u * pow(v, 7, _ED_P), (_ED_P - 5) // 8, _ED_P) % _ED_P
+    if (v * x * x - u) % _ED_P:
+        x = x * pow(2, (_ED_P - 1) // 4, _ED_P) % _ED_P
+        if (v * x * x - u) % _ED_P:
+            return None
+    if x == 0 and sign:
+        return None
+    return (_ED_P - x, y) if x & 1 != sign else (x, y)
+
+
+def _ed25519_small_order(point: tuple[int, int]) -> bool:
+    """Whether ``8 * point`` is the identity (three projective doublings, a = -1:
+    Bernstein et al., "Twisted Edwards Curves", AFRICACRYPT 2008, dbl-2008-bbjlp)."""
+    x, y, z = point[0], point[1], 1
+    for _ in range(3):
+        b, c, d = (x + y) ** 2 % _ED_P, x * x % _ED_P, y * y % _ED_P
+        f = (d - c) % _ED_P
+        j = (f - 2 * z * z) % _ED_P
+        x, y, z = (b - c - d) * j % _ED_P, f * (-c - d) % _ED_P, f * j % _ED_P
+    return x == 0 and y == z
+
+
+def check_ed25519_public(raw: object, *, name: str = "Ed25519 public key") -> bytes:
+    """``raw`` if it is a usable Ed25519 public key, else :class:`InvalidPublicKey`.
+
+    ``cryptography`` loads any 32 bytes; this decodes the point (RFC 8032 §5.1.3) and
+    refuses the 8 torsion points (``8 * A`` is the identity), whose signatures prove nothing.
+    """
+    if not isinstance(raw, bytes) or len(raw) != 32:
+        raise InvalidPublicKey(f"{name} is not 32 bytes")
+    point = _ed25519_point(raw)
+    if point is None:
+        raise InvalidPublicKey(f"{name} does not encode a curve point")
+    if _ed25519_small_order(point):
+        raise InvalidPublicKey(f"{name} is of small order")
+    Ed25519PublicKey.from_public_bytes(raw)
+    return raw
+
+
+def signing_public_bytes(key: Ed25519PrivateKey) -> bytes:
+    """The raw 32-byte Ed25519 public key."""
+    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+# --------------------------------------------------------------------------- thresholds and consistency
+
+
+STEPS = ("secagg_setup", "secagg_share", "secagg_masked", "secagg_consistency", "secagg_unmask")
+"""The protocol's train actions, in order (Bonawitz et al. §4 rounds 0-4)."""
+PUBLIC_KEYS = ("c-pk", "s-pk", "g-pk")
+"""A device's per-round public keys: share encryption (X25519), masks (X25519), signatures (Ed25519)."""
+
+
+class ProtocolViolation(ValueError):
+    """A request a device refuses because obeying it could reveal more than the sum.
+
+    Raised by the device handlers (:mod:`fedge.clients.secure`); the device's reply is
+    then an error and, for the coordinator, it dropped out.
+    """
+
+
+def minimum_threshold(neighbours: int) -> int:
+    """The smallest threshold a device with ``neighbours`` neighbours accepts: a strict
+    majority, and at least 2.
+
+    With ``t > neighbours / 2`` two disjoint groups of ``t`` neighbours cannot exist, so
+    the consistency check lets only one survivor set be acted on, and the shares of a
+    self-mask seed and of a mask key cannot both reach ``t`` (Bonawitz et al., CCS 2017,
+    §4 and its active-adversary analysis; Bell et al., CCS 2020). With ``t = 1`` every share
+    is the secret.
+    """
+    return max(2, neighbours // 2 + 1)
+
+
+def survivors_message(*, server_round: int, survivors: Iterable[int]) -> bytes:
+    """What a device signs in the consistency check: the round and the sorted survivor set."""
+    return f"fedge-secagg/consistency/{server_round}/".encode() + ",".join(
+        str(node) for node in sorted(set(survivors))).encode()
+
+
+def sign_survivors(key: Ed25519PrivateKey, *, server_round: int, survivors: Iterable[int]) -> bytes:
+    """An Ed25519 signature over :func:`survivors_message` (64 bytes)."""
+    return key.sign(survivors_message(server_round=server_round, survivors=survivors))
+
+
+def valid_survivors_signature(public: bytes, signature: object, *, server_round: int,
+                              survivors: Iterable[int]) -> bool:
+    """Whether ``signature`` is ``public``'s signature over this round's ``survivors``."""
+    if not isinstance(signature, bytes) or len(signature) != 64:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(public).verify(
+            signature, survivors_message(server_round=server_round, survivors=survivors))
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
 # --------------------------------------------------------------------------- Shamir
 
 
@@ -240,10 +405,11 @@ def neighbour_graph(nodes: Sequence[int], degree: int, seed: int) -> dict[int, s
 
 
 def reveal_plan(graph: Mapping[int, set[int]], survivors: Iterable[int]) -> dict[int, dict[str, set[int]]]:
-    """Which shares each surviving device is asked to reveal, per SecAgg's safety rule.
+    """Which shares each surviving device reveals, per SecAgg's safety rule.
 
     For a surviving neighbour ``j``: the share of ``j``'s self-mask seed; for a dropped
-    neighbour ``j``: the share of ``j``'s mask key. Never both for the same peer.
+    neighbour ``j``: the share of ``j``'s mask key. Never both for the same peer. Devices
+    apply this rule themselves to the survivor set they signed in the consistency check.
     """
     alive = set(survivors)
     plan = {}

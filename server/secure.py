@@ -2,14 +2,22 @@
 
 Flower 1.42's SecAgg+ runs only through its legacy workflow (it cannot drive the
 Message-API strategies fedge uses) and expands masks from a seed folded to 32 bits,
-so fedge runs its own four steps (``train.secagg_setup|share|masked|unmask`` actions of
-the same ClientApp), with the math in :mod:`fedge.secagg`. The coordinator relays public
-keys and sealed shares, sums masked vectors, asks survivors for exactly the shares the
-protocol allows, removes the masks and applies ``sum(w * delta) / sum(w)`` to the model.
+so fedge runs its own five steps (``train.secagg_setup|share|masked|consistency|unmask``
+actions of the same ClientApp), after Bonawitz et al. (CCS 2017, §4: AdvertiseKeys,
+ShareKeys, MaskedInputCollection, ConsistencyCheck, Unmasking) and Bell et al. (CCS
+2020: sparse neighbourhoods), with the math in :mod:`fedge.secagg`. The coordinator
+checks and relays public keys and sealed shares, sums masked vectors, collects the
+survivors' signatures over the survivor set, asks the signers to unmask, removes the
+masks and applies ``sum(w * delta) / sum(w)`` to the model.
 
-Threat model: see :mod:`fedge.secagg`. Individual updates are never visible here, so
-per-update validation (NaN, shapes) is replaced by checks on the decoded aggregate;
-median, trimmed mean and Krum cannot be combined with it (refused at start).
+Threat model: see :mod:`fedge.secagg`. Devices enforce the protocol themselves
+(:mod:`fedge.clients.secure`), so this side cannot make them reveal more than the sum
+even if it were modified; what it checks here protects the round from devices: public
+keys of small order (which would make every honest neighbour fail) are refused in the
+setup step and their sender named, invalid signatures are left out. Individual updates
+are never visible here, so per-update validation (NaN, shapes) is replaced by checks on
+the decoded aggregate; median, trimmed mean and Krum cannot be combined with it
+(refused at start).
 """
 
 from __future__ import annotations
@@ -24,14 +32,30 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from flwr.serverapp import Grid
 
 from fedge.errors import ConfigError
-from fedge.secagg import FixedPoint, bits_needed, derive, neighbour_graph, rebuild_secret, ring_add, ring_dtype, unmask
+from fedge.secagg import (
+    PUBLIC_KEYS,
+    STEPS,
+    FixedPoint,
+    InvalidPublicKey,
+    bits_needed,
+    check_ed25519_public,
+    check_x25519_public,
+    derive,
+    minimum_threshold,
+    neighbour_graph,
+    rebuild_secret,
+    ring_add,
+    ring_dtype,
+    unmask,
+    valid_survivors_signature,
+)
 from fedge.server.validation import Rejection
 from fedge.strategies import FedAvg, FedNova, FedProx
 from fedge.strategies.fedavg import RoundReport
 
 log = logging.getLogger("fedge.server.secure")
 
-ACTIONS = ("secagg_setup", "secagg_share", "secagg_masked", "secagg_unmask")
+ACTIONS = STEPS
 
 
 class SecureAggregation(FedAvg):
@@ -73,7 +97,7 @@ class SecureAggregation(FedAvg):
     def train_round(
         self, grid: Grid, server_round: int, arrays: ArrayRecord, config: ConfigRecord, timeout: float
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The four protocol steps; the model changes only if enough devices finish them."""
+        """The five protocol steps; the model changes only if enough devices finish them."""
         instructions = {m.metadata.dst_node_id: m.content
                         for m in self.configure_train(server_round, arrays, config, grid)}
         report = self.reports[-1]
@@ -117,9 +141,18 @@ class SecureAggregation(FedAvg):
     def _protocol(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
                   codecs: tuple[FixedPoint, FixedPoint, FixedPoint], timeout: float,
                   report: RoundReport) -> tuple[Any, list[int]]:
+        """Run the five steps; the masked vectors' sum without masks, and who is in it.
+
+        Sets, as in Bonawitz et al. §4: ``alive`` (valid keys, U1), ``shared`` (sent
+        shares, U2), ``survivors`` (sent masked inputs, U3: the sum is over them),
+        ``signers`` (signed U3, U4) and the signers that will accept the unmask request
+        (``t`` neighbours among the signers). Nothing is revealed unless every secret
+        the sum needs can be rebuilt from the latter.
+        """
         keys = self._step(grid, "secagg_setup", {n: RecordDict({"config": ConfigRecord(
             {"server-round": server_round})}) for n in instructions}, timeout, report)
-        alive = [n for n, reply in keys.items() if _has_keys(reply)]
+        alive = _distinct_keys([n for n, reply in keys.items() if _valid_keys(n, reply, server_round, report)],
+                               keys, server_round, report)
         graph = neighbour_graph(alive, self.neighbours or len(alive), seed=self.selector.seed + server_round)
         threshold = self._threshold(graph)
         peers = {n: RecordDict({"peers": _peer_record(keys, graph[n], server_round, threshold)}) for n in alive}
@@ -127,31 +160,60 @@ class SecureAggregation(FedAvg):
         shared = [n for n in alive if n in sealed and _has_shares_for(sealed[n], graph[n])]
         inboxes = {n: ConfigRecord({f"from/{p}": sealed[p].content.config_records["sealed"][f"to/{n}"]
                                     for p in graph[n] if p in shared}) for n in shared}
-        masked = self._masked_step(grid, server_round, instructions, inboxes, codecs, timeout, report)
+        few = [n for n, inbox in inboxes.items() if len(inbox) < threshold]
+        if few:  # it would refuse to mask (its self-mask alone would hide its input): a dropout
+            log.warning("round %d: devices %s got shares from fewer than %d neighbours; left out", server_round,
+                        few, threshold)
+        masked = self._masked_step(grid, server_round, instructions,
+                                   {n: inbox for n, inbox in inboxes.items() if n not in few}, codecs, timeout, report)
         length = sum(int(np.prod(a.shape)) for a in self.global_numpy().values()) + 2  # update, w, w * a
         survivors = [n for n in shared if n in masked and _vector(masked[n], length, self.bits) is not None]
         if len(survivors) < max(MIN_DEVICES, self.min_train_replies):
             raise _RoundFailed(f"{len(survivors)} devices sent masked inputs, need {MIN_DEVICES} and "
                                f"min-train-replies {self.min_train_replies}")
-        dropped = [n for n in shared if n not in survivors]
-        short = [n for n in shared if len(graph[n] & set(survivors)) < threshold]
-        if short:  # someone's secret could not be rebuilt: stop before anything is revealed
-            raise _RoundFailed(f"{len(survivors)} of {len(shared)} devices sent masked inputs; device {short[0]} has "
-                               f"fewer than {threshold} surviving neighbours to rebuild its secret")
-        ask = ConfigRecord({"survivors": survivors, "dropped": dropped or [0], "server-round": server_round})
-        revealed = self._step(grid, "secagg_unmask", {n: RecordDict({"ask": ask}) for n in survivors},
-                              timeout, report)
+        _enough_holders(graph, shared, survivors, threshold, "sent masked inputs")
+        signatures = self._consistency(grid, server_round, survivors, keys, timeout, report)
+        signers = set(signatures)
+        unmaskers = [n for n in survivors if n in signers and len(graph[n] & signers) >= threshold]
+        _enough_holders(graph, shared, unmaskers, threshold, "signed the survivor set")
+        asks = {n: RecordDict({"ask": ConfigRecord({"survivors": survivors, "server-round": server_round,
+                                                    **{f"sig/{p}": signatures[p] for p in graph[n] & signers}})})
+                for n in unmaskers}
+        revealed = self._step(grid, "secagg_unmask", asks, timeout, report)
         total = np.zeros(length, ring_dtype(self.bits))
         for n in survivors:
             total = ring_add(total, _vector(masked[n], length, self.bits), self.bits)  # type: ignore[arg-type]
         seeds = [self._rebuild(revealed, f"b/{u}", threshold, u) for u in survivors]
         leftovers: list[tuple[int, int, bytes]] = []
-        for gone in dropped:
+        for gone in (n for n in shared if n not in survivors):
             private = X25519PrivateKey.from_private_bytes(self._rebuild(revealed, f"s/{gone}", threshold, gone))
             for v in graph[gone] & set(survivors):
                 public = bytes(keys[v].content.config_records["keys"]["s-pk"])  # type: ignore[arg-type]
                 leftovers.append((v, gone, derive(private, public, "mask", str(server_round).encode())))
         return unmask(total, seeds, leftovers, self.bits), survivors
+
+    def _consistency(self, grid: Grid, server_round: int, survivors: list[int], keys: dict[int, Message],
+                     timeout: float, report: RoundReport) -> dict[int, bytes]:
+        """The ConsistencyCheck round: every survivor signs the survivor set; the valid signatures.
+
+        A survivor that does not answer stays in the sum (its self-mask is rebuilt from
+        its neighbours' shares) but cannot unmask; a signature that does not verify is
+        recorded as a failure of its sender.
+        """
+        check = ConfigRecord({"survivors": survivors, "server-round": server_round})
+        replies = self._step(grid, "secagg_consistency", {n: RecordDict({"check": check}) for n in survivors},
+                             timeout, report)
+        signatures = {}
+        for node, reply in replies.items():
+            record = reply.content.config_records.get("consistency")
+            signature = record.get("signature") if record is not None else None
+            public = bytes(keys[node].content.config_records["keys"]["g-pk"])  # type: ignore[arg-type]
+            if valid_survivors_signature(public, signature, server_round=server_round, survivors=survivors):
+                signatures[node] = signature
+            else:
+                report.failed.append(Rejection(node, "secagg_consistency: no valid signature over the survivor set"))
+                log.warning("round %d: device %d sent no valid signature over the survivor set", server_round, node)
+        return signatures  # type: ignore[return-value]
 
     def _masked_step(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
                      inboxes: dict[int, ConfigRecord], codecs: tuple[FixedPoint, FixedPoint, FixedPoint],
@@ -192,10 +254,16 @@ class SecureAggregation(FedAvg):
         return replies
 
     def _threshold(self, graph: dict[int, set[int]]) -> int:
+        """One threshold for the round that every device accepts (see :func:`shares_needed`)."""
         smallest = min((len(peers) for peers in graph.values()), default=0)
+        largest = max((len(peers) for peers in graph.values()), default=0)
         if smallest < 2:
             raise _RoundFailed("too few devices to share secrets (each needs 2 neighbours or more)")
-        return shares_needed(self.threshold_fraction, smallest)
+        threshold = max(shares_needed(self.threshold_fraction, smallest), minimum_threshold(largest))
+        if threshold > smallest:
+            raise _RoundFailed(f"neighbourhoods of {smallest} to {largest} devices admit no common threshold "
+                               "(more than half of the largest, at most the smallest)")
+        return threshold
 
     @staticmethod
     def _rebuild(revealed: dict[int, Message], name: str, threshold: int, owner: int) -> bytes:
@@ -226,12 +294,25 @@ MIN_DEVICES = 3  # with 2, each device learns the other's update from the sum
 
 
 def shares_needed(fraction: float, neighbours: int) -> int:
-    """Shares needed to rebuild a secret: more than ``fraction`` of ``neighbours``, at least 2.
+    """Shares needed to rebuild a secret: more than ``fraction`` of ``neighbours``, more than
+    half of them, and at least 2 (capped at ``neighbours``).
 
     At least 2 so that no single neighbour holds a secret (with t = 1 every share is the
-    secret, and one colluding neighbour could unmask anyone); a majority by default.
+    secret, and one colluding neighbour could unmask anyone); more than half because devices
+    refuse anything less (:func:`fedge.secagg.minimum_threshold`: with a minority threshold a
+    coordinator that lies about dropouts could collect both secrets of one device).
     """
-    return min(neighbours, max(2, math.floor(fraction * neighbours) + 1))
+    return min(neighbours, max(minimum_threshold(neighbours), math.floor(fraction * neighbours) + 1))
+
+
+def _enough_holders(graph: dict[int, set[int]], shared: list[int], holders: list[int], threshold: int,
+                    what: str) -> None:
+    """Stop before anything is revealed unless every secret the sum needs has ``threshold``
+    holders among ``holders`` (the self-mask seed of a survivor, the mask key of a dropout)."""
+    short = [n for n in shared if len(graph[n] & set(holders)) < threshold]
+    if short:
+        raise _RoundFailed(f"{len(holders)} of {len(shared)} devices {what}; device {short[0]} has fewer than "
+                           f"{threshold} such neighbours to rebuild its secret")
 
 
 def _has_shares_for(reply: Message, neighbours: set[int]) -> bool:
@@ -243,15 +324,51 @@ def _peer_record(keys: dict[int, Message], neighbours: set[int], server_round: i
     """What one device needs for the share step: its neighbours and their public keys."""
     record = ConfigRecord({"server-round": server_round, "threshold": threshold, "neighbours": sorted(neighbours)})
     for peer in neighbours:
-        for kind in ("c-pk", "s-pk"):
+        for kind in PUBLIC_KEYS:
             record[f"{kind}/{peer}"] = keys[peer].content.config_records["keys"][kind]
     return record
 
 
-def _has_keys(reply: Message) -> bool:
+def _valid_keys(node: int, reply: Message, server_round: int, report: RoundReport) -> bool:
+    """Whether ``node``'s setup reply holds three usable public keys; if not, name it.
+
+    A key of small order (e.g. all zeros) passes a length check but makes every honest
+    neighbour's key agreement with it fail: without this check one device could make
+    every secure round fail and have the errors land on honest devices.
+    """
     keys = reply.content.config_records.get("keys")
-    return keys is not None and all(isinstance(keys.get(k), bytes) and len(keys[k]) == 32  # type: ignore[arg-type]
-                                    for k in ("c-pk", "s-pk"))
+    try:
+        if keys is None:
+            raise InvalidPublicKey("no keys record")
+        check_x25519_public(keys.get("c-pk"), name="c-pk")
+        check_x25519_public(keys.get("s-pk"), name="s-pk")
+        check_ed25519_public(keys.get("g-pk"), name="g-pk")
+    except InvalidPublicKey as exc:
+        report.failed.append(Rejection(node, f"secagg_setup: invalid public key: {exc}"))
+        log.warning("round %d: device %d sent an invalid public key (%s); the round goes on without it",
+                    server_round, node, exc)
+        return False
+    return True
+
+
+def _distinct_keys(nodes: list[int], keys: dict[int, Message], server_round: int, report: RoundReport) -> list[int]:
+    """``nodes`` less those whose public key another device also sent, each named.
+
+    Devices refuse neighbours with equal keys (Bonawitz et al. §4, ShareKeys), so one device
+    that copied another's public key would make its neighbours fail; the coordinator cannot
+    tell the copy from the original and leaves both out.
+    """
+    holders: dict[bytes, set[int]] = {}
+    for node in nodes:
+        for kind in PUBLIC_KEYS:
+            holders.setdefault(bytes(keys[node].content.config_records["keys"][kind]), set()).add(node)  # type: ignore[arg-type]
+    clashing = {node for group in holders.values() if len(group) > 1 for node in group}
+    for node in sorted(clashing):
+        others = sorted({peer for group in holders.values() if node in group for peer in group} - {node})
+        report.failed.append(Rejection(node, f"secagg_setup: a public key also sent by device {others[0]}"))
+        log.warning("round %d: device %d sent a public key that device %d also sent; both left out", server_round,
+                    node, others[0])
+    return [node for node in nodes if node not in clashing]
 
 
 def _vector(reply: Message, length: int, bits: int) -> np.ndarray | None:

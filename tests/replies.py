@@ -50,7 +50,7 @@ def good_arrays(value: float) -> dict[str, np.ndarray]:
     return {"w": np.full((2, 3), value, np.float32), "b": np.full(3, value, np.float32)}
 
 
-SECURE_STEPS = ("secagg_setup", "secagg_share", "secagg_masked", "secagg_unmask")
+SECURE_STEPS = ("secagg_setup", "secagg_share", "secagg_masked", "secagg_consistency", "secagg_unmask")
 
 
 def tampered_app(partition: int, step: str, tamper: Callable[[RecordDict], None]) -> ClientApp:
@@ -65,6 +65,30 @@ def tampered_app(partition: int, step: str, tamper: Callable[[RecordDict], None]
         def handle(msg: Message, context: Context) -> Message:
             reply = honest(msg, context)
             if int(context.node_config["partition-id"]) == partition and name == step:
+                tamper(reply.content)
+            return reply
+        return handle
+
+    app.train()(handler("train"))
+    for name in SECURE_STEPS:
+        app.train(name)(handler(name))
+    app.evaluate()(lambda msg, context: honest(msg, context))
+    return app
+
+
+def tampered_apps(tampers: dict[tuple[int, str], Callable[[RecordDict], None]]) -> ClientApp:
+    """Like :func:`tampered_app` for several devices: ``tampers[(partition, step)]`` runs on
+    the reply content of device ``partition`` at ``step``."""
+    from fedge.clients.app import make_default_client_app
+
+    honest = make_default_client_app()
+    app = ClientApp()
+
+    def handler(name: str) -> Any:
+        def handle(msg: Message, context: Context) -> Message:
+            reply = honest(msg, context)
+            tamper = tampers.get((int(context.node_config["partition-id"]), name))
+            if tamper is not None:
                 tamper(reply.content)
             return reply
         return handle

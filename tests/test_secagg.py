@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import pytest
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedge.secagg import (
     FixedPoint,
+    InvalidPublicKey,
+    check_ed25519_public,
+    check_x25519_public,
     derive,
     expand_mask,
     masked_input,
+    minimum_threshold,
     neighbour_graph,
     open_sealed,
     public_bytes,
@@ -24,7 +30,11 @@ from fedge.secagg import (
     reveal_plan,
     seal,
     share_secret,
+    sign_survivors,
+    signing_public_bytes,
+    survivors_message,
     unmask,
+    valid_survivors_signature,
 )
 
 
@@ -123,3 +133,53 @@ def test_a_round_with_dropouts_reveals_only_the_sum() -> None:
     np.testing.assert_allclose(result, sum(updates[n] for n in survivors), atol=len(survivors) / 2**17)
     one = masked[survivors[0]].astype(np.int32).astype(np.float64) / codec.scale
     assert np.abs(one - updates[survivors[0]]).mean() > 100
+
+
+ED25519_P = 2**255 - 19
+ORDER_8_Y = 2707385501144840649318225287225658788936804267575313519463743609750303402022  # libsodium's list
+
+
+@pytest.mark.parametrize(("check", "raw", "reason"), [
+    (check_x25519_public, bytes(32), "small order"),
+    (check_x25519_public, (1).to_bytes(32, "little"), "small order"),
+    (check_x25519_public, (ED25519_P - 1).to_bytes(32, "little"), "small order"),
+    (check_x25519_public, b"\x09" * 31, "not 32 bytes"),
+    (check_x25519_public, None, "not 32 bytes"),
+    (check_ed25519_public, bytes(32), "small order"),  # y = 0: order 4
+    (check_ed25519_public, (1).to_bytes(32, "little"), "small order"),  # the identity
+    (check_ed25519_public, (ED25519_P - 1).to_bytes(32, "little"), "small order"),  # order 2
+    (check_ed25519_public, ORDER_8_Y.to_bytes(32, "little"), "small order"),
+    (check_ed25519_public, (ED25519_P - ORDER_8_Y).to_bytes(32, "little"), "small order"),
+    (check_ed25519_public, (ED25519_P + 1).to_bytes(32, "little"), "does not encode a curve point"),  # non-canonical
+    (check_ed25519_public, (2).to_bytes(32, "little"), "does not encode a curve point"),  # y = 2 has no x
+    (check_ed25519_public, b"\x01" * 33, "not 32 bytes"),
+])
+def test_public_keys_of_small_order_or_off_the_curve_are_refused(check: Any, raw: Any, reason: str) -> None:
+    with pytest.raises(InvalidPublicKey, match=reason):
+        check(raw)
+
+
+def test_generated_public_keys_pass_the_checks() -> None:
+    for _ in range(50):
+        assert check_x25519_public(public_bytes(X25519PrivateKey.generate()))
+        assert check_ed25519_public(signing_public_bytes(Ed25519PrivateKey.generate()))
+
+
+def test_a_consistency_signature_binds_the_round_and_the_exact_survivor_set() -> None:
+    key = Ed25519PrivateKey.generate()
+    public = signing_public_bytes(key)
+    signature = sign_survivors(key, server_round=4, survivors=[3, 1, 2])
+    assert valid_survivors_signature(public, signature, server_round=4, survivors=[1, 2, 3])  # order-free
+    assert not valid_survivors_signature(public, signature, server_round=5, survivors=[1, 2, 3])
+    assert not valid_survivors_signature(public, signature, server_round=4, survivors=[1, 2])
+    assert not valid_survivors_signature(public, signature, server_round=4, survivors=[1, 2, 3, 4])
+    assert not valid_survivors_signature(public, signature[:-1], server_round=4, survivors=[1, 2, 3])
+    assert not valid_survivors_signature(signing_public_bytes(Ed25519PrivateKey.generate()), signature,
+                                         server_round=4, survivors=[1, 2, 3])
+    assert survivors_message(server_round=1, survivors=[12]) != survivors_message(server_round=11, survivors=[2])
+
+
+@pytest.mark.parametrize(("neighbours", "floor"), [(2, 2), (3, 2), (4, 3), (5, 3), (6, 4), (13, 7), (14, 8)])
+def test_the_threshold_floor_is_a_strict_majority_and_at_least_two(neighbours: int, floor: int) -> None:
+    assert minimum_threshold(neighbours) == floor
+    assert 2 * floor > neighbours and floor >= 2

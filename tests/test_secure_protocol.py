@@ -2,30 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+from fedge import wire
 from fedge.cli.main import main
 from fedge.clients.app import make_default_client_app
-from fedge.clients.secure import STATE
+from fedge.clients.secure import STATE, add_secure_handlers
 from fedge.config import resolve_run_config
 from fedge.secagg import (
     FixedPoint,
+    ProtocolViolation,
     derive,
+    expand_mask,
     masked_input,
+    minimum_threshold,
     neighbour_graph,
     public_bytes,
+    rebuild_secret,
     ring_add,
     ring_dtype,
+    signing_public_bytes,
     unmask,
 )
 from fedge.server.app import run_coordinator
@@ -157,10 +167,10 @@ def _setup(round_: int) -> Message:
                    message_type="train.secagg_setup")
 
 
-def _share(round_: int, peer_keys: dict[int, bytes]) -> Message:
-    record = ConfigRecord({"server-round": round_, "threshold": 1, "neighbours": sorted(peer_keys)})
-    for peer, key in peer_keys.items():
-        record[f"c-pk/{peer}"], record[f"s-pk/{peer}"] = key, key
+def _share(round_: int, peer_keys: dict[int, tuple[bytes, bytes]]) -> Message:
+    record = ConfigRecord({"server-round": round_, "threshold": 2, "neighbours": sorted(peer_keys)})
+    for peer, (key, signing) in peer_keys.items():
+        record[f"c-pk/{peer}"], record[f"s-pk/{peer}"], record[f"g-pk/{peer}"] = key, key, signing
     return Message(RecordDict({"peers": record}), dst_node_id=7, message_type="train.secagg_share")
 
 
@@ -168,13 +178,14 @@ def _share(round_: int, peer_keys: dict[int, bytes]) -> Message:
 def test_a_replayed_or_reordered_step_is_refused(replayed: str) -> None:
     # Prepare: a device that went through setup of round 2
     app, context = _device()
-    peers = {8: public_bytes(X25519PrivateKey.generate()), 9: public_bytes(X25519PrivateKey.generate())}
+    peers = {peer: (public_bytes(X25519PrivateKey.generate()), signing_public_bytes(Ed25519PrivateKey.generate()))
+             for peer in (8, 9)}
     assert not app(_setup(2), context).has_error()
     # Execute: a message that belongs to another round or to a later step
     if replayed == "share-from-another-round":
         message = _share(1, peers)
     elif replayed == "unmask-before-masked":
-        ask = ConfigRecord({"survivors": [8], "dropped": [0], "server-round": 2})
+        ask = ConfigRecord({"survivors": [7, 8, 9], "server-round": 2})
         message = Message(RecordDict({"ask": ask}), dst_node_id=7, message_type="train.secagg_unmask")
     else:
         assert not app(_share(2, peers), context).has_error()
@@ -221,13 +232,15 @@ def test_impossible_secure_settings_are_refused_at_start(
 
 
 @pytest.mark.parametrize(("fraction", "neighbours", "expected"), [
-    (0.5, 2, 2), (0.5, 3, 2), (0.5, 4, 3), (0.5, 9, 5), (0.5, 14, 8), (0.1, 9, 2), (1.0, 5, 5), (0.9, 10, 10),
+    (0.5, 2, 2), (0.5, 3, 2), (0.5, 4, 3), (0.5, 9, 5), (0.5, 14, 8), (1.0, 5, 5), (0.9, 10, 10),
+    (0.1, 9, 5), (0.1, 2, 2), (0.3, 10, 6),  # a fraction under one half is raised to the devices' floor
 ])
 def test_a_secret_always_needs_a_majority_and_at_least_two_shares(fraction: float, neighbours: int,
                                                                   expected: int) -> None:
     from fedge.server.secure import shares_needed
 
     assert shares_needed(fraction, neighbours) == expected
+    assert expected >= minimum_threshold(neighbours)  # what devices accept
 
 
 @pytest.mark.parametrize("bits", [40, 62, 63])
@@ -246,10 +259,18 @@ def _flip_shares(content: RecordDict) -> None:
         revealed[name] = bytes(share)
 
 
+def _flip_signature(content: RecordDict) -> None:
+    record = content.config_records["consistency"]
+    signature = bytearray(record["signature"])  # type: ignore[arg-type]
+    signature[0] ^= 0x01
+    record["signature"] = bytes(signature)
+
+
 @pytest.mark.parametrize(("step", "lie", "aggregated"), [
     ("secagg_unmask", _flip_shares, False),        # a wrong share: caught, the model is kept
     ("secagg_share", lambda c: c.config_records["sealed"].clear(), True),  # no shares: a dropout
     ("secagg_unmask", lambda c: c.config_records["revealed"].clear(), True),  # the others' shares suffice
+    ("secagg_consistency", _flip_signature, True),  # a bad signature: it cannot unmask, its input still counts
 ])
 def test_a_device_lying_in_the_protocol_cannot_corrupt_the_model_or_stop_the_run(
     step: str, lie: Any, aggregated: bool, tmp_path: Path
@@ -264,3 +285,272 @@ def test_a_device_lying_in_the_protocol_cannot_corrupt_the_model_or_stop_the_run
     rows = read_jsonl(tmp_path / "r" / "metrics.jsonl")[1:]
     assert len(rows) == 2 and all(row["aggregated"] == aggregated for row in rows)
     assert rows[-1]["accuracy"] >= 0.05
+
+
+# --------------------------------------------------------------------------- a coordinator that lies (issue 12)
+
+
+class Fleet:
+    """Devices running fedge's own secure-aggregation handlers, driven message by message by
+    the test as the coordinator, honest or not. Each device's update is known (a stub
+    trainer returns it), so a test can tell whether the coordinator recovered it."""
+
+    ROUND = 3
+
+    def __init__(self, n: int, *, dim: int = 6, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.nodes = list(range(1, n + 1))
+        self.updates = {node: np.round(rng.uniform(-1, 1, dim), 3) for node in self.nodes}
+        self.codec = FixedPoint(clip=10.0, scale=2.0**16)
+        self.app = ClientApp()
+        add_secure_handlers(self.app, self._train)
+        self.contexts = {node: Context(run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={})
+                         for node in self.nodes}
+        self.keys: dict[int, ConfigRecord] = {}
+        self.sealed: dict[int, ConfigRecord] = {}
+        self.threshold = 0
+
+    def _train(self, msg: Message, context: Context) -> RecordDict:
+        return RecordDict({wire.ARRAYS: ArrayRecord({"w": Array(self.updates[context.node_id])}),  # global is 0
+                           wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: 1}),
+                           wire.REPLY_META: ConfigRecord({"steps": 1})})
+
+    def send(self, node: int, action: str, **records: ConfigRecord | ArrayRecord) -> RecordDict:
+        """Deliver one request to ``node``'s ClientApp; a refusal raises."""
+        message = Message(RecordDict(records), dst_node_id=node, message_type=f"train.{action}")  # type: ignore[arg-type]
+        return self.app(message, self.contexts[node]).content
+
+    def setup(self) -> None:
+        for node in self.nodes:
+            config = ConfigRecord({"server-round": self.ROUND})
+            self.keys[node] = self.send(node, "secagg_setup", config=config).config_records["keys"]
+
+    def share(self, node: int, threshold: int, neighbours: list[int] | None = None) -> None:
+        neighbours = [p for p in self.nodes if p != node] if neighbours is None else neighbours
+        peers = ConfigRecord({"server-round": self.ROUND, "threshold": threshold, "neighbours": neighbours})
+        for peer in neighbours:
+            for kind in ("c-pk", "s-pk", "g-pk"):
+                peers[f"{kind}/{peer}"] = self.keys[peer][kind]
+        self.sealed[node] = self.send(node, "secagg_share", peers=peers).config_records["sealed"]
+        self.threshold = threshold
+
+    def masked(self, node: int, senders: list[int] | None = None) -> np.ndarray:
+        """``node``'s masked input, given the sealed shares of ``senders`` (default: all its neighbours)."""
+        senders = [p for p in self.nodes if p != node] if senders is None else senders
+        inbox = ConfigRecord({f"from/{p}": self.sealed[p][f"to/{node}"] for p in senders})
+        params = ConfigRecord({"clip": self.codec.clip, "scale": self.codec.scale, "bits": 32, "weight-clip": 10.0,
+                               "weight-scale": 2.0**16, "work-clip": 10.0, "work-scale": 2.0**16, "work-cap": 1.0,
+                               "work-momentum": -1.0})
+        reply = self.send(node, "secagg_masked", arrays=ArrayRecord({"w": Array(np.zeros_like(self.updates[node]))}),
+                          config=ConfigRecord({"server-round": self.ROUND}), inbox=inbox, secagg=params)
+        return reply.array_records["masked"]["vector"].numpy()
+
+    def consistency(self, node: int, survivors: list[int]) -> bytes:
+        check = ConfigRecord({"survivors": survivors, "server-round": self.ROUND})
+        return bytes(self.send(node, "secagg_consistency", check=check).config_records["consistency"]["signature"])  # type: ignore[arg-type]
+
+    def unmask(self, node: int, survivors: list[int], signatures: dict[int, bytes]) -> ConfigRecord:
+        ask = ConfigRecord({"survivors": survivors, "server-round": self.ROUND,
+                            **{f"sig/{p}": sig for p, sig in signatures.items()}})
+        return self.send(node, "secagg_unmask", ask=ask).config_records["revealed"]
+
+    def through_masked(self, threshold: int, *, skip_inbox: int | None = None) -> dict[int, np.ndarray]:
+        """Setup, share and masked steps for every device (``skip_inbox`` gets no shares at all)."""
+        self.setup()
+        for node in self.nodes:
+            self.share(node, threshold)
+        return {node: self.masked(node, [] if node == skip_inbox else None) for node in self.nodes}
+
+    def recover(self, target: int, vector: np.ndarray, revealed: list[ConfigRecord]) -> np.ndarray:
+        """What a coordinator holding ``revealed`` learns of ``target``'s input on its own:
+        its masked vector less the self mask and the pair masks it can rebuild."""
+        b_shares = [bytes(r[f"b/{target}"]) for r in revealed if f"b/{target}" in r]  # type: ignore[arg-type]
+        total = ring_add(vector, expand_mask(rebuild_secret(b_shares), len(vector)), 32, subtract=True)
+        s_of = {peer: [bytes(r[f"s/{peer}"]) for r in revealed if f"s/{peer}" in r] for peer in self.nodes}  # type: ignore[arg-type]
+        s_of[target] = [bytes(r[f"s/{target}"]) for r in revealed if f"s/{target}" in r]  # type: ignore[arg-type]
+        for peer in (p for p in self.nodes if p != target):
+            if len(s_of[target]) >= self.threshold:  # the target's own mask key: every pair mask
+                private, public = rebuild_secret(s_of[target]), bytes(self.keys[peer]["s-pk"])  # type: ignore[arg-type]
+            elif len(s_of[peer]) >= self.threshold:
+                private, public = rebuild_secret(s_of[peer]), bytes(self.keys[target]["s-pk"])  # type: ignore[arg-type]
+            else:
+                continue
+            seed = derive(X25519PrivateKey.from_private_bytes(private), public, "mask", str(self.ROUND).encode())
+            total = ring_add(total, expand_mask(seed, len(total)), 32, subtract=target < peer)
+        return self.codec.decode_sum(total[:-2], 1)
+
+
+def _fork(context: Context) -> Context:
+    """A copy of a device's state: a device colluding with the coordinator can act twice."""
+    return Context(run_id=context.run_id, node_id=context.node_id, node_config=dict(context.node_config),
+                   state=copy.deepcopy(context.state), run_config=dict(context.run_config))
+
+
+def test_an_honest_coordinator_gets_the_exact_sum_and_nothing_else() -> None:
+    # Prepare: 5 devices, all pairs, t = 3; device 5 drops after its masked input, before signing
+    fleet = Fleet(5)
+    vectors = fleet.through_masked(3)
+    survivors = fleet.nodes
+    signatures = {node: fleet.consistency(node, survivors) for node in fleet.nodes[:4]}
+    # Execute
+    revealed = [fleet.unmask(node, survivors, signatures) for node in fleet.nodes[:4]]
+    # Assert: each device revealed the self-mask share of every survivor and nothing else; the
+    # self masks rebuild, the pair masks cancel, and the sum is exact
+    assert all(sorted(r) == sorted(f"b/{p}" for p in survivors if p != node)
+               for node, r in zip(fleet.nodes, revealed, strict=False))
+    total = np.zeros(len(vectors[1]), np.uint32)
+    for vector in vectors.values():
+        total = ring_add(total, vector, 32)
+    seeds = [rebuild_secret([bytes(r[f"b/{u}"]) for r in revealed if f"b/{u}" in r]) for u in survivors]  # type: ignore[arg-type]
+    result = fleet.codec.decode_sum(unmask(total, seeds, [], 32)[:-2], 5)
+    np.testing.assert_allclose(result, sum(fleet.updates.values()), atol=5 / 2**16)
+
+
+def _empty_inbox(fleet: Fleet) -> np.ndarray:
+    """Issue 12 (4a): the target gets no shares, so it masks with its self mask only; the
+    normal unmask request then makes its neighbours reveal that self mask."""
+    vectors = fleet.through_masked(3, skip_inbox=1)
+    signatures = {node: fleet.consistency(node, fleet.nodes) for node in fleet.nodes}
+    revealed = [fleet.unmask(node, fleet.nodes, signatures) for node in fleet.nodes[1:]]
+    return fleet.recover(1, vectors[1], revealed)
+
+
+def _only_the_target_survived(fleet: Fleet) -> np.ndarray:
+    """Issue 12 (4b): every device is told survivors = [target]: they would reveal the target's
+    self-mask shares and everyone else's mask-key shares."""
+    vectors = fleet.through_masked(3)
+    signatures = {}
+    for node in fleet.nodes:
+        with contextlib.suppress(ProtocolViolation):  # the refusal is asserted below
+            signatures[node] = fleet.consistency(node, [1])
+    revealed = [fleet.unmask(node, [1], signatures) for node in fleet.nodes[1:]]
+    return fleet.recover(1, vectors[1], revealed)
+
+
+def _inconsistent_dropouts(fleet: Fleet) -> np.ndarray:
+    """Inconsistent dropout claims with one colluding device (4 devices, t = 2 of 3): device 3
+    is told the target survived (it reveals the target's self-mask share), device 4 that it
+    dropped (its mask-key share); colluding device 2 signs and reveals for both stories."""
+    vectors = fleet.through_masked(2)
+    story_a, story_b = [1, 2, 3, 4], [2, 3, 4]
+    twin = _fork(fleet.contexts[2])
+    signed_a = {node: fleet.consistency(node, story_a) for node in (1, 2, 3)}
+    fleet.contexts[2], spare = twin, fleet.contexts[2]
+    signed_b = {node: fleet.consistency(node, story_b) for node in (2, 4)}
+    revealed = [fleet.unmask(4, story_b, signed_b), fleet.unmask(2, story_b, signed_b)]
+    fleet.contexts[2] = spare
+    revealed += [fleet.unmask(3, story_a, signed_a), fleet.unmask(2, story_a, signed_a)]
+    return fleet.recover(1, vectors[1], revealed)
+
+
+@pytest.mark.parametrize(("attack", "devices", "refusal"), [
+    (_empty_inbox, 5, "shares from only 0 neighbours reached this device, fewer than the threshold 3"),
+    (_only_the_target_survived, 5, "signed no survivor set"),
+    (_inconsistent_dropouts, 4, "1 neighbours signed the survivor set this device signed, fewer than the threshold 2"),
+])
+def test_a_coordinator_that_deviates_cannot_recover_one_devices_update(attack: Any, devices: int,
+                                                                       refusal: str) -> None:
+    # Prepare: fedge's real device handlers, the coordinator played by the test
+    fleet = Fleet(devices)
+    # Execute: the attack runs to the end unless an honest device refuses a step
+    with pytest.raises(ProtocolViolation, match=refusal):
+        recovered = attack(fleet)
+        # Assert (reached only if every device played along): the coordinator holds the target's exact update
+        pytest.fail(f"the coordinator recovered device 1's update {recovered} (true {fleet.updates[1]})")
+
+
+@pytest.mark.parametrize(("threshold", "neighbours"), [(1, 4), (2, 4), (1, 2), (1, 3), (3, 6), (5, 4)])
+def test_a_device_refuses_a_threshold_below_a_majority_of_its_neighbours(threshold: int, neighbours: int) -> None:
+    # Prepare: keys for the device and its neighbours
+    fleet = Fleet(neighbours + 1)
+    fleet.setup()
+    # Execute / Assert: t = 1 (every share is the secret), t <= neighbours / 2, t > neighbours are refused
+    with pytest.raises(ProtocolViolation, match=f"threshold {threshold} with {neighbours} neighbours"):
+        fleet.share(1, threshold)
+
+
+@pytest.mark.parametrize(("threshold", "neighbours"), [(2, 2), (2, 3), (3, 4), (3, 5), (4, 6), (6, 6)])
+def test_a_device_shares_under_a_majority_threshold(threshold: int, neighbours: int) -> None:
+    fleet = Fleet(neighbours + 1)
+    fleet.setup()
+    fleet.share(1, threshold)
+    assert len(fleet.sealed[1]) == neighbours
+
+
+@pytest.mark.parametrize(("survivors", "senders", "refusal"), [
+    ([2, 3, 4, 5], None, "this device sent its masked input but is not in it"),
+    ([1, 2], None, "it holds 1 of this device's neighbours, fewer than the threshold 3"),
+    ([1, 2, 3, 4, 5], [2, 3, 4], "it names neighbour 5, whose shares never reached this device"),
+])
+def test_a_device_refuses_to_sign_a_survivor_set_that_contradicts_what_it_saw(
+    survivors: list[int], senders: list[int] | None, refusal: str
+) -> None:
+    # Prepare: device 1 masked with the shares of `senders` (t = 3 of 4)
+    fleet = Fleet(5)
+    fleet.setup()
+    for node in fleet.nodes:
+        fleet.share(node, 3)
+    fleet.masked(1, senders)
+    # Execute / Assert: no signature, and then no unmasking either
+    with pytest.raises(ProtocolViolation, match=refusal):
+        fleet.consistency(1, survivors)
+    with pytest.raises(ProtocolViolation, match="signed no survivor set"):
+        fleet.unmask(1, survivors, {})
+
+
+def _signed_by(fleet: Fleet, survivors: list[int]) -> dict[int, bytes]:
+    """Every survivor's signature over ``survivors``."""
+    return {node: fleet.consistency(node, survivors) for node in survivors}
+
+
+@pytest.mark.parametrize(("ask", "signatures", "refusal"), [
+    ([1, 2, 3, 4], lambda fleet: _signed_by(fleet, [1, 2, 3, 4, 5]), "not the one this device signed"),
+    ([1, 2, 3, 4, 5], lambda fleet: {}, "0 neighbours signed"),
+    ([1, 2, 3, 4, 5], lambda fleet: {p: s for p, s in _signed_by(fleet, [1, 2, 3, 4, 5]).items() if p < 4},
+     "2 neighbours signed"),
+    ([1, 2, 3, 4, 5], lambda fleet: {p: bytes(64) for p in fleet.nodes}, "0 neighbours signed"),
+    ([1, 2, 3, 4, 5], lambda fleet: dict.fromkeys(fleet.nodes, fleet.consistency(1, [1, 2, 3, 4, 5])),  # 1's own
+     "0 neighbours signed"),
+])
+def test_a_device_unmasks_only_with_t_neighbours_signatures_over_the_set_it_signed(
+    ask: list[int], signatures: Any, refusal: str
+) -> None:
+    # Prepare: 5 devices through their masked inputs (t = 3); device 1's signature comes from a copy of
+    # it, so that device 1 itself can still be asked to unmask
+    fleet = Fleet(5)
+    fleet.through_masked(3)
+    original = fleet.contexts[1]
+    fleet.contexts[1] = _fork(original)
+    collected = signatures(fleet)
+    fleet.contexts[1] = original
+    fleet.consistency(1, [1, 2, 3, 4, 5])
+    # Execute / Assert
+    with pytest.raises(ProtocolViolation, match=refusal):
+        fleet.unmask(1, ask, collected)
+
+
+def test_a_device_reveals_one_share_per_neighbour_chosen_from_the_set_it_signed() -> None:
+    # Prepare: 5 devices through their masked inputs (t = 3); the coordinator says device 5 dropped
+    # (its masked input came late) and adds a `dropped` list naming everyone, which devices ignore
+    fleet = Fleet(5)
+    fleet.through_masked(3)
+    signatures = _signed_by(fleet, [1, 2, 3, 4])
+    ask = ConfigRecord({"survivors": [1, 2, 3, 4], "dropped": [1, 2, 3, 4, 5], "server-round": Fleet.ROUND,
+                        **{f"sig/{p}": sig for p, sig in signatures.items()}})
+    # Execute
+    revealed = fleet.send(1, "secagg_unmask", ask=ask).config_records["revealed"]
+    # Assert: the self-mask share of each survivor, the mask-key share of device 5; never both for one peer
+    assert sorted(revealed) == ["b/2", "b/3", "b/4", "s/5"]
+
+
+def test_a_device_signs_once_and_unmasks_once_a_round() -> None:
+    # Prepare: an honest round up to the signatures
+    fleet = Fleet(4)
+    fleet.through_masked(2)
+    signatures = _signed_by(fleet, [1, 2, 3, 4])
+    # Execute / Assert: a second survivor set is not signed; after unmasking, the secrets are gone
+    with pytest.raises(ValueError, match="replayed or reordered"):
+        fleet.consistency(1, [1, 2, 3])
+    fleet.unmask(1, [1, 2, 3, 4], signatures)
+    with pytest.raises(ValueError, match="no secure-aggregation round in progress"):
+        fleet.unmask(1, [1, 2, 3], signatures)
