@@ -163,7 +163,7 @@ def _dashboard_status(port: int) -> str | None:
 
 
 def test_secure_aggregation_in_deployment(federation: LoopbackFederation) -> None:
-    # The four secure-aggregation steps over a real SuperLink, TLS and device auth on; the
+    # The five secure-aggregation steps over a real SuperLink, TLS and device auth on; the
     # coordinator also serves its dashboard (before any device connects, the run is "starting")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
