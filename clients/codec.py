@@ -124,7 +124,15 @@ def encode_tensor(values: Floats, codec: Codec, rng: np.random.Generator, *, ful
     """Encode one tensor (a delta, or full weights with ``full``) as a Flower ``Array``.
 
     ``keep``: how many entries top-k keeps here (default: the codec's fraction of this tensor).
+
+    Raises
+    ------
+    ConfigError
+        Full weights under top-k (which only carries deltas; decoders refuse it).
     """
+    if full and codec.sparse:
+        raise ConfigError(f"codec '{codec.name}': top-k cannot carry full weights (a device needs the whole "
+                          "model); use fp32, fp16 or int8")
     flat = np.asarray(values, np.float32).ravel()
     if codec.fraction is not None:
         payload = _encode_topk(flat, codec, rng, keep)
@@ -137,27 +145,54 @@ def encode_tensor(values: Floats, codec: Codec, rng: np.random.Generator, *, ful
 def decode_tensor(array: Array, name: str = "array") -> tuple[Floats, bool]:
     """The float32 values an encoded ``Array`` carries, and whether they are full weights.
 
+    Only as many values as the payload's bytes (dense codecs) or the declared shape
+    (top-k deltas, whose shape the caller has checked against the model) are allocated.
+
     Raises
     ------
     UpdateRejected
-        Unknown stype, or a payload that disagrees with its declared size.
+        Unknown stype, an invalid shape, top-k full weights, or a payload that disagrees
+        with its declared size.
     """
     stype = str(array.stype)
     if not stype.startswith((DELTA, FULL)):
-        raise UpdateRejected(f"array '{name}' has stype '{stype}', which fedge cannot decode")
+        raise UpdateRejected(f"array '{name}' has stype {_shown(stype)}, which fedge cannot decode")
     try:
         codec = parse_codec(stype.split("/", 1)[1])
     except ConfigError as exc:
-        raise UpdateRejected(f"array '{name}': {exc}") from None
-    size = math.prod(array.shape)
+        raise UpdateRejected(f"array '{name}': {str(exc)[:200]}") from None
+    full = stype.startswith(FULL)
+    if full and codec.sparse:  # a device needs the whole model: full weights are never top-k
+        raise UpdateRejected(f"array '{name}' has stype {_shown(stype)}: top-k carries a delta, "
+                             "full weights must be dense (fp32, fp16, int8)")
+    shape = _shape(array.shape, name)
+    size = math.prod(shape)
     data = bytes(array.data)
-    if codec.fraction is not None:
-        flat = _decode_topk(data, size, codec.quantiser, name)
-    else:
-        flat = _decode_dense(data, size, codec.quantiser, _channels(tuple(array.shape), codec.quantiser), name)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf is rejected just below
+        if codec.fraction is not None:
+            flat = _decode_topk(data, size, codec.quantiser, name)
+        else:
+            flat = _decode_dense(data, size, codec.quantiser, _channels(shape, codec.quantiser), name)
     if not np.all(np.isfinite(flat)):
         raise UpdateRejected(f"array '{name}' decodes to NaN or Inf")
-    return flat.reshape(tuple(array.shape)), stype.startswith(FULL)
+    return flat.reshape(shape), full
+
+
+def _shape(declared: object, name: str) -> tuple[int, ...]:
+    """``declared`` as a tuple of ints >= 0 (Flower's wire format allows negative dimensions)."""
+    dims: list[int] = []
+    for dim in declared if isinstance(declared, tuple | list) else [None]:
+        if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim < 0:
+            raise UpdateRejected(f"array '{name}' has an invalid shape {_shown(declared)}; dimensions must "
+                                 "be integers >= 0")
+        dims.append(int(dim))
+    return tuple(dims)
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters (a device chooses it)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _channels(shape: tuple[int, ...], quantiser: str | None) -> int:
@@ -285,20 +320,26 @@ def decode_update(record: ArrayRecord, reference: Mapping[str, NDArray[np.generi
     for name, array in record.items():
         if reference is not None:  # check the declared shape before allocating anything for it
             if name not in reference:
-                raise UpdateRejected(f"array '{name}' is not part of the model")
+                raise UpdateRejected(f"array {_shown(name)} is not part of the model")
             if tuple(array.shape) != tuple(np.shape(reference[name])):
-                raise UpdateRejected(f"array '{name}' has shape {tuple(array.shape)}, expected "
+                raise UpdateRejected(f"array '{name}' has shape {_shown(tuple(array.shape))}, expected "
                                      f"{tuple(np.shape(reference[name]))}")
+        elif not str(array.stype).startswith(FULL):  # before decoding: a delta's shape is unchecked
+            raise UpdateRejected(f"array {_shown(name)} has stype {_shown(str(array.stype))}, not full weights: "
+                                 "a delta, but the receiver has no model to add it to")
         values, full = decode_tensor(array, name)
         if full:
             out[name] = values
             continue
-        if reference is None or name not in reference:
-            raise UpdateRejected(f"array '{name}' is a delta but the coordinator has no model to add it to")
+        assert reference is not None  # deltas without a reference were refused above
         base = np.asarray(reference[name])
         if base.shape != values.shape:
             raise UpdateRejected(f"array '{name}' has shape {values.shape}, expected {base.shape}")
-        out[name] = (base.astype(np.float32) + values).astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            summed = np.asarray(base.astype(np.float32) + values, np.float32)  # 0-d stays an array
+        if not np.all(np.isfinite(summed)):
+            raise UpdateRejected(f"array '{name}' overflows to Inf when added to the model")
+        out[name] = summed
     return out
 
 
