@@ -8,7 +8,9 @@ device to know which budget it trains under, the simulator to time it.
 
 from __future__ import annotations
 
+import math
 import random
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,15 +53,23 @@ class DeviceProfile:
 
     def __post_init__(self) -> None:
         for field in ("compute_rate", "uplink_mbps", "downlink_mbps"):
-            if getattr(self, field) <= 0:
-                raise ConfigError(f"profile '{self.name}': {field} must be > 0")
-        if not 0 < self.availability <= 1:
-            raise ConfigError(f"profile '{self.name}': availability must be in (0, 1]")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"profile '{self.name}': dropout must be in [0, 1)")
+            value = getattr(self, field)
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"profile '{self.name}': {field} must be > 0 (a finite number), got {value!r}")
+        if isinstance(self.memory_mb, bool) or not isinstance(self.memory_mb, int) or self.memory_mb <= 0:
+            raise ConfigError(f"profile '{self.name}': memory_mb must be an integer > 0 (MiB), got {self.memory_mb!r}")
+        if not _is_number(self.availability) or not 0 < self.availability <= 1:
+            raise ConfigError(f"profile '{self.name}': availability must be in (0, 1], got {self.availability!r}")
+        if not _is_number(self.dropout) or not 0 <= self.dropout < 1:
+            raise ConfigError(f"profile '{self.name}': dropout must be in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.online_hours, tuple):
+            raise ConfigError(f"profile '{self.name}': online_hours must be a list of [start, end] windows, "
+                              f"got {self.online_hours!r}")
         for window in self.online_hours:
-            if len(window) != 2 or not 0 <= window[0] < window[1] <= 24:
-                raise ConfigError(f"profile '{self.name}': online-hours window {list(window)} must be "
+            if (not isinstance(window, tuple) or len(window) != 2 or not all(map(_is_number, window))
+                    or not 0 <= window[0] < window[1] <= 24):
+                shown = list(window) if isinstance(window, tuple) else window
+                raise ConfigError(f"profile '{self.name}': online-hours window {shown!r} must be "
                                   "[start, end] with 0 <= start < end <= 24")
 
     def online_at_hour(self, hour: float) -> bool:
@@ -79,6 +89,11 @@ class DeviceProfile:
         return samples / self.compute_rate
 
 
+def _is_number(value: object) -> bool:
+    """An int or float, not a bool (TOML's ``true`` is no rate)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 # Rough 2024-era figures for a small model: a phone is 100x slower than a GPU box
 # and has a thin, asymmetric uplink.
 BUILTIN_PROFILES: dict[str, DeviceProfile] = {
@@ -89,6 +104,10 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     "gpu-box": DeviceProfile("gpu-box", compute_rate=20_000.0, uplink_mbps=100.0,
                              downlink_mbps=500.0, memory_mb=32768, availability=1.0),
 }
+
+# Most devices a fleet may have. The simulator builds one node (and Fleet.assignment one
+# entry) per device; a count beyond this is a typo, not a fleet, and would exhaust memory.
+MAX_FLEET_SIZE = 1_000_000
 
 _TOML_FIELDS = {
     "compute-rate": "compute_rate",
@@ -138,16 +157,36 @@ class Fleet:
 
 
 def load_profiles_toml(path: str | Path) -> tuple[dict[str, DeviceProfile], dict[str, int]]:
-    """Read custom ``[profiles.NAME]`` tables and an optional ``[fleet]`` mix from TOML."""
+    """Read custom ``[profiles.NAME]`` tables and an optional ``[fleet]`` mix from TOML.
+
+    Raises
+    ------
+    ConfigError
+        The file cannot be read, is not UTF-8 TOML, or its tables are not those of a
+        fleet file.
+    """
     try:
-        data = tomllib.loads(Path(path).read_text())
+        content = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"fleet file '{path}' does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (OSError, ValueError) as exc:  # a directory, no permission, a NUL in the path
+        raise ConfigError(f"cannot read fleet file '{path}': {exc}") from None
+    try:
+        data = tomllib.loads(content.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"fleet file '{path}' is not UTF-8 text: {exc}") from None
+    except ValueError as exc:  # TOMLDecodeError, or an integer of more than 4300 digits
         raise ConfigError(f"fleet file '{path}' is not valid TOML: {exc}") from None
-    profiles = {name: _profile_from_table(name, table)
-                for name, table in data.get("profiles", {}).items()}
-    return profiles, dict(data.get("fleet", {}))
+    except RecursionError:
+        raise ConfigError(f"fleet file '{path}' is not valid TOML: arrays or tables nest too deeply") from None
+    tables, mix = data.get("profiles", {}), data.get("fleet", {})
+    if not isinstance(tables, dict) or not all(isinstance(table, dict) for table in tables.values()):
+        raise ConfigError(f"fleet file '{path}': 'profiles' must hold one table per profile, e.g. "
+                          "[profiles.watch] with compute-rate = 50 ...")
+    if not isinstance(mix, dict):
+        raise ConfigError(f"fleet file '{path}': 'fleet' must be a table of NAME = COUNT, e.g. [fleet] phone = 60")
+    profiles = {name: _profile_from_table(name, table) for name, table in tables.items()}
+    return profiles, dict(mix)
 
 
 def _profile_from_table(name: str, table: dict[str, object]) -> DeviceProfile:
@@ -160,7 +199,11 @@ def _profile_from_table(name: str, table: dict[str, object]) -> DeviceProfile:
         )
     kwargs = {_TOML_FIELDS[key]: value for key, value in table.items()}
     if "online_hours" in kwargs:
-        kwargs["online_hours"] = tuple(tuple(window) for window in kwargs["online_hours"])  # type: ignore[union-attr,attr-defined]
+        windows = kwargs["online_hours"]
+        if not isinstance(windows, list) or not all(isinstance(window, list) for window in windows):
+            raise ConfigError(f"profile '{name}': online-hours must be a list of [start, end] windows, "
+                              f"e.g. [[0, 7], [19, 24]], got {windows!r}")
+        kwargs["online_hours"] = tuple(tuple(window) for window in windows)
     return DeviceProfile(name=name, **kwargs)  # type: ignore[arg-type]
 
 
@@ -172,6 +215,7 @@ def parse_fleet(spec: str, fleet_file: str = "") -> Fleet:
     """
     profiles = dict(BUILTIN_PROFILES)
     mix: dict[str, int] = {}
+    file_mix: dict[str, int] = {}
     if fleet_file:
         custom, file_mix = load_profiles_toml(fleet_file)
         profiles.update(custom)
@@ -187,8 +231,11 @@ def parse_fleet(spec: str, fleet_file: str = "") -> Fleet:
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ConfigError(f"fleet count for '{name}' must be an integer >= 0, got {count!r}")
     fleet = Fleet(profiles=profiles, mix=tuple(mix.items()))
+    source = f"fleet file '{fleet_file}'" if file_mix else f"fleet '{spec}'"
     if fleet.size == 0:
-        raise ConfigError(f"fleet '{spec}' has no devices; give counts like phone=60,laptop=30")
+        raise ConfigError(f"{source} has no devices; give counts like phone=60,laptop=30")
+    if fleet.size > MAX_FLEET_SIZE:
+        raise ConfigError(f"{source} has {fleet.size} devices; a fleet has at most {MAX_FLEET_SIZE:,}")
     return fleet
 
 
@@ -196,9 +243,11 @@ def _parse_mix(spec: str) -> dict[str, int]:
     mix: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, sep, count = part.partition("=")
-        if not sep or not count.strip().isdigit():
+        if not sep or not re.fullmatch(r"[0-9]+", count.strip()):  # str.isdigit() takes "\u00b2" too
             raise ConfigError(
                 f"fleet entry '{part}' is not NAME=COUNT; write e.g. phone=60,laptop=30,gpu-box=10"
             )
+        if len(count.strip()) > len(str(MAX_FLEET_SIZE)):  # int() refuses > 4300 digits: stop far earlier
+            raise ConfigError(f"fleet entry '{part[:60]}': too many devices; a fleet has at most {MAX_FLEET_SIZE:,}")
         mix[name.strip()] = mix.get(name.strip(), 0) + int(count)
     return mix
