@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import shlex
 import tomllib
 from collections.abc import Callable, Mapping
@@ -166,6 +167,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "dp-target-quantile": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "dp-clip-norm-lr": (lambda v: v > 0, "> 0"),
     "dp-clipped-count-stddev": (lambda v: v >= 0, ">= 0 (0: max(K / 20, dp-noise-multiplier))"),
+    "seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63) (numpy and torch refuse negative seeds)"),
     "synthetic-alpha": (lambda v: v >= 0, ">= 0"),
     "synthetic-beta": (lambda v: v >= 0, ">= 0"),
 }
@@ -189,14 +191,22 @@ def resolve_run_config(overrides: Mapping[str, Any] | None = None) -> dict[str, 
     return config
 
 
+def _shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages about arbitrary input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _checked(key: str, value: Any) -> Scalar:
+    if not isinstance(key, str):
+        raise ConfigError(f"run-config key {_shown(key)} is not a string; keys look like 'num-rounds'")
     if key.startswith(CODEC_PREFIXES):
         return _checked_codec(key, value)
     if key not in DEFAULTS:
         close = difflib.get_close_matches(key, DEFAULTS, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(
-            f"unknown run-config key '{key}'{hint}; allowed keys: {', '.join(sorted(DEFAULTS))}"
+            f"unknown run-config key {_shown(key)}{hint}; allowed keys: {', '.join(sorted(DEFAULTS))}"
         )
     value = _coerced(key, value, DEFAULTS[key])
     if key in CHOICES and value not in CHOICES[key]:
@@ -214,7 +224,7 @@ def _checked_codec(key: str, value: Any) -> str:
     from fedge.clients.codec import parse_codec  # the codec module owns the names
 
     if not isinstance(value, str):
-        raise ConfigError(f"run-config '{key}' = {value!r} must be a codec name string like 'int8'")
+        raise ConfigError(f"run-config '{key}' = {_shown(value)} must be a codec name string like 'int8'")
     codec = parse_codec(value, key=key)
     if key.startswith("downlink.") and codec.sparse:
         raise ConfigError(f"run-config '{key}' = '{value}': top-k cannot compress the downlink (a device needs "
@@ -228,32 +238,59 @@ def codec_policy(config: Mapping[str, Scalar]) -> dict[str, Scalar]:
 
 
 def _coerced(key: str, value: Any, default: Scalar) -> Scalar:
+    """``value`` as the type of ``default`` (an int is taken for a float), checked for what
+    every later use needs: finite floats, int64 ints (Flower's config values), no NUL in text."""
     expected = type(default)
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, expected) and (expected is bool or not isinstance(value, bool)):
-        return value  # type: ignore[no-any-return]
-    raise ConfigError(
-        f"run-config '{key}' = {value!r} has type {type(value).__name__}; "
-        f"it must be a {expected.__name__} like the default {default!r}"
-    )
+        try:
+            value = float(value)
+        except OverflowError:  # beyond ~1.8e308
+            raise ConfigError(f"run-config '{key}' = {_shown(value)} must be a finite number like the default "
+                              f"{default!r}") from None
+    if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
+        raise ConfigError(
+            f"run-config '{key}' = {_shown(value)} has type {type(value).__name__}; "
+            f"it must be a {expected.__name__} like the default {default!r}"
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"run-config '{key}' = {value!r} must be a finite number like the default {default!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+        raise ConfigError(f"run-config '{key}' = {_shown(value)} does not fit in a 64-bit integer")
+    if isinstance(value, str) and "\x00" in value:
+        raise ConfigError(f"run-config '{key}' = {_shown(value)} contains a NUL character")
+    return value  # type: ignore[no-any-return]
 
 
 def parse_run_config_args(text: str) -> dict[str, Scalar]:
     """Parse Flower-style ``"key=value key2='text'"`` overrides (values as TOML).
 
     A value that is not valid TOML is taken as a plain string, so
-    ``fleet=phone=10,laptop=5`` works without quotes.
+    ``fleet=phone=10,laptop=5`` works without quotes. Types and ranges are checked
+    by :func:`resolve_run_config`.
+
+    Raises
+    ------
+    ConfigError
+        Unbalanced quotes, or an item that is not ``key=value``.
     """
+    if not isinstance(text, str):  # shlex.split(None) would read standard input
+        raise ConfigError(f"run-config overrides must be a string like 'num-rounds=5', got {_shown(text)}")
+    try:
+        items = shlex.split(text)
+    except ValueError as exc:
+        raise ConfigError(f"run-config overrides {_shown(text)}: {exc}; quote values with spaces as "
+                          "key='some text'") from None
     overrides: dict[str, Scalar] = {}
-    for item in shlex.split(text):
+    for item in items:
         key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"run-config override '{item}' is not key=value")
+        if not sep or not key.strip():
+            raise ConfigError(f"run-config override {_shown(item)} is not key=value")
         try:
             overrides[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
+        except ValueError:  # not TOML (TOMLDecodeError), or an int of > 4300 digits
             overrides[key.strip()] = raw
+        except RecursionError:
+            raise ConfigError(f"run-config '{key.strip()}': the value nests too deeply") from None
     return overrides
 
 
