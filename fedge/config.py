@@ -156,7 +156,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "exploration": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "fairness-rounds": (lambda v: v >= 1, ">= 1"),
     "straggler-fraction": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "secagg-threshold": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "secagg-threshold": (lambda v: 0.5 <= v <= 1, "in [0.5, 1] (devices refuse a threshold of half their neighbours or less)"),
     "secagg-neighbours": (lambda v: v == 0 or v >= 2, "0 (all pairs) or >= 2"),
     "secagg-clip": (lambda v: v > 0, "> 0"),
     "secagg-precision": (lambda v: v > 0, "> 0"),

@@ -44,6 +44,7 @@ def test_overrides_merge_over_defaults() -> None:
         ({"num-rounds": True}, "must be a int"),
         ({"model": "resnet"}, "use one of: mlp, cnn, logreg"),
         ({"test-fraction": 1.0}, "in \\(0, 1\\)"),
+        ({"secagg-threshold": 0.3}, "in \\[0.5, 1\\]"),
     ],
 )
 def test_bad_config_is_refused_with_the_key_named(overrides: dict[str, object], message: str) -> None:
