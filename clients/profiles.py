@@ -242,12 +242,13 @@ def parse_fleet(spec: str, fleet_file: str = "") -> Fleet:
 def _parse_mix(spec: str) -> dict[str, int]:
     mix: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, sep, count = part.partition("=")
-        if not sep or not re.fullmatch(r"[0-9]+", count.strip()):  # str.isdigit() takes "\u00b2" too
+        name, sep, count = (text.strip() for text in part.partition("="))
+        # ASCII digits only: str.isdigit() takes "\u00b2" and int() refuses it (and whitespace such as "\x1f")
+        if not sep or not re.fullmatch(r"[0-9]+", count):
             raise ConfigError(
                 f"fleet entry '{part}' is not NAME=COUNT; write e.g. phone=60,laptop=30,gpu-box=10"
             )
-        if len(count.strip()) > len(str(MAX_FLEET_SIZE)):  # int() refuses > 4300 digits: stop far earlier
+        if len(count) > len(str(MAX_FLEET_SIZE)):  # int() refuses > 4300 digits: stop far earlier
             raise ConfigError(f"fleet entry '{part[:60]}': too many devices; a fleet has at most {MAX_FLEET_SIZE:,}")
-        mix[name.strip()] = mix.get(name.strip(), 0) + int(count)
+        mix[name] = mix.get(name, 0) + int(count)
     return mix
