@@ -56,7 +56,7 @@ def load_digits_arrays() -> tuple[Features, Labels]:
 def load_npz(path: str | Path) -> tuple[Features, Labels]:
     """Load ``x`` (n, features) and ``y`` (n,) integer labels from a ``.npz`` file."""
     try:
-        with np.load(path) as data:
+        with np.load(path, allow_pickle=False) as data:
             keys = set(data.files)
             x_key = "x" if "x" in keys else "X"
             if x_key not in keys or "y" not in keys:

@@ -47,8 +47,8 @@ class RoundRecorder:
         self.device = pick_device(str(config["device"]))
         self.rows: list[dict[str, Any]] = list(history or [])
         done = self.rows[-1] if self.rows else {"round": 0, "sim_time_s": 0.0, "wall_time_s": 0.0}
-        self.started = time.perf_counter() - float(done["wall_time_s"])  # a resumed run's clocks go on
-        grid.sim_time = float(done["sim_time_s"])
+        self.started = time.perf_counter() - float(done.get("wall_time_s", 0.0))  # a resumed run's clocks go on
+        grid.sim_time = float(done.get("sim_time_s", 0.0))
         self.progress = RoundProgress(int(config["num-rounds"]), enabled=progress)
         self.progress.advance(int(done["round"]), float(done.get("accuracy", 0.0)), grid.sim_time)
         self.data = data

@@ -13,6 +13,7 @@ what robust aggregation (trimmed mean, median, Krum) is for.
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -144,7 +145,7 @@ class ReplyValidator:
         metrics = wire.read_train_metrics(content, max_num_examples=self.max_num_examples)
         self._check_steps(meta, metrics.num_examples)
         record = next(iter(content.array_records.values()))
-        arrays = decode_update(record, reference) if is_encoded(record) else _decoded(record)
+        arrays = decode_update(record, reference) if is_encoded(record) else _decoded(record, spec)
         check_arrays(arrays, spec)
         return CheckedReply(arrays, float(metrics.num_examples), meta, metrics)
 
@@ -191,9 +192,22 @@ class ReplyValidator:
             yield AcceptedUpdate(node_id, checked.arrays, checked.weight, message.content, checked.meta)
 
 
-def _decoded(record: ArrayRecord) -> dict[str, NDArray[np.generic]]:
+def _decoded(record: ArrayRecord, spec: ArraySpec) -> dict[str, NDArray[np.generic]]:
+    """Plain numpy arrays, each header checked against ``spec`` before anything is allocated.
+
+    ``Array.numpy()`` allocates whatever the ``.npy`` header claims: a 51-byte reply could
+    make the coordinator allocate gigabytes before it is rejected.
+    """
+    missing, extra = sorted(set(spec) - set(record)), sorted(set(record) - set(spec))
+    if missing or extra:
+        raise UpdateRejected(f"array names differ from the global model: missing {missing}, extra {extra}")
     arrays = {}
     for name, array in record.items():
+        shape, dtype = spec[name]
+        declared = _npy_header(name, array.data)
+        if declared != (shape, dtype):
+            raise UpdateRejected(f"array '{name}' bytes hold shape {declared[0]}, dtype {declared[1]}; "
+                                 f"expected {shape}, {dtype}")
         try:
             value = array.numpy()
         except Exception as exc:  # noqa: BLE001 - any decoding failure is the device's fault
@@ -202,3 +216,17 @@ def _decoded(record: ArrayRecord) -> dict[str, NDArray[np.generic]]:
             raise UpdateRejected(f"array '{name}' bytes disagree with its declared shape/dtype")
         arrays[name] = value
     return arrays
+
+
+def _npy_header(name: str, data: bytes) -> tuple[tuple[int, ...], str]:
+    """Shape and dtype from a ``.npy`` header, read without touching the data."""
+    stream = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(stream)
+        reader = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+        if version not in reader:
+            raise ValueError(f".npy format version {version} is not accepted (1.0 or 2.0)")
+        shape, _, dtype = reader[version](stream, max_header_size=10_000)
+    except Exception as exc:  # noqa: BLE001 - a malformed header is the device's fault
+        raise UpdateRejected(f"array '{name}' does not decode: {str(exc)[:200]}") from None
+    return tuple(int(d) for d in shape), str(dtype)

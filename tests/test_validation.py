@@ -102,7 +102,7 @@ BAD_REPLIES: list[tuple[str, Callable[[], Message], str]] = [
     ("two ArrayRecords", _two_array_records, "exactly one ArrayRecord"),
     ("foreign stype", _foreign_stype, "does not decode"),
     ("garbage bytes", _garbage_bytes, "does not decode"),
-    ("header disagrees with bytes", _lying_header, "disagree"),
+    ("header disagrees with bytes", _lying_header, "bytes hold shape \\(3, 2\\)"),
 ]
 
 
