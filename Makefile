@@ -38,7 +38,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy fedge server clients edge strategies simulation cli
+	$(VENV)/bin/mypy core server clients edge strategies simulation cli task
 
 bench: $(STAMP)
 	$(PY) bench/sim_vs_flower.py

@@ -28,14 +28,14 @@ import torch
 from flwr.app import Array, ArrayRecord
 from torch import nn
 
-from fedge.clients.data import federated_data, label_names, preprocessing_for
-from fedge.clients.models import build_model, load_arrays
-from fedge.clients.training import as_dataset, train_local
 from fedge.config import resolve_run_config
 from fedge.edge.build import BundleSpec, build_bundle
 from fedge.edge.signing import generate_signing_key, load_private_key
 from fedge.server.checkpoint import load_checkpoint
 from fedge.simulation.runner import simulate
+from fedge.task.data import federated_data, label_names, preprocessing_for
+from fedge.task.models import build_model, load_arrays
+from fedge.task.training import as_dataset, train_local
 
 HERE = Path(__file__).resolve().parent
 

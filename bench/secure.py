@@ -55,14 +55,14 @@ from rich.table import Table
 from torch import nn
 
 from fedge.clients.app import make_client_app
-from fedge.clients.data import federated_data
-from fedge.clients.models import model_arrays
-from fedge.clients.training import as_dataset, train_local
 from fedge.config import resolve_run_config
 from fedge.server.app import TRAIN_KEYS
-from fedge.server.secure import SecureAggregation
 from fedge.simulation.grid import InlineGrid
 from fedge.strategies import FedAvg
+from fedge.strategies.secure import SecureAggregation
+from fedge.task.data import federated_data
+from fedge.task.models import model_arrays
+from fedge.task.training import as_dataset, train_local
 
 HERE = Path(__file__).resolve().parent
 HIDDEN = 1320  # 64 * 1320 + 1320 + 1320 * 10 + 10 = 99,010 parameters

@@ -21,13 +21,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from fedge import wire
-from fedge.clients.codec import Codec, codec_for, decode_update, encode_update, is_encoded
-from fedge.clients.data import federated_data, load_local_file
-from fedge.clients.models import build_model, load_arrays, model_arrays
-from fedge.clients.profiles import parse_fleet
 from fedge.clients.secure import add_secure_handlers
-from fedge.clients.training import as_dataset, evaluate, pick_device, train_local
+from fedge.codec import Codec, codec_for, decode_update, encode_update, is_encoded
 from fedge.config import resolve_run_config
+from fedge.profiles import parse_fleet
+from fedge.task.data import federated_data, load_local_file
+from fedge.task.models import build_model, load_arrays, model_arrays
+from fedge.task.training import as_dataset, evaluate, pick_device, train_local
 
 LocalData = Dataset | tuple[np.ndarray, np.ndarray]  # type: ignore[type-arg]
 ModelFn = Callable[[Context], nn.Module]

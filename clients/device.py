@@ -24,9 +24,9 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
-from fedge.clients.data import load_local_file
-from fedge.clients.profiles import parse_fleet
 from fedge.errors import ConfigError, FedgeError
+from fedge.profiles import parse_fleet
+from fedge.task.data import load_local_file
 
 log = logging.getLogger("fedge.clients.device")
 
@@ -127,7 +127,7 @@ def _free_port() -> int:
 
 def supernode_command(options: DeviceOptions) -> list[str]:
     """The ``flower-supernode`` command line for ``options``."""
-    from fedge.server.coordinator import flower_bin
+    from fedge.process import flower_bin
 
     node_config = f'profile="{options.profile}" data-path="{options.data.resolve()}"'
     command = [flower_bin("flower-supernode"), "--superlink", options.coordinator,
@@ -176,7 +176,7 @@ def run_device(options: DeviceOptions) -> int:
 
 def _run_supernode(options: DeviceOptions, state: Path) -> tuple[int, str | None]:
     """Run the SuperNode, echoing its output; return its status and any key refusal seen."""
-    from fedge.server.coordinator import flower_env
+    from fedge.process import flower_env
 
     process = subprocess.Popen(supernode_command(options), env=flower_env(state / "flwr-home"),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)

@@ -1,5 +1,5 @@
 """Device side of fedge's secure aggregation (see :mod:`fedge.secagg` and
-:mod:`fedge.server.secure`): five train actions of the ClientApp, after SecAgg
+:mod:`fedge.strategies.secure`): five train actions of the ClientApp, after SecAgg
 (Bonawitz et al., CCS 2017, §4) and SecAgg+ (Bell et al., CCS 2020).
 
 ``secagg_setup``: make two X25519 key pairs (share encryption, pairwise masks) and an
@@ -39,6 +39,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.clientapp import ClientApp
 
 from fedge import wire
+from fedge.aggregate import fednova_norm
 from fedge.secagg import (
     PUBLIC_KEYS,
     SHARE_BYTES,
@@ -57,7 +58,6 @@ from fedge.secagg import (
     signing_public_bytes,
     valid_survivors_signature,
 )
-from fedge.strategies.aggregate import fednova_norm
 
 STATE = "secagg"
 TrainContent = Callable[[Message, Context], RecordDict]

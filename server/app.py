@@ -19,24 +19,24 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedge.clients.data import federated_data
-from fedge.clients.models import build_model, load_arrays, model_arrays
-from fedge.clients.profiles import Fleet, parse_fleet
+from fedge.behaviour import Behaviour
 from fedge.config import Scalar, codec_policy, config_fingerprint, model_keys, resolve_run_config
 from fedge.errors import CheckpointMismatch, ConfigError
+from fedge.profiles import Fleet, parse_fleet
 from fedge.secagg import bits_needed
 from fedge.server.checkpoint import load_checkpoint
 from fedge.server.compression import DownlinkEncoder, check_codecs
-from fedge.server.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
+from fedge.server.metering import MeteredGrid, reply_seconds
 from fedge.server.privacy import CLIENT_CLIPPING, build_privacy
 from fedge.server.recorder import RoundRecorder
 from fedge.server.report import run_dir_for, write_json_atomic
-from fedge.server.secure import MIN_DEVICES, secure_variant
-from fedge.server.selection import OortSelector, RandomSelector
-from fedge.server.validation import ReplyValidator
-from fedge.simulation.behaviour import Behaviour
-from fedge.simulation.clock import MeteredGrid, reply_seconds
 from fedge.strategies import STRATEGIES, FedAvg
+from fedge.strategies.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
+from fedge.strategies.secure import MIN_DEVICES, secure_variant
+from fedge.strategies.selection import OortSelector, RandomSelector
+from fedge.strategies.validation import ReplyValidator
+from fedge.task.data import federated_data
+from fedge.task.models import build_model, load_arrays, model_arrays
 
 if TYPE_CHECKING:
     pass

@@ -10,10 +10,10 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from torch import nn
 
-from fedge.clients.data import FederatedData, calibration_sample, label_names, preprocessing_for
 from fedge.config import Scalar
 from fedge.edge.build import BuiltBundle, BundleSpec, build_bundle, default_model_id
 from fedge.edge.signing import PRIVATE_NAME, fingerprint, generate_signing_key, load_private_key
+from fedge.task.data import FederatedData, calibration_sample, label_names, preprocessing_for
 
 log = logging.getLogger("fedge.server")
 

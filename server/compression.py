@@ -2,7 +2,7 @@
 
 Devices encode their own uplink (they read the policy from the train instruction and
 know their profile); the coordinator decodes replies in validation (see
-:mod:`fedge.server.validation`) and, for profiles that ask (``downlink.<profile>``),
+:mod:`fedge.strategies.validation`) and, for profiles that ask (``downlink.<profile>``),
 sends the global model in fp16 or int8, encoded once per codec per round.
 """
 
@@ -17,10 +17,10 @@ from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedge import wire
-from fedge.clients.codec import codec_for, encode_tensor, parse_codec
-from fedge.clients.profiles import Fleet
+from fedge.codec import codec_for, encode_tensor, parse_codec
 from fedge.config import CODEC_PREFIXES, Scalar, codec_policy
 from fedge.errors import ConfigError
+from fedge.profiles import Fleet
 
 log = logging.getLogger("fedge.server.compression")
 

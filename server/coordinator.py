@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives import serialization
 
 from fedge.config import DEFAULTS, Scalar
 from fedge.errors import ConfigError, FedgeError
+from fedge.process import flower_bin, flower_env
 from fedge.server.pki import CoordinatorKeys
 
 log = logging.getLogger("fedge.server.coordinator")
@@ -48,31 +49,6 @@ INSECURE_WARNING = (
     "WARNING: INSECURE MODE. TLS and device authentication are OFF: anyone on the network can read "
     "model updates, impersonate this coordinator, and join as a device. Use only on a trusted test network."
 )
-# Settable Flower knobs that lower round latency (see bench/deploy_latency.py).
-SUPEREXEC_POLL_S = "0.1"
-
-
-def flower_env(flwr_home: Path) -> dict[str, str]:
-    """Environment for every Flower process fedge starts."""
-    return {
-        **os.environ,
-        # Flower starts its helpers (flower-superexec, flwr-serverapp, ...) from PATH.
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-        "FLWR_HOME": str(flwr_home),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "FLWR_DISABLE_UPDATE_CHECK": "1",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL",
-                                                            SUPEREXEC_POLL_S),
-    }
-
-
-def flower_bin(name: str) -> str:
-    """A Flower console script next to this interpreter (the same virtualenv)."""
-    candidate = Path(sys.executable).with_name(name)
-    return str(candidate) if candidate.exists() else name
-
-
 def check_coordinator_keys(keys: CoordinatorKeys) -> None:
     """Refuse missing, expired, not-yet-valid or mismatched TLS files, naming the fix."""
     for path in (keys.ca_cert, keys.cert, keys.key):

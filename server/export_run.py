@@ -8,15 +8,15 @@ from pathlib import Path
 
 from flwr.app import Array, ArrayRecord
 
-from fedge.clients.data import federated_data
-from fedge.clients.models import build_model, load_arrays
-from fedge.clients.profiles import parse_fleet
 from fedge.config import resolve_run_config
 from fedge.edge.build import BuiltBundle
 from fedge.edge.signing import load_private_key
 from fedge.errors import ConfigError
+from fedge.profiles import parse_fleet
 from fedge.server.bundles import export_global_model
 from fedge.server.checkpoint import load_checkpoint
+from fedge.task.data import federated_data
+from fedge.task.models import build_model, load_arrays
 
 
 def export_run_round(

@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 
-from fedge.clients.data import FederatedData
-from fedge.clients.models import load_arrays
-from fedge.clients.training import as_dataset, evaluate, pick_device
 from fedge.config import Scalar, config_fingerprint, model_keys
 from fedge.edge.export import PARITY_TOLERANCE
 from fedge.server.checkpoint import Checkpoint, save_checkpoint
+from fedge.server.metering import MeteredGrid
 from fedge.server.progress import RoundProgress
 from fedge.server.report import append_jsonl, plot_accuracy, write_json_atomic
-from fedge.simulation.clock import MeteredGrid
 from fedge.strategies import FedAvg
+from fedge.task.data import FederatedData
+from fedge.task.models import load_arrays
+from fedge.task.training import as_dataset, evaluate, pick_device
 
 if TYPE_CHECKING:
     from fedge.edge.build import BuiltBundle

@@ -24,7 +24,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedge.simulation.behaviour import Behaviour
+from fedge.behaviour import Behaviour
 
 log = logging.getLogger("fedge.simulation")
 

@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import psutil
 
-from fedge.clients.data import federated_data
 from fedge.config import resolve_run_config
 from fedge.server.pki import add_device, init_keys
 from fedge.server.report import read_jsonl
+from fedge.task.data import federated_data
 
 FEDGE = str(Path(sys.executable).with_name("fedge"))
 

@@ -20,9 +20,9 @@ import torch
 from flwr.clientapp import ClientApp
 
 from fedge.clients.app import make_default_client_app
-from fedge.clients.profiles import parse_fleet
 from fedge.config import Scalar, resolve_run_config
 from fedge.errors import ConfigError
+from fedge.profiles import parse_fleet
 from fedge.server.app import behaviour_of, make_server_app, run_coordinator
 from fedge.server.report import run_dir_for
 from fedge.simulation.byzantine import byzantine_partitions, make_byzantine_client_app

@@ -18,10 +18,11 @@ from flwr.serverapp.strategy import Result, Strategy
 from numpy.typing import NDArray
 
 from fedge import wire
-from fedge.server.policies import RoundPolicy, SyncPolicy
-from fedge.server.selection import RandomSelector
-from fedge.server.validation import AcceptedUpdate, Failure, Rejection, ReplyValidator
-from fedge.strategies.aggregate import WeightedMeanAccumulator, weighted_mean_metrics
+from fedge.aggregate import WeightedMeanAccumulator, weighted_mean_metrics
+from fedge.strategies.policies import RoundPolicy, SyncPolicy
+from fedge.strategies.selection import RandomSelector
+from fedge.strategies.timing import durations
+from fedge.strategies.validation import AcceptedUpdate, Failure, Rejection, ReplyValidator
 
 log = logging.getLogger("fedge.strategies")
 
@@ -68,7 +69,7 @@ class FedAvg(FlowerFedAvg):
 
     A subclass of Flower's message-based ``FedAvg``, usable in any Flower
     ``ServerApp``. Before aggregation every reply goes through a
-    :class:`~fedge.server.validation.ReplyValidator`; rejected replies are logged,
+    :class:`~fedge.strategies.validation.ReplyValidator`; rejected replies are logged,
     counted in the round's metrics and left out. Accepted updates are folded into
     a running weighted sum one at a time (memory O(model size)). If fewer than
     ``min_train_replies`` updates survive, the round returns no arrays and the
@@ -167,7 +168,7 @@ class FedAvg(FlowerFedAvg):
         messages = list(driver.configure_train(server_round, arrays, config, grid))
         exchange = self.policy.exchange(grid, messages, timeout, self.clients_per_round)
         self.reports[-1].late = exchange.late
-        self.selector.observe(server_round, exchange.replies, getattr(grid, "last_durations", {}))
+        self.selector.observe(server_round, exchange.replies, durations(grid))
         if self.downlink is not None:
             self.downlink.learn(exchange.replies)
         if self.privacy is None:

@@ -16,11 +16,11 @@ from flwr.serverapp.strategy import Result
 from numpy.typing import NDArray
 
 from fedge import wire
+from fedge.aggregate import apply_buffer, staleness_weight
 from fedge.errors import ConfigError, UpdateRejected
-from fedge.server.validation import Rejection, spec_of
-from fedge.simulation.clock import MeteredGrid
-from fedge.strategies.aggregate import apply_buffer, staleness_weight
 from fedge.strategies.fedavg import FedAvg, RoundReport
+from fedge.strategies.timing import TimedGrid, timed, virtual
+from fedge.strategies.validation import Rejection, spec_of
 
 log = logging.getLogger("fedge.strategies")
 
@@ -66,8 +66,8 @@ class FedBuff(FedAvg):
         start_round: int = 1,
     ) -> Result:
         """Run ``num_rounds`` buffer flushes (resuming after ``start_round - 1``)."""
-        simulated = isinstance(grid, MeteredGrid) and getattr(grid.inner, "synchronous", False)
-        arrivals: _Arrivals = _SimulatedArrivals(grid, timeout) if simulated else _LiveArrivals(grid, timeout)
+        clock = virtual(grid)
+        arrivals: _Arrivals = _SimulatedArrivals(clock, timeout) if clock is not None else _LiveArrivals(grid, timeout)
         run = _AsyncRun(self, grid, arrivals, initial_arrays, train_config or ConfigRecord(), start_round - 1)
         result = Result()
         result.arrays = initial_arrays
@@ -89,8 +89,7 @@ class _SimulatedArrivals:
     """Arrivals ordered by the virtual clock: the inline grid runs a device's work at launch,
     and its reply is delivered when the clock reaches launch time + its simulated duration."""
 
-    def __init__(self, grid: Grid, timeout: float) -> None:
-        assert isinstance(grid, MeteredGrid)
+    def __init__(self, grid: TimedGrid, timeout: float) -> None:
         self.grid, self.timeout = grid, timeout
         self.heap: list[_InFlight] = []
         self.sequence = 0
@@ -140,8 +139,8 @@ class _LiveArrivals:
     def launch(self, message: Message, node: int, version: int) -> None:  # noqa: D102
         for message_id in self.grid.push_messages([message]):
             self.pending[message_id] = (node, version, time.monotonic())
-        if isinstance(self.grid, MeteredGrid):
-            self.grid.current.bytes_down += wire.payload_bytes(message.content)
+        if (clock := timed(self.grid)) is not None:
+            clock.count_bytes(down=wire.payload_bytes(message.content))
 
     def next(self) -> _InFlight | None:
         """The next reply to arrive (waiting for it); ``None`` when nothing is in flight."""
@@ -160,8 +159,8 @@ class _LiveArrivals:
         if not self.ready:
             return None
         event = self.ready.pop(0)
-        if isinstance(self.grid, MeteredGrid) and not event.reply.has_error():
-            self.grid.current.bytes_up += wire.payload_bytes(event.reply.content)
+        if (clock := timed(self.grid)) is not None and not event.reply.has_error():
+            clock.count_bytes(up=wire.payload_bytes(event.reply.content))
         return event
 
 
@@ -236,8 +235,8 @@ class _AsyncRun:
         self.snapshots[self.version] = new
         live = self.arrivals.versions() | {self.version}
         self.snapshots = {v: a for v, a in self.snapshots.items() if v in live}
-        if isinstance(self.grid, MeteredGrid):
-            self.grid.count_participants(self.replies)
+        if (clock := timed(self.grid)) is not None:
+            clock.count_participants(self.replies)
         self.report.aggregated = True
         self.strategy.reports.append(self.report)
         self.buffer, self.replies = [], []

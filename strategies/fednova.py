@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from fedge.server.validation import AcceptedUpdate
-from fedge.strategies.aggregate import FedNovaAccumulator, fednova_norm
+from fedge.aggregate import FedNovaAccumulator, fednova_norm
 from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.validation import AcceptedUpdate
 
 
 class FedNova(FedAvg):

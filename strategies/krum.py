@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from fedge.server.validation import AcceptedUpdate
-from fedge.strategies.aggregate import multi_krum
+from fedge.aggregate import multi_krum
 from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.validation import AcceptedUpdate
 
 log = logging.getLogger("fedge.strategies")
 

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import numpy as np
 from numpy.typing import NDArray
 
-from fedge.server.validation import AcceptedUpdate
-from fedge.strategies.aggregate import coordinate_median
+from fedge.aggregate import coordinate_median
 from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.validation import AcceptedUpdate
 
 
 class Median(FedAvg):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fedge.strategies.aggregate import WeightedMeanAccumulator, weighted_mean, weighted_mean_metrics
+from fedge.aggregate import WeightedMeanAccumulator, weighted_mean, weighted_mean_metrics
 
 
 def test_weighted_mean_hand_computed() -> None:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fedge.clients.codec import (
+from fedge.codec import (
     Codec,
     decode_tensor,
     decode_update,

@@ -140,8 +140,8 @@ def test_a_device_trained_from_a_lossy_downlink_sends_its_change_not_its_weights
     # Prepare: an int8-encoded global model in the instruction, fp32 uplink
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-    from fedge.clients.codec import encode_tensor, parse_codec
-    from fedge.clients.models import build_model, model_arrays
+    from fedge.codec import encode_tensor, parse_codec
+    from fedge.task.models import build_model, model_arrays
 
     app = make_default_client_app()
     context = Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 4, "profile": "laptop"},

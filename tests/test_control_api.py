@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from fedge.server.coordinator import Coordinator, flower_bin
+from fedge.process import flower_bin
+from fedge.server.coordinator import Coordinator
 from fedge.server.pki import CoordinatorKeys, add_device, init_keys
 from fedge.simulation.loopback import free_port
 

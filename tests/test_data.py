@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedge.clients.data import (
+from fedge.config import resolve_run_config
+from fedge.errors import ConfigError
+from fedge.task.data import (
     dirichlet_partition,
     federated_data,
     iid_partition,
@@ -18,8 +20,6 @@ from fedge.clients.data import (
     load_npz,
     synthetic_fedprox,
 )
-from fedge.config import resolve_run_config
-from fedge.errors import ConfigError
 
 
 def _assert_exact_cover(shards: list[np.ndarray], n: int) -> None:

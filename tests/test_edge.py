@@ -18,15 +18,15 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from fedge.clients.data import federated_data, label_names, preprocessing_for
-from fedge.clients.models import build_model
-from fedge.clients.training import as_dataset, train_local
 from fedge.config import resolve_run_config
 from fedge.edge import EdgeModel
 from fedge.edge.build import BuiltBundle, BundleSpec, build_bundle
 from fedge.edge.bundle import MANIFEST, SIGNATURE, parse_time, read_bundle, sign_manifest, verify_bundle
 from fedge.edge.signing import generate_signing_key, load_private_key
 from fedge.errors import BundleVerificationError
+from fedge.task.data import federated_data, label_names, preprocessing_for
+from fedge.task.models import build_model
+from fedge.task.training import as_dataset, train_local
 
 
 @pytest.fixture(scope="module")

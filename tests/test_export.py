@@ -9,8 +9,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from fedge.clients.models import build_model
 from fedge.edge.export import INPUT_NAME, PARITY_TOLERANCE, export_onnx
+from fedge.task.models import build_model
 
 
 @pytest.mark.parametrize("name", ["logreg", "mlp", "cnn"])

@@ -38,12 +38,12 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 from fedge import wire
-from fedge.clients.codec import decode_update, encode_tensor, encode_update, parse_codec
-from fedge.clients.profiles import MAX_FLEET_SIZE, Fleet, parse_fleet
+from fedge.codec import decode_update, encode_tensor, encode_update, parse_codec
 from fedge.config import DEFAULTS, parse_run_config_args, resolve_run_config
 from fedge.errors import CheckpointMismatch, ConfigError, UpdateRejected
+from fedge.profiles import MAX_FLEET_SIZE, Fleet, parse_fleet
 from fedge.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedge.server.validation import ReplyValidator, spec_of
+from fedge.strategies.validation import ReplyValidator, spec_of
 from fuzzing import FUZZ_EXAMPLES, fuzz
 
 # --------------------------------------------------------------------------- shared mutation helpers

@@ -7,8 +7,8 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from fedge import wire
-from fedge.clients.profiles import DeviceProfile, Fleet
-from fedge.simulation.clock import MeteredGrid
+from fedge.profiles import DeviceProfile, Fleet
+from fedge.server.metering import MeteredGrid
 from fedge.simulation.grid import InlineGrid
 from replies import good_arrays, train_reply
 

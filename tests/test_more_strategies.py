@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from fedge.clients.models import build_model
-from fedge.clients.training import as_dataset, train_local
-from fedge.simulation.runner import simulate
-from fedge.strategies.aggregate import (
+from fedge.aggregate import (
     FedNovaAccumulator,
     adaptive_step,
     fedavgm_step,
     fednova_norm,
 )
+from fedge.simulation.runner import simulate
+from fedge.task.models import build_model
+from fedge.task.training import as_dataset, train_local
 
 
 def _x(value: float) -> dict[str, np.ndarray]:

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from flwr.app import Message
 
+from fedge.behaviour import Behaviour
 from fedge.cli.main import main
-from fedge.clients.profiles import BUILTIN_PROFILES, Fleet, parse_fleet
-from fedge.server.policies import DeadlinePolicy, SyncPolicy
-from fedge.simulation.behaviour import Behaviour
-from fedge.simulation.clock import MeteredGrid
+from fedge.profiles import BUILTIN_PROFILES, Fleet, parse_fleet
+from fedge.server.metering import MeteredGrid
 from fedge.simulation.runner import simulate
+from fedge.strategies.policies import DeadlinePolicy, SyncPolicy
 from replies import good_arrays, instruction, train_reply
 
 
@@ -125,9 +125,9 @@ def test_time_budget_sets_steps_from_the_profile(tmp_path: Path) -> None:
     from flwr.app import ArrayRecord, ConfigRecord, MessageType, RecordDict
 
     from fedge.clients.app import make_default_client_app
-    from fedge.clients.models import build_model, model_arrays
     from fedge.config import resolve_run_config
     from fedge.simulation.grid import InlineGrid
+    from fedge.task.models import build_model, model_arrays
 
     config = resolve_run_config({**HETERO, "local-budget": "time", "time-budget-s": 1.0, "batch-size": 16})
     nodes = [{"partition-id": 0, "num-partitions": 10, "profile": "phone"},
@@ -161,7 +161,7 @@ def test_bad_policy_settings_are_refused_before_training(
 
 
 def test_staleness_weights_and_buffer_step_by_hand() -> None:
-    from fedge.strategies.aggregate import apply_buffer, staleness_weight
+    from fedge.aggregate import apply_buffer, staleness_weight
 
     assert staleness_weight(0) == 1.0 and staleness_weight(3) == pytest.approx(0.5)  # 1/sqrt(4)
     # x = 0; deltas 1 (fresh, w = 1) and 1 (3 versions stale, w = 0.5): x = 0 - 1 * (1 + 0.5) / 2
@@ -187,7 +187,7 @@ def _loss_reply(node: int, loss: float, count: int) -> Message:
 
 
 def test_oort_prefers_fast_devices_at_equal_utility() -> None:
-    from fedge.server.selection import OortSelector
+    from fedge.strategies.selection import OortSelector
 
     selector = OortSelector(seed=1, preferred_s=10.0, epsilon=0.0, fairness_rounds=1000)
     nodes = list(range(100, 110))
@@ -199,7 +199,7 @@ def test_oort_prefers_fast_devices_at_equal_utility() -> None:
 
 
 def test_oort_explores_unseen_devices_and_no_device_starves() -> None:
-    from fedge.server.selection import OortSelector
+    from fedge.strategies.selection import OortSelector
 
     selector = OortSelector(seed=2, epsilon=0.2, fairness_rounds=10)
     nodes = list(range(30))

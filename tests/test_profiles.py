@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fedge.clients.profiles import BUILTIN_PROFILES, DeviceProfile, parse_fleet
 from fedge.errors import ConfigError
+from fedge.profiles import BUILTIN_PROFILES, DeviceProfile, parse_fleet
 
 
 def test_builtin_profiles_span_two_orders_of_magnitude() -> None:

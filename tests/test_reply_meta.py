@@ -115,7 +115,7 @@ def test_the_step_limit_follows_the_instruction(config: dict[str, Any], examples
     limit = local_step_limit(resolved)(examples)
     # Assert: epochs budget by hand; time budget = what the fastest profile's device computes for itself
     if expected is None:
-        from fedge.clients.profiles import parse_fleet
+        from fedge.profiles import parse_fleet
 
         rate = max(p.compute_rate for p in parse_fleet("phone=1,gpu-box=1", "").profiles.values())
         expected = max(1, int(2.0 * rate) // 10)

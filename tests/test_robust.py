@@ -7,11 +7,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedge.server.validation import ReplyValidator
+from fedge.aggregate import coordinate_median, krum_scores, multi_krum, trimmed_mean
 from fedge.simulation.byzantine import byzantine_partitions
 from fedge.simulation.runner import simulate
 from fedge.strategies import Krum, Median, TrimmedMean
-from fedge.strategies.aggregate import coordinate_median, krum_scores, multi_krum, trimmed_mean
+from fedge.strategies.validation import ReplyValidator
 from replies import global_arrays, good_arrays, train_reply
 
 

@@ -16,9 +16,9 @@ from fedge.secagg import public_bytes
 from fedge.server.app import run_coordinator
 from fedge.server.checkpoint import load_checkpoint
 from fedge.server.report import read_jsonl
-from fedge.server.validation import Rejection
 from fedge.simulation.grid import FIRST_NODE_ID, InlineGrid
 from fedge.simulation.runner import simulate
+from fedge.strategies.validation import Rejection
 from replies import drop_out, tampered_app, tampered_apps
 
 BASE = {"fleet": "phone=6,laptop=3,gpu-box=1", "clients-per-round": 6, "num-rounds": 3, "model": "mlp",

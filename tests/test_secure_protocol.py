@@ -237,7 +237,7 @@ def test_impossible_secure_settings_are_refused_at_start(
 ])
 def test_a_secret_always_needs_a_majority_and_at_least_two_shares(fraction: float, neighbours: int,
                                                                   expected: int) -> None:
-    from fedge.server.secure import shares_needed
+    from fedge.strategies.secure import shares_needed
 
     assert shares_needed(fraction, neighbours) == expected
     assert expected >= minimum_threshold(neighbours)  # what devices accept

@@ -14,13 +14,13 @@ from torch.utils.data import TensorDataset
 
 from fedge import wire
 from fedge.clients.app import make_client_app, make_default_client_app
-from fedge.clients.data import federated_data
-from fedge.clients.models import build_model
 from fedge.config import resolve_run_config
 from fedge.server.app import run_coordinator
 from fedge.server.checkpoint import load_checkpoint
 from fedge.simulation.grid import InlineGrid
 from fedge.simulation.runner import simulate
+from fedge.task.data import federated_data
+from fedge.task.models import build_model
 
 METRIC_KEYS = {"round", "accuracy", "loss", "sim_time_s", "wall_time_s", "bytes_up", "bytes_down",
                "participants", "rejected"}

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from fedge.clients.models import build_model
-from fedge.clients.training import MomentumSGD, as_dataset, evaluate, pick_device, train_local
 from fedge.errors import ConfigError
+from fedge.task.models import build_model
+from fedge.task.training import MomentumSGD, as_dataset, evaluate, pick_device, train_local
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])

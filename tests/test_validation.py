@@ -11,8 +11,8 @@ import pytest
 from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord
 
 from fedge import wire
-from fedge.server.validation import ReplyValidator
 from fedge.strategies import FedAvg
+from fedge.strategies.validation import ReplyValidator
 from replies import global_arrays, good_arrays, instruction, train_reply
 
 BAD = 99
@@ -120,7 +120,7 @@ def test_bad_reply_rejected_and_good_replies_still_aggregate(
     strategy = _strategy()
     replies = [train_reply(11, good_arrays(1.0), 10), make_bad(), train_reply(12, good_arrays(4.0), 30)]
     # Execute
-    with caplog.at_level(logging.WARNING, logger="fedge.server.validation"):
+    with caplog.at_level(logging.WARNING, logger="fedge.strategies.validation"):
         arrays, metrics = strategy.aggregate_train(1, replies)
     # Assert: (10*1 + 30*4) / 40 = 3.25, the bad reply counted and logged with its node id
     assert arrays is not None

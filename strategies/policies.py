@@ -6,8 +6,9 @@
   K replies that arrive before ``deadline_s``; later replies are discarded and
   counted (Bonawitz et al., "Towards Federated Learning at Scale", MLSys 2019).
 
-In simulation (a :class:`~fedge.simulation.clock.MeteredGrid` over the inline grid)
-arrival times come from the virtual clock; with real devices the deadline is real time.
+In simulation (a :class:`~fedge.strategies.timing.TimedGrid` on a virtual clock, such as
+fedge's metering Grid over the inline grid) arrival times come from the virtual clock;
+with real devices the deadline is real time.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from fedge.simulation.clock import MeteredGrid
+from fedge.strategies.timing import TimedGrid, timed
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class DeadlinePolicy:
     Parameters
     ----------
     deadline_s : float
-        Round deadline in seconds (simulated on a MeteredGrid).
+        Round deadline in seconds (simulated on a virtual-clock TimedGrid).
     over_selection : float
         Select ``ceil(over_selection * target)`` devices (>= 1).
     """
@@ -68,18 +69,19 @@ class DeadlinePolicy:
     def exchange(self, grid: Grid, messages: list[Message], timeout: float, target: int) -> Exchange:
         """The first ``target`` replies before the deadline; the round lasts until the last of them."""
         wait = min(timeout, self.deadline_s)
-        if not isinstance(grid, MeteredGrid):
+        clock = timed(grid)
+        if clock is None:
             replies = list(grid.send_and_receive(messages, timeout=wait))
             return Exchange([r for r in replies if not r.has_error()][:target], late=len(messages) - len(replies))
-        if not getattr(grid.inner, "synchronous", False):
+        if not clock.virtual:
             # real devices: the deadline is real time and replies come in arrival order
-            replies = [reply for reply, _ in grid.exchange_timed(messages, wait)]
+            replies = [reply for reply, _ in clock.exchange_timed(messages, wait)]
             kept = [reply for reply in replies if not reply.has_error()][:target]
-            grid.count_participants(kept)
+            clock.count_participants(kept)
             return Exchange(kept, late=len(messages) - len(replies))
-        return self._on_virtual_clock(grid, messages, wait, target)
+        return self._on_virtual_clock(clock, messages, wait, target)
 
-    def _on_virtual_clock(self, grid: MeteredGrid, messages: list[Message], wait: float, target: int) -> Exchange:
+    def _on_virtual_clock(self, grid: TimedGrid, messages: list[Message], wait: float, target: int) -> Exchange:
         timed = grid.exchange_timed(messages, wait)
         on_time = sorted(((arrival, reply) for reply, arrival in timed
                           if arrival <= self.deadline_s and not reply.has_error()), key=lambda pair: pair[0])

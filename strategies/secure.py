@@ -49,11 +49,12 @@ from fedge.secagg import (
     unmask,
     valid_survivors_signature,
 )
-from fedge.server.validation import Rejection
 from fedge.strategies import FedAvg, FedNova, FedProx
 from fedge.strategies.fedavg import RoundReport
+from fedge.strategies.timing import durations
+from fedge.strategies.validation import Rejection
 
-log = logging.getLogger("fedge.server.secure")
+log = logging.getLogger("fedge.strategies.secure")
 
 ACTIONS = STEPS
 
@@ -232,7 +233,7 @@ class SecureAggregation(FedAvg):
                             dst_node_id=n, message_type=f"{MessageType.TRAIN}.secagg_masked") for n in targets]
         exchange = self.policy.exchange(grid, messages, timeout, self.clients_per_round)
         report.late += len(messages) - len(exchange.replies)  # late, surplus to the deadline's K, or gone
-        self.selector.observe(server_round, exchange.replies, getattr(grid, "last_durations", {}))
+        self.selector.observe(server_round, exchange.replies, durations(grid))
         replies = {}
         for reply in exchange.replies:
             if reply.has_error():
@@ -382,24 +383,36 @@ def _vector(reply: Message, length: int, bits: int) -> np.ndarray | None:
     return vector if vector.dtype == ring_dtype(bits) and vector.shape == (length,) else None
 
 
-SECURE_STRATEGIES: dict[str, type[FedAvg]] = {"fedavg": FedAvg, "fedprox": FedProx, "fednova": FedNova}
+class SecureFedProx(SecureAggregation, FedProx):
+    """FedProx (Li et al., MLSys 2020) with rounds under secure aggregation: devices add the
+    proximal term; stragglers' partial work counts."""
+
+
+class SecureFedNova(SecureAggregation, FedNova):
+    """FedNova (Wang et al., NeurIPS 2020) with rounds under secure aggregation: devices send
+    ``w * delta / a`` and ``w * a`` masked, so the normalised average needs no single ``a_i``."""
+
+
+# Each strategy (by its run-config name) that can run under secure aggregation, and the class that does.
+SECURE_STRATEGIES: dict[str, tuple[type[FedAvg], type[SecureAggregation]]] = {
+    "fedavg": (FedAvg, SecureAggregation), "fedprox": (FedProx, SecureFedProx),
+    "fednova": (FedNova, SecureFedNova)}
 
 
 def secure_variant(strategy_class: type[FedAvg]) -> type[SecureAggregation]:
-    """``strategy_class`` with its rounds run under secure aggregation.
+    """The class that runs ``strategy_class``'s rounds under secure aggregation.
 
     Raises
     ------
     ConfigError
         For strategies that need individual updates or are asynchronous.
     """
-    if strategy_class not in SECURE_STRATEGIES.values():
+    secure = {plain: variant for plain, variant in SECURE_STRATEGIES.values()}
+    if strategy_class not in secure:
         allowed = ", ".join(SECURE_STRATEGIES)
         raise ConfigError(
             f"secure-aggregation works with strategy {allowed}, not {strategy_class.__name__}: median, "
             "trimmed-mean and krum need individual updates, fedbuff is asynchronous and the server "
             "optimisers (fedavgm, fedadam, fedyogi) are not wired to it yet; drop secure-aggregation or "
             f"use one of {allowed}")
-    if strategy_class is FedAvg:
-        return SecureAggregation
-    return type(f"Secure{strategy_class.__name__}", (SecureAggregation, strategy_class), {})
+    return secure[strategy_class]

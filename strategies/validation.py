@@ -23,10 +23,10 @@ from flwr.app import ArrayRecord, Message, RecordDict
 from numpy.typing import NDArray
 
 from fedge import wire
-from fedge.clients.codec import decode_update, is_encoded
+from fedge.codec import decode_update, is_encoded
 from fedge.errors import UpdateRejected
 
-log = logging.getLogger("fedge.server.validation")
+log = logging.getLogger("fedge.strategies.validation")
 
 ArraySpec = dict[str, tuple[tuple[int, ...], str]]
 
@@ -126,7 +126,7 @@ class ReplyValidator:
     ) -> CheckedReply:
         """Validate every field of one reply: arrays, metrics and fedge's meta.
 
-        Compressed updates (fedge codecs, see :mod:`fedge.clients.codec`) are decoded
+        Compressed updates (fedge codecs, see :mod:`fedge.codec`) are decoded
         here, deltas added to ``reference`` (the model the device started from), and
         then checked like any other update.
 

@@ -156,7 +156,8 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "exploration": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "fairness-rounds": (lambda v: v >= 1, ">= 1"),
     "straggler-fraction": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "secagg-threshold": (lambda v: 0.5 <= v <= 1, "in [0.5, 1] (devices refuse a threshold of half their neighbours or less)"),
+    "secagg-threshold": (lambda v: 0.5 <= v <= 1,
+                         "in [0.5, 1] (devices refuse a threshold of half their neighbours or less)"),
     "secagg-neighbours": (lambda v: v == 0 or v >= 2, "0 (all pairs) or >= 2"),
     "secagg-clip": (lambda v: v > 0, "> 0"),
     "secagg-precision": (lambda v: v > 0, "> 0"),
@@ -221,7 +222,7 @@ def _checked(key: str, value: Any) -> Scalar:
 
 def _checked_codec(key: str, value: Any) -> str:
     """A ``codec.<profile>`` / ``downlink.<profile>`` value: a codec name that parses."""
-    from fedge.clients.codec import parse_codec  # the codec module owns the names
+    from fedge.codec import parse_codec  # the codec module owns the names
 
     if not isinstance(value, str):
         raise ConfigError(f"run-config '{key}' = {_shown(value)} must be a codec name string like 'int8'")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedge.clients.profiles import DeviceProfile, Fleet
+from fedge.profiles import DeviceProfile, Fleet
 
 _ONLINE, _DROP, _SPEED = 1, 2, 3
 

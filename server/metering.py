@@ -21,9 +21,9 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
 from fedge import wire
-from fedge.clients.profiles import DeviceProfile, Fleet
+from fedge.behaviour import Behaviour
 from fedge.errors import UpdateRejected
-from fedge.simulation.behaviour import Behaviour
+from fedge.profiles import DeviceProfile, Fleet
 
 log = logging.getLogger("fedge.simulation")
 
@@ -74,6 +74,16 @@ class MeteredGrid(Grid):
         attach = getattr(inner, "attach_clock", None)
         if callable(attach):  # simulated devices go on- and offline on this clock
             attach(lambda: self.sim_time)
+
+    @property
+    def virtual(self) -> bool:
+        """Whether the inner grid runs devices in-process, so time is the virtual clock's."""
+        return bool(getattr(self.inner, "synchronous", False))
+
+    def count_bytes(self, *, up: int = 0, down: int = 0) -> None:
+        """Charge traffic that went through the inner grid's push/pull without this wrapper."""
+        self.current.bytes_up += up
+        self.current.bytes_down += down
 
     def take_round(self) -> RoundTraffic:
         """Return the traffic since the last call and start a new round's count."""
@@ -151,7 +161,7 @@ class MeteredGrid(Grid):
         Flower's HTTP grid sleeps a fixed 3 s between pulls; polling the same
         push/pull API every 0.1 s returns each reply as soon as the SuperLink has it.
         """
-        if self.poll_interval is None or not messages or getattr(self.inner, "synchronous", False):
+        if self.poll_interval is None or not messages or self.virtual:
             return list(self.inner.send_and_receive(messages, timeout=timeout))
         waiting = set(self.inner.push_messages(messages))
         deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))

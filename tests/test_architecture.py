@@ -1,0 +1,108 @@
+"""The import contracts of ARCHITECTURE.md, checked on the source (run by ``make test``).
+
+Each folder is one layer; a module may import only from layers below its own (and its own
+package). Siblings on one level never import each other. Lazy imports inside functions and
+``TYPE_CHECKING`` imports count like any other: they couple the packages all the same.
+
+Why an AST walk and not import-linter: fedge maps top-level folders onto one namespace with
+setuptools ``package-dir``, which grimp (import-linter's graph builder) cannot follow from an
+editable install; reading the files it would analyse is as strict and needs no install.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _contract() -> tuple[dict[str, str], list[list[str]]]:
+    """(folder -> package, layers top to bottom) from pyproject's ``[tool.fedge.architecture]``."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    folders = {pkg: folder for pkg, folder in pyproject["tool"]["setuptools"]["package-dir"].items()}
+    layers = [[name.strip() for name in level.split("|")]
+              for level in pyproject["tool"]["fedge"]["architecture"]["layers"]]
+    return {folder: pkg for pkg, folder in folders.items()}, layers
+
+
+def _imported(tree: ast.AST, module: str) -> list[tuple[int, str]]:
+    """Every fedge module ``module``'s source imports (absolute or relative), with its line."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the importing module's package
+                base = module.split(".")[: -node.level]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            found += [(node.lineno, f"{target}.{alias.name}") for alias in node.names]
+    return [(line, name) for line, name in found if name == "fedge" or name.startswith("fedge.")]
+
+
+def _package_of(name: str, packages: list[str]) -> str:
+    """The longest declared package that ``name`` lies in (``fedge`` itself is the core)."""
+    return max((p for p in packages if name == p or name.startswith(p + ".")), key=len, default="fedge")
+
+
+def violations() -> list[str]:
+    """Every import that goes sideways or up, as ``file:line: a -> b``."""
+    folder_to_package, layers = _contract()
+    rank = {package: len(layers) - index for index, level in enumerate(layers) for package in level}
+    packages = list(rank)
+    found = []
+    for folder, package in folder_to_package.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            relative = path.relative_to(ROOT / folder).with_suffix("")
+            module = ".".join([package, *relative.parts]).removesuffix(".__init__")
+            tree = ast.parse(path.read_text(), str(path))
+            for line, name in _imported(tree, module):
+                target = _package_of(name, packages)
+                if target != package and rank[target] >= rank[package]:
+                    found.append(f"{path.relative_to(ROOT)}:{line}: {package} -> {name}")
+    return found
+
+
+def test_every_layer_imports_only_what_lies_below_it() -> None:
+    # Execute
+    found = violations()
+    # Assert: no exceptions listed anywhere
+    assert not found, "imports against ARCHITECTURE.md's layers:\n" + "\n".join(found)
+
+
+def test_every_package_has_a_layer() -> None:
+    # Prepare
+    folder_to_package, layers = _contract()
+    # Assert: a package missing from the contract would escape it
+    assert set(folder_to_package.values()) == {p for level in layers for p in level}
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("import fedge.server.app", ["fedge.server.app"]),
+    ("from fedge.strategies import FedAvg", ["fedge.strategies.FedAvg"]),
+    ("def f():\n    from fedge.cli import main", ["fedge.cli.main"]),
+    ("from . import codec", ["fedge.clients.codec"]),
+    ("from ..server import app", ["fedge.server.app"]),
+    ("import numpy", []),
+])
+def test_the_checker_sees_every_kind_of_import(source: str, expected: list[str]) -> None:
+    # Execute: as if in module fedge.clients.x (relative imports resolve against it)
+    names = [name for _, name in _imported(ast.parse(source), "fedge.clients.x")]
+    # Assert
+    assert names == expected
+
+
+def test_python_started_in_the_repository_root_imports_the_installed_package() -> None:
+    # Prepare / Execute: the trap was a top-level fedge/ folder shadowing the package-dir mapping
+    done = subprocess.run([sys.executable, "-c", "import fedge, fedge.edge, fedge.server.app; print(fedge.__file__)"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    # Assert
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert Path(done.stdout.strip()).parent == ROOT / "core"
