@@ -19,6 +19,7 @@ from numpy.typing import NDArray
 
 from fedge import wire
 from fedge.aggregate import WeightedMeanAccumulator, weighted_mean_metrics
+from fedge.errors import ConfigError
 from fedge.strategies.policies import RoundPolicy, SyncPolicy
 from fedge.strategies.selection import RandomSelector
 from fedge.strategies.timing import durations
@@ -75,22 +76,34 @@ class FedAvg(FlowerFedAvg):
     ``min_train_replies`` updates survive, the round returns no arrays and the
     global model stays as it was.
 
+    A drop-in for Flower's ``FedAvg``: ``fraction_train``, ``fraction_evaluate``,
+    ``min_train_nodes``, ``min_evaluate_nodes``, ``min_available_nodes`` (and the rest of
+    Flower's arguments) keep Flower's meaning and defaults, and replies of a standard Flower
+    ClientApp (arrays + a MetricRecord with ``num-examples``) are accepted; fedge's reply
+    meta is optional then, and validated when present.
+
     Parameters
     ----------
+    clients_per_round : int, optional
+        A fixed number of devices a round (fedge's runs). Without it, a round trains
+        ``max(int(fraction_train * connected), min_train_nodes)`` devices, as Flower does.
     validator : ReplyValidator, optional
-        Defaults to ``ReplyValidator()``.
+        Defaults to ``ReplyValidator(require_round_tag=False)`` (standard Flower replies pass).
     min_train_replies : int
         Accepted updates needed to change the global model.
+    wait_for_nodes_s : float
+        How long a round waits for enough devices to connect (logging every 10 s).
     **kwargs
         Passed to Flower's ``FedAvg`` (``fraction_train``, ``min_train_nodes``, ...).
     """
 
     keeps_partial_work = False  # FedAvg drops stragglers' replies; FedProx keeps them
+    wait_log_every_s = 10.0
 
     def __init__(
         self,
         *,
-        clients_per_round: int = 10,
+        clients_per_round: int | None = None,
         validator: ReplyValidator | None = None,
         selector: RandomSelector | None = None,
         policy: RoundPolicy | None = None,
@@ -99,11 +112,12 @@ class FedAvg(FlowerFedAvg):
         straggler_fraction: float = 0.0,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("fraction_evaluate", 0.0)
-        super().__init__(min_train_nodes=clients_per_round, min_available_nodes=clients_per_round,
-                         **kwargs)
+        if clients_per_round is not None and clients_per_round < 1:
+            raise ConfigError(f"clients_per_round must be >= 1, got {clients_per_round}")
+        super().__init__(**kwargs)
         self.clients_per_round = clients_per_round
-        self.validator = validator or ReplyValidator()
+        self.round_target = clients_per_round or self.min_train_nodes  # devices the current round wants
+        self.validator = validator or ReplyValidator(require_round_tag=False)
         self.selector = selector or RandomSelector()
         self.policy: RoundPolicy = policy or SyncPolicy()
         self.min_train_replies = min_train_replies
@@ -166,7 +180,7 @@ class FedAvg(FlowerFedAvg):
         """
         driver: Strategy = self.privacy.wrapper if self.privacy else self
         messages = list(driver.configure_train(server_round, arrays, config, grid))
-        exchange = self.policy.exchange(grid, messages, timeout, self.clients_per_round)
+        exchange = self.policy.exchange(grid, messages, timeout, self.round_target)
         self.reports[-1].late = exchange.late
         self.selector.observe(server_round, exchange.replies, durations(grid))
         if self.downlink is not None:
@@ -251,23 +265,44 @@ class FedAvg(FlowerFedAvg):
         return RecordDict({self.arrayrecord_key: record[self.arrayrecord_key],
                            self.configrecord_key: ConfigRecord({**config, "local-epochs": partial})})
 
-    def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
-        """Wait (up to ``wait_for_nodes_s``) for ``clients_per_round`` devices, then select.
+    def devices_needed(self) -> int:
+        """Devices that must be connected before a round starts."""
+        if self.clients_per_round is not None:
+            return self.clients_per_round
+        return max(self.min_available_nodes, self.min_train_nodes)
 
-        With fewer devices connected by then, selects all of them if there are at least
-        ``min_train_replies``; otherwise none (the round fails and the model is kept).
+    def round_size(self, connected: int) -> int:
+        """Devices a round trains: ``clients_per_round``, or Flower's fraction rule."""
+        if self.clients_per_round is not None:
+            return self.clients_per_round
+        return max(int(connected * self.fraction_train), self.min_train_nodes)
+
+    def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
+        """Wait (up to ``wait_for_nodes_s``) for :meth:`devices_needed` devices, then select.
+
+        While waiting, logs how many are connected of how many are needed every
+        ``wait_log_every_s`` seconds. With fewer devices connected by the deadline, selects
+        all of them if there are at least ``min_train_replies``; otherwise none (the round
+        fails and the model is kept).
         """
+        needed = self.devices_needed()
         deadline = time.monotonic() + self.wait_for_nodes_s
-        while len(nodes := list(grid.get_node_ids())) < self.clients_per_round:
-            if time.monotonic() >= deadline:
+        next_log = time.monotonic()
+        while len(nodes := list(grid.get_node_ids())) < needed:
+            now = time.monotonic()
+            if now >= deadline:
                 break
-            log.info("waiting for devices: %d connected, %d wanted", len(nodes), self.clients_per_round)
-            time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
+            if now >= next_log:
+                log.info("round %d: waiting for devices: %d connected of %d needed (%.0f s left)",
+                         server_round, len(nodes), needed, deadline - now)
+                next_log = now + self.wait_log_every_s
+            time.sleep(min(0.5, max(deadline - now, 0.0)))
         if len(nodes) < self.min_train_replies:
             log.warning("round %d: only %d devices connected (< min-train-replies %d); round skipped",
                         server_round, len(nodes), self.min_train_replies)
             return []
-        return self.selector.select(server_round, nodes, self.policy.selection_size(self.clients_per_round))
+        self.round_target = min(self.round_size(len(nodes)), len(nodes))
+        return self.selector.select(server_round, nodes, self.policy.selection_size(self.round_target))
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

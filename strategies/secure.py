@@ -231,7 +231,7 @@ class SecureAggregation(FedAvg):
         messages = [Message(RecordDict({"arrays": instructions[n]["arrays"], "config": instructions[n]["config"],
                                         "inbox": inboxes[n], "secagg": params}),
                             dst_node_id=n, message_type=f"{MessageType.TRAIN}.secagg_masked") for n in targets]
-        exchange = self.policy.exchange(grid, messages, timeout, self.clients_per_round)
+        exchange = self.policy.exchange(grid, messages, timeout, self.round_target)
         report.late += len(messages) - len(exchange.replies)  # late, surplus to the deadline's K, or gone
         self.selector.observe(server_round, exchange.replies, durations(grid))
         replies = {}
