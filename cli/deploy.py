@@ -66,6 +66,9 @@ def _run_config(args: argparse.Namespace) -> dict[str, Any]:
     overrides.update({k: v for k, v in flags.items() if v is not None})
     overrides["deployment"] = True
     config = resolve_run_config(overrides)  # refuse bad keys before starting anything
+    from fedge.strategies import strategy_spec
+
+    strategy_spec(str(config["strategy"]))  # a name no strategy registered: refused here, not in the ServerApp
     if not config["run-dir"]:
         from fedge.server.report import run_dir_for
 

@@ -108,8 +108,6 @@ DEFAULTS: dict[str, Scalar] = {
 CODEC_PREFIXES = ("codec.", "downlink.")
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "strategy": ("fedavg", "fedprox", "fednova", "fedbuff", "fedavgm", "fedadam", "fedyogi", "trimmed-mean", "median",
-                 "krum"),
     "byzantine-attack": ("sign-flip", "scale"),
     "round-policy": ("sync", "deadline"),
     "local-budget": ("epochs", "time"),

@@ -30,7 +30,7 @@ from fedge.server.metering import MeteredGrid, reply_seconds
 from fedge.server.privacy import CLIENT_CLIPPING, build_privacy
 from fedge.server.recorder import RoundRecorder
 from fedge.server.report import run_dir_for, write_json_atomic
-from fedge.strategies import STRATEGIES, FedAvg
+from fedge.strategies import FedAvg, strategy_spec
 from fedge.strategies.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
 from fedge.strategies.secure import MIN_DEVICES, secure_variant
 from fedge.strategies.selection import OortSelector, RandomSelector
@@ -74,23 +74,8 @@ def build_strategy(config: Mapping[str, Scalar], num_nodes: int | None = None) -
     if num_nodes is not None and per_round > num_nodes:
         raise ConfigError(f"clients-per-round = {per_round} exceeds the fleet's {num_nodes} "
                           "devices; lower clients-per-round or enlarge the fleet")
-    name = str(config["strategy"])
-    options: dict[str, dict[str, Any]] = {
-        "trimmed-mean": {"trim_fraction": float(config["trim-fraction"])},
-        "krum": {"num_byzantine": int(config["num-byzantine"]), "num_selected": int(config["krum-select"])},
-        "fedprox": {"proximal_mu": float(config["proximal-mu"])},
-        "fednova": {"local_momentum": float(config["momentum"])},
-        "fedavgm": {"server_learning_rate": float(config["server-learning-rate"]),
-                    "server_momentum": float(config["server-momentum"])},
-        "fedadam": {"server_learning_rate": float(config["adaptive-learning-rate"])},
-        "fedyogi": {"server_learning_rate": float(config["adaptive-learning-rate"])},
-        "fedbuff": {"concurrency": min(int(config["concurrency"]), num_nodes or int(config["concurrency"])),
-                    "buffer_size": int(config["buffer-size"]),
-                    "server_learning_rate": float(config["server-learning-rate"]),
-                    "staleness_exponent": float(config["staleness-exponent"])},
-    }
-    extra = options.get(name, {})
-    strategy_class = STRATEGIES[name]
+    spec = strategy_spec(str(config["strategy"]))
+    extra, strategy_class = spec.options(config, num_nodes), spec.cls
     if config["secure-aggregation"]:
         strategy_class = secure_variant(strategy_class)
         extra = {**extra, **secure_options(config, build_policy(config).selection_size(per_round))}

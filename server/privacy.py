@@ -50,9 +50,9 @@ from numpy.typing import NDArray
 from fedge import wire
 from fedge.config import Scalar
 from fedge.errors import ConfigError
+from fedge.strategies.registry import REGISTRY, strategy_spec
 
 DP_MODES = ("off", "server-fixed", "client-fixed", "server-adaptive", "client-adaptive")
-DP_STRATEGIES = ("fedavg", "fedprox")
 STATE_KEY = "dp-accountant"
 CLIP_KEY = "dp-clipping-norm"
 CLIENT_CLIPPING = wire.DP_CLIENT_CLIPPING
@@ -164,9 +164,10 @@ def build_privacy(strategy: Strategy, config: Mapping[str, Scalar], population: 
     mode = str(config["dp"])
     if mode == "off":
         return None
-    if config["strategy"] not in DP_STRATEGIES:
-        raise ConfigError(f"dp = '{mode}' works with strategy {', '.join(DP_STRATEGIES)} (the noise is calibrated "
-                          f"to a mean of clipped updates), not '{config['strategy']}'; use fedavg or fedprox")
+    if not strategy_spec(str(config["strategy"])).dp:
+        allowed = ", ".join(sorted(name for name, spec in REGISTRY.items() if spec.dp))
+        raise ConfigError(f"dp = '{mode}' works with strategy {allowed} (the noise is calibrated "
+                          f"to a mean of clipped updates), not '{config['strategy']}'; use one of {allowed}")
     if config["secure-aggregation"]:
         raise ConfigError("dp with secure-aggregation is not supported yet (the coordinator cannot clip updates it "
                           "cannot see, and fedge does not add distributed noise on devices); turn one of them off")

@@ -1,8 +1,11 @@
-"""Aggregation strategies: thin Flower ``Strategy`` subclasses around :mod:`.aggregate`.
+"""Aggregation strategies: thin Flower ``Strategy`` subclasses around :mod:`fedge.aggregate`.
 
 Every strategy validates replies (see :class:`FedAvg`); they differ only in the
 ``aggregate_updates`` hook.
 """
+
+import importlib
+import pkgutil
 
 from fedge.strategies.fedadam import FedAdam
 from fedge.strategies.fedavg import FedAvg, RoundReport
@@ -13,20 +16,16 @@ from fedge.strategies.fedprox import FedProx
 from fedge.strategies.fedyogi import FedYogi
 from fedge.strategies.krum import Krum
 from fedge.strategies.median import Median
+from fedge.strategies.registry import REGISTRY, StrategySpec, register, strategy_spec
 from fedge.strategies.trimmed_mean import TrimmedMean
 
-STRATEGIES: dict[str, type[FedAvg]] = {
-    "fedavg": FedAvg,
-    "fedprox": FedProx,
-    "fednova": FedNova,
-    "fedbuff": FedBuff,
-    "fedavgm": FedAvgM,
-    "fedadam": FedAdam,
-    "fedyogi": FedYogi,
-    "trimmed-mean": TrimmedMean,
-    "median": Median,
-    "krum": Krum,
-}
+# A strategy registers itself when its module is imported: import every module of the
+# package, so a new strategy file needs no line here.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["STRATEGIES", "FedAdam", "FedAvg", "FedAvgM", "FedBuff", "FedNova", "FedProx", "FedYogi", "Krum", "Median",
-           "RoundReport", "TrimmedMean"]
+# Every registered strategy by run-config name.
+STRATEGIES: dict[str, type[FedAvg]] = {name: spec.cls for name, spec in REGISTRY.items()}
+
+__all__ = ["REGISTRY", "STRATEGIES", "FedAdam", "FedAvg", "FedAvgM", "FedBuff", "FedNova", "FedProx", "FedYogi",
+           "Krum", "Median", "RoundReport", "StrategySpec", "TrimmedMean", "register", "strategy_spec"]

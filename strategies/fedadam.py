@@ -10,9 +10,11 @@ from numpy.typing import NDArray
 
 from fedge.aggregate import State, adaptive_step
 from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.registry import register
 from fedge.strategies.validation import AcceptedUpdate
 
 
+@register("fedadam", options=lambda c, n: {"server_learning_rate": float(c["adaptive-learning-rate"])})
 class FedAdam(FedAvg):
     """FedAdam (Reddi et al., "Adaptive Federated Optimization", ICLR 2021).
 

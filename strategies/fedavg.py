@@ -21,6 +21,7 @@ from fedge import wire
 from fedge.aggregate import WeightedMeanAccumulator, weighted_mean_metrics
 from fedge.errors import ConfigError
 from fedge.strategies.policies import RoundPolicy, SyncPolicy
+from fedge.strategies.registry import register
 from fedge.strategies.selection import RandomSelector
 from fedge.strategies.timing import durations
 from fedge.strategies.validation import AcceptedUpdate, Failure, Rejection, ReplyValidator
@@ -65,6 +66,7 @@ class DownlinkLayer(Protocol):
     def learn(self, replies: list[Message]) -> None: ...
 
 
+@register("fedavg", dp=True)
 class FedAvg(FlowerFedAvg):
     """Federated Averaging (McMahan et al., AISTATS 2017) that never trusts a reply.
 

@@ -10,9 +10,12 @@ from numpy.typing import NDArray
 
 from fedge.aggregate import State, fedavgm_step
 from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.registry import register
 from fedge.strategies.validation import AcceptedUpdate
 
 
+@register("fedavgm", options=lambda c, n: {"server_learning_rate": float(c["server-learning-rate"]),
+                                              "server_momentum": float(c["server-momentum"])})
 class FedAvgM(FedAvg):
     """FedAvg with server momentum (Hsu et al., "Measuring the Effects of Non-Identical
     Data Distribution for Federated Visual Classification", 2019).

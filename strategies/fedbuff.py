@@ -19,6 +19,7 @@ from fedge import wire
 from fedge.aggregate import apply_buffer, staleness_weight
 from fedge.errors import ConfigError, UpdateRejected
 from fedge.strategies.fedavg import FedAvg, RoundReport
+from fedge.strategies.registry import register
 from fedge.strategies.timing import TimedGrid, timed, virtual
 from fedge.strategies.validation import Rejection, spec_of
 
@@ -34,6 +35,9 @@ class _InFlight:
     reply: Message = field(compare=False)
 
 
+@register("fedbuff", options=lambda c, n: {
+    "concurrency": min(int(c["concurrency"]), n or int(c["concurrency"])), "buffer_size": int(c["buffer-size"]),
+    "server_learning_rate": float(c["server-learning-rate"]), "staleness_exponent": float(c["staleness-exponent"])})
 class FedBuff(FedAvg):
     """FedBuff (Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation",
     AISTATS 2022).

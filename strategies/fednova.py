@@ -10,9 +10,11 @@ from numpy.typing import NDArray
 
 from fedge.aggregate import FedNovaAccumulator, fednova_norm
 from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.registry import register
 from fedge.strategies.validation import AcceptedUpdate
 
 
+@register("fednova", options=lambda c, n: {"local_momentum": float(c["momentum"])})
 class FedNova(FedAvg):
     """FedNova (Wang et al., NeurIPS 2020): normalise each update by its local work.
 

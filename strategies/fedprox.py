@@ -9,10 +9,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.registry import register
 
 PROXIMAL_MU = "proximal-mu"
 
 
+@register("fedprox", dp=True, options=lambda c, n: {"proximal_mu": float(c["proximal-mu"])})
 class FedProx(FedAvg):
     """FedProx (Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020).
 

@@ -11,11 +11,14 @@ from numpy.typing import NDArray
 
 from fedge.aggregate import multi_krum
 from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.registry import register
 from fedge.strategies.validation import AcceptedUpdate
 
 log = logging.getLogger("fedge.strategies")
 
 
+@register("krum", needs_individual_updates=True,
+          options=lambda c, n: {"num_byzantine": int(c["num-byzantine"]), "num_selected": int(c["krum-select"])})
 class Krum(FedAvg):
     """Krum / Multi-Krum (Blanchard et al., NeurIPS 2017).
 

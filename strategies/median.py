@@ -9,9 +9,11 @@ from numpy.typing import NDArray
 
 from fedge.aggregate import coordinate_median
 from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.registry import register
 from fedge.strategies.validation import AcceptedUpdate
 
 
+@register("median", needs_individual_updates=True)
 class Median(FedAvg):
     """FedAvg with the coordinate-wise median (Yin et al., ICML 2018); unweighted."""
 

@@ -10,9 +10,12 @@ from numpy.typing import NDArray
 
 from fedge.aggregate import trimmed_mean
 from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.registry import register
 from fedge.strategies.validation import AcceptedUpdate
 
 
+@register("trimmed-mean", needs_individual_updates=True,
+          options=lambda c, n: {"trim_fraction": float(c["trim-fraction"])})
 class TrimmedMean(FedAvg):
     """FedAvg with a coordinate-wise beta-trimmed mean (Yin et al., ICML 2018).
 

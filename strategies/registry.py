@@ -1,0 +1,81 @@
+"""The strategy registry: each strategy file registers its class, its run-config name and how
+it reads its options from the run config. Adding a strategy is one file (plus tests).
+
+The registry knows what each strategy can be combined with, so the coordinator refuses
+impossible combinations by asking it instead of keeping lists of names:
+``dp`` (the noise is calibrated to a mean of clipped updates) and secure aggregation
+(the coordinator must not need individual updates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fedge.config import Scalar
+from fedge.errors import ConfigError
+
+Options = Callable[[Mapping[str, Scalar], int | None], dict[str, Any]]
+T = TypeVar("T", bound=type)
+
+
+def no_options(config: Mapping[str, Scalar], num_nodes: int | None) -> dict[str, Any]:
+    """For strategies without options of their own."""
+    return {}
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One registered strategy.
+
+    Attributes
+    ----------
+    name : str
+        Its run-config name (``strategy = "<name>"``).
+    cls : type
+        The strategy class.
+    options : Callable
+        Constructor keyword arguments from the run config (and the fleet size, when known).
+    dp : bool
+        Works with differential privacy (a mean of clipped updates).
+    needs_individual_updates : bool
+        Needs each update on its own (robust aggregation): no secure aggregation.
+    """
+
+    name: str
+    cls: type
+    options: Options
+    dp: bool = False
+    needs_individual_updates: bool = False
+
+
+REGISTRY: dict[str, StrategySpec] = {}
+
+
+def register(name: str, *, options: Options = no_options, dp: bool = False,
+             needs_individual_updates: bool = False) -> Callable[[T], T]:
+    """Class decorator: register a strategy under ``name``."""
+    def decorate(cls: T) -> T:
+        if name in REGISTRY and REGISTRY[name].cls is not cls:
+            raise ConfigError(f"two strategies registered as '{name}': {REGISTRY[name].cls.__name__} and "
+                              f"{cls.__name__}; give one another name")
+        REGISTRY[name] = StrategySpec(name, cls, options, dp, needs_individual_updates)
+        return cls
+    return decorate
+
+
+def strategy_spec(name: str) -> StrategySpec:
+    """The registered strategy ``name``.
+
+    Raises
+    ------
+    ConfigError
+        Naming the strategies there are.
+    """
+    import fedge.strategies  # noqa: F401 - importing the package registers every built-in strategy
+
+    if name not in REGISTRY:
+        raise ConfigError(f"run-config 'strategy' = {name!r} is not a registered strategy; use one of: "
+                          f"{', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name]

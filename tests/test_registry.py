@@ -1,0 +1,111 @@
+"""Strategies come from one registry (issue 13, item 3): adding one is one file plus tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedge.cli.main import main
+from fedge.config import resolve_run_config
+from fedge.errors import ConfigError
+from fedge.server.app import build_strategy
+from fedge.server.privacy import build_privacy
+from fedge.strategies import REGISTRY, STRATEGIES, FedProx, Krum, strategy_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(("name", "attribute", "key", "value"), [
+    ("fedprox", "proximal_mu", "proximal-mu", 0.25),
+    ("fednova", "local_momentum", "momentum", 0.5),
+    ("trimmed-mean", "trim_fraction", "trim-fraction", 0.3),
+    ("krum", "num_byzantine", "num-byzantine", 3),
+    ("fedbuff", "buffer_size", "buffer-size", 7),
+])
+def test_each_strategy_reads_its_own_options_from_the_run_config(name: str, attribute: str, key: str,
+                                                                  value: Any) -> None:
+    # Execute
+    strategy = build_strategy(resolve_run_config({"strategy": name, key: value, "clients-per-round": 5}), 20)
+    # Assert
+    assert isinstance(strategy, STRATEGIES[name]) and getattr(strategy, attribute) == value
+
+
+def test_every_strategy_module_registers_its_class_under_its_name() -> None:
+    # Assert: ten built-ins, each class found under the name its file gave it
+    assert len(REGISTRY) == 10
+    assert strategy_spec("fedprox").cls is FedProx and strategy_spec("krum").cls is Krum
+    assert {name for name, spec in REGISTRY.items() if spec.dp} == {"fedavg", "fedprox"}
+
+
+def test_an_unknown_strategy_is_refused_naming_the_registered_ones() -> None:
+    # Execute / Assert
+    with pytest.raises(ConfigError, match="not a registered strategy; use one of: fedadam, fedavg"):
+        build_strategy(resolve_run_config({"strategy": "fedsgd"}), 20)
+
+
+def test_dp_asks_the_registry_which_strategies_it_combines_with() -> None:
+    # Prepare
+    config = resolve_run_config({"strategy": "median", "dp": "server-fixed"})
+    # Execute / Assert
+    with pytest.raises(ConfigError, match="works with strategy fedavg, fedprox"):
+        build_privacy(build_strategy(config, 20), config, 20)
+
+
+def test_the_cli_refuses_an_unknown_strategy_with_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # Execute
+    code = main(["simulate", "--run-config", f"strategy='fedsgd' run-dir='{tmp_path / 'r'}'"])
+    # Assert
+    assert code == 2 and "not a registered strategy" in capsys.readouterr().err
+
+
+NEW_STRATEGY = '''
+"""A toy strategy, written as a new file would be: the plain mean of the accepted updates."""
+
+from fedge.aggregate import WeightedMeanAccumulator
+from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.registry import register
+
+
+@register("plain-mean", options=lambda config, nodes: {"step": float(config["server-learning-rate"])})
+class PlainMean(FedAvg):
+    def __init__(self, *, step=1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.step = step
+
+    def aggregate_updates(self, updates):
+        total = WeightedMeanAccumulator()
+        for update in updates:
+            total.add(update.arrays, 1.0)
+        return total.result() if total.count else None
+'''
+
+
+def test_adding_a_strategy_is_one_file(tmp_path: Path) -> None:
+    # Prepare: a copy of the strategies folder with one new file in it, nothing else touched
+    import shutil
+
+    package = tmp_path / "strategies"
+    shutil.copytree(ROOT / "strategies", package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "plain_mean.py").write_text(textwrap.dedent(NEW_STRATEGY))
+    probe = textwrap.dedent(f"""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("fedge.strategies", {str(package / '__init__.py')!r},
+                                                      submodule_search_locations=[{str(package)!r}])
+        module = importlib.util.module_from_spec(spec); sys.modules["fedge.strategies"] = module
+        spec.loader.exec_module(module)
+        from fedge.config import resolve_run_config
+        from fedge.server.app import build_strategy
+        config = resolve_run_config({{"strategy": "plain-mean", "server-learning-rate": 0.5}})
+        strategy = build_strategy(config, 20)
+        print(type(strategy).__name__, strategy.step)
+    """)
+    # Execute
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    # Assert: the run config names it and the coordinator builds it
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["PlainMean", "0.5"]
