@@ -33,6 +33,7 @@ class _InFlight:
     node: int = field(compare=False)
     version: int = field(compare=False)
     reply: Message = field(compare=False)
+    duration: float = field(default=0.0, compare=False)  # how long the device took (what selectors learn)
 
 
 @register("fedbuff", options=lambda c, n: {
@@ -110,7 +111,8 @@ class _SimulatedArrivals:
         """Give ``node`` work (a device that drops out never arrives)."""
         for reply, seconds in self.grid.exchange_timed([message], self.timeout):
             self.sequence += 1
-            heapq.heappush(self.heap, _InFlight(self.grid.sim_time + seconds, self.sequence, node, version, reply))
+            heapq.heappush(self.heap, _InFlight(self.grid.sim_time + seconds, self.sequence, node, version, reply,
+                                                seconds))
 
     def next(self) -> _InFlight | None:
         """The earliest arrival, with the clock moved to it; ``None`` when nothing is in flight."""
@@ -153,7 +155,8 @@ class _LiveArrivals:
                 node, version, started = self.pending.pop(reply.metadata.reply_to_message_id, (0, 0, 0.0))
                 if node:
                     self.sequence += 1
-                    self.ready.append(_InFlight(time.monotonic() - started, self.sequence, node, version, reply))
+                    took = time.monotonic() - started
+                    self.ready.append(_InFlight(took, self.sequence, node, version, reply, took))
             expired = [i for i, (_, _, started) in self.pending.items() if time.monotonic() - started > self.timeout]
             for message_id in expired:
                 log.warning("fedbuff: node %d did not reply within %.0f s", self.pending.pop(message_id)[0],
@@ -199,15 +202,21 @@ class _AsyncRun:
         return True
 
     def _launch(self) -> None:
+        """Start idle devices, as a round of the synchronous strategies would: chosen by the
+        selector for the current server round, stragglers simulated, each model in its
+        device's downlink codec."""
         busy = self.arrivals.busy()
         idle = [node for node in self.grid.get_node_ids() if node not in busy]
         wanted = self.strategy.concurrency - len(busy)
-        chosen = self.strategy.selector.select(self.version * 7919 + self.launches, idle, wanted) if wanted > 0 else []
+        server_round = self.version + 1
+        chosen = self.strategy.selector.select(server_round, idle, wanted) if wanted > 0 else []
+        self.strategy.stragglers = self.strategy._pick_stragglers(server_round * 1_009 + self.launches, chosen)
+        config = ConfigRecord({**self.config, wire.SERVER_ROUND: server_round})
+        record = RecordDict({self.strategy.arrayrecord_key: self.arrays, self.strategy.configrecord_key: config})
         for node in chosen:
             self.launches += 1
-            config = ConfigRecord({**self.config, wire.SERVER_ROUND: self.version + 1})
-            message = Message(RecordDict({"arrays": self.arrays, "config": config}), dst_node_id=node,
-                              message_type=MessageType.TRAIN)
+            content = self.strategy._instruction(node, record, config, server_round, self.grid)
+            message = Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
             self.report.selected += 1
             self.arrivals.launch(message, node, self.version)
 
@@ -216,6 +225,9 @@ class _AsyncRun:
         if reply.has_error():
             self.report.failed.append(Rejection(node, f"device error: {reply.error.reason}"))
             return
+        self.strategy.selector.observe(event.version + 1, [reply], {node: event.duration})
+        if self.strategy.downlink is not None:
+            self.strategy.downlink.learn([reply])
         try:
             arrays, weight = self.strategy.validator.check(reply.content, server_round=event.version + 1,
                                                            spec=spec_of(self.arrays),
