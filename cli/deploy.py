@@ -67,8 +67,10 @@ def _run_config(args: argparse.Namespace) -> dict[str, Any]:
     overrides["deployment"] = True
     config = resolve_run_config(overrides)  # refuse bad keys before starting anything
     from fedge.strategies import strategy_spec
+    from fedge.task.models import model_class
 
-    strategy_spec(str(config["strategy"]))  # a name no strategy registered: refused here, not in the ServerApp
+    strategy_spec(str(config["strategy"]))  # names nothing registered: refused here, not in the ServerApp
+    model_class(str(config["model"]))
     if not config["run-dir"]:
         from fedge.server.report import run_dir_for
 

@@ -70,7 +70,7 @@ KNOBS: dict[str, Knob] = {
     "strategy": Knob("fedavg", "aggregation strategy: a name registered in fedge.strategies", "strategies"),
     "dataset": Knob("digits", "digits, synthetic (FedProx Synthetic(alpha, beta)), npz or csv (with data-path)",
                     "task", choices=("digits", "synthetic", "npz", "csv")),
-    "model": Knob("cnn", "model architecture", "task", choices=("mlp", "cnn", "logreg")),
+    "model": Knob("cnn", "model architecture: a name registered in fedge.task.models (mlp, cnn, logreg)", "task"),
     "partitioner": Knob("dirichlet", "how simulated devices split the data: label skew or iid", "task",
                         choices=("dirichlet", "iid")),
     "dirichlet-alpha": Knob(0.5, "label skew of the dirichlet partitioner (smaller: more skewed)", "task",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from flwr.app import ArrayRecord
@@ -10,7 +12,23 @@ from torch import nn
 
 from fedge.errors import CheckpointMismatch, ConfigError
 
+# Models by run-config name (``model = "<name>"``); a model registers itself with
+# :func:`register_model`, so adding one is one class.
+MODELS: dict[str, type[nn.Module]] = {}
+M = TypeVar("M", bound=type[nn.Module])
 
+
+def register_model(name: str) -> Callable[[M], M]:
+    """Class decorator: make ``cls(num_features, num_classes)`` the model ``name``."""
+    def decorate(cls: M) -> M:
+        if name in MODELS and MODELS[name] is not cls:
+            raise ConfigError(f"two models registered as '{name}': {MODELS[name].__name__} and {cls.__name__}")
+        MODELS[name] = cls
+        return cls
+    return decorate
+
+
+@register_model("logreg")
 class LogReg(nn.Module):
     """Multinomial logistic regression (the FedProx paper's Synthetic model)."""
 
@@ -22,6 +40,7 @@ class LogReg(nn.Module):
         return self.linear(x)  # type: ignore[no-any-return]
 
 
+@register_model("mlp")
 class MLP(nn.Module):
     """Two-layer perceptron: features -> hidden -> classes."""
 
@@ -35,6 +54,7 @@ class MLP(nn.Module):
         return self.net(x)  # type: ignore[no-any-return]
 
 
+@register_model("cnn")
 class SmallCNN(nn.Module):
     """A small CNN for square single-channel images given as flat vectors (digits: 8x8)."""
 
@@ -59,18 +79,28 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x.reshape(-1, 1, self.side, self.side)))  # type: ignore[no-any-return]
 
 
-MODELS: dict[str, type[nn.Module]] = {"logreg": LogReg, "mlp": MLP, "cnn": SmallCNN}
+def model_class(name: str) -> type[nn.Module]:
+    """The model registered as ``name``.
+
+    Raises
+    ------
+    ConfigError
+        Naming the registered models.
+    """
+    if name not in MODELS:
+        raise ConfigError(f"run-config 'model' = {name!r} is not a registered model; use one of: "
+                          f"{', '.join(MODELS)}")
+    return MODELS[name]
 
 
 def build_model(name: str, num_features: int, num_classes: int, *, seed: int | None = None) -> nn.Module:
-    """Instantiate a built-in model; ``seed`` makes its initial weights reproducible."""
-    if name not in MODELS:
-        raise ConfigError(f"unknown model '{name}'; use one of: {', '.join(MODELS)}")
+    """Instantiate a registered model; ``seed`` makes its initial weights reproducible."""
+    cls = model_class(name)
     if seed is not None:
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            return MODELS[name](num_features, num_classes)
-    return MODELS[name](num_features, num_classes)
+            return cls(num_features, num_classes)  # type: ignore[call-arg]
+    return cls(num_features, num_classes)  # type: ignore[call-arg]
 
 
 def model_arrays(model: nn.Module) -> ArrayRecord:

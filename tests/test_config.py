@@ -42,7 +42,6 @@ def test_overrides_merge_over_defaults() -> None:
         ({"num-rounds": 0}, "must be >= 1"),
         ({"export-onnx": 1}, "must be a bool"),
         ({"num-rounds": True}, "must be a int"),
-        ({"model": "resnet"}, "use one of: mlp, cnn, logreg"),
         ({"test-fraction": 1.0}, "in \\(0, 1\\)"),
         ({"secagg-threshold": 0.3}, "in \\[0.5, 1\\]"),
     ],

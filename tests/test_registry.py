@@ -109,3 +109,44 @@ def test_adding_a_strategy_is_one_file(tmp_path: Path) -> None:
     # Assert: the run config names it and the coordinator builds it
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["PlainMean", "0.5"]
+
+
+def test_a_model_is_one_registered_class(tmp_path: Path) -> None:
+    # Prepare: a model defined outside fedge, registered by name
+    import torch
+    from torch import nn
+
+    from fedge.task.models import MODELS, build_model, register_model
+
+    @register_model("tiny-linear-test")
+    class TinyLinear(nn.Module):
+        def __init__(self, num_features: int, num_classes: int) -> None:
+            super().__init__()
+            self.linear = nn.Linear(num_features, num_classes)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x)  # type: ignore[no-any-return]
+
+    try:
+        # Execute
+        model = build_model("tiny-linear-test", 64, 10, seed=3)
+        again = build_model("tiny-linear-test", 64, 10, seed=3)
+        # Assert: built by name, seeded
+        assert isinstance(model, TinyLinear)
+        assert torch.equal(model.linear.weight, again.linear.weight)
+    finally:
+        MODELS.pop("tiny-linear-test")
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("strategy", "fedsgd", "not a registered strategy"),
+    ("model", "resnet", "not a registered model; use one of: logreg, mlp, cnn"),
+])
+def test_coordinator_start_refuses_unregistered_names_before_starting_anything(
+        key: str, value: str, message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # Execute
+    code = main(["coordinator", "start", "--insecure", "--state-dir", str(tmp_path / "state"),
+                 "--run-config", f"{key}='{value}'"])
+    # Assert: one line, exit 2, no state written
+    assert code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()
