@@ -1,6 +1,11 @@
-"""Update compression codecs: error bounds, unbiasedness, error feedback, malformed payloads."""
+"""Update compression codecs: error bounds, unbiasedness, error feedback, malformed payloads,
+and the wire format, frozen byte for byte."""
 
 from __future__ import annotations
+
+import hashlib
+import sys
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -9,8 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from fedge import codec as codec_module
 from fedge.codec import (
     Codec,
+    Fp16,
+    Fp32,
+    Int8,
+    Int8Channel,
     decode_tensor,
     decode_update,
     encode_tensor,
@@ -115,6 +125,7 @@ def test_error_feedback_sends_everything_eventually() -> None:
             sent[name] += decoded[name]
             true[name] += delta[name]
     # Assert: transmitted + residual == true, up to float32 rounding
+    assert residual is not None
     for name in base:
         np.testing.assert_allclose(sent[name] + residual[name], true[name], atol=1e-4)
 
@@ -155,13 +166,20 @@ def test_a_delta_needs_a_reference_of_the_same_shape() -> None:
 
 
 @pytest.mark.parametrize(("text", "expected"), [
-    ("fp32", Codec()), ("", Codec()), ("int8", Codec(None, "int8")), ("topk:0.01+int8", Codec(0.01, "int8")),
-    ("topk:1", Codec(1.0, None)), ("topk:0.05+fp16", Codec(0.05, "fp16")),
-    ("int8:channel", Codec(None, "int8:channel")),
+    ("fp32", Codec()), ("", Codec()), ("int8", Codec(None, Int8())), ("topk:0.01+int8", Codec(0.01, Int8())),
+    ("topk:1", Codec(1.0, None)), ("topk:0.05+fp16", Codec(0.05, Fp16())),
+    ("int8:channel", Codec(None, Int8Channel())),
+    ("topk:0.1+fp32", Codec(0.1)),  # fp32 is the quantiser a name without one means
 ])
 def test_codec_names_parse(text: str, expected: Codec) -> None:
     assert parse_codec(text) == expected
     assert parse_codec(expected.name) == expected
+
+
+def test_fp32_has_one_spelling() -> None:
+    assert Codec(None, Fp32()) == Codec() and Codec(None, Fp32()).lossless
+    assert Codec(0.1, Fp32()).name == "topk:0.1"
+    assert Codec(None, Int8()) != Codec(None, Int8Channel())
 
 
 @pytest.mark.parametrize(("text", "reason"), [
@@ -173,6 +191,9 @@ def test_codec_names_parse(text: str, expected: Codec) -> None:
     ("int8+topk:0.1", "top-k must come first"),
     ("topk:0.1+topk:0.2", "top-k must come first and only once"),
     ("fp16+int8", "at most one quantiser"),
+    ("int8+fp32", "at most one quantiser"),
+    ("int8:foo", "unknown codec 'int8:foo'"),
+    ("int8+", "unknown codec ''"),
 ])
 def test_bad_codec_names_are_refused(text: str, reason: str) -> None:
     with pytest.raises(ConfigError, match=reason):
@@ -203,3 +224,90 @@ def test_a_huge_declared_shape_is_rejected_before_anything_is_allocated() -> Non
         decode_update(ArrayRecord({"w": huge}), {"w": np.zeros(10, np.float32)})
     with pytest.raises(UpdateRejected, match="not part of the model"):
         decode_update(ArrayRecord({"x": huge}), {"w": np.zeros(10, np.float32)})
+
+
+# --------------------------------------------------------------------------- the wire format, frozen
+
+WIRE_CODECS = ["fp32", "fp32-delta", "fp16", "int8", "int8:channel", "topk:0.1", "topk:1", "topk:0.001",
+               "topk:0.1+fp16", "topk:0.1+int8", "topk:0.1+int8:channel"]
+
+# sha256 of wire_digest(module, codec) below, made with the implementation before the quantiser registry
+# (string branches, commit cf353d3), in the repository root:
+#     git show cf353d3:core/codec.py > /tmp/old_codec.py
+#     .venv/bin/python -c 'import importlib.util as u, sys; from tests.test_codec import WIRE_CODECS, wire_digest
+#     s = u.spec_from_file_location("old_codec", "/tmp/old_codec.py"); m = u.module_from_spec(s)
+#     sys.modules["old_codec"] = m; s.loader.exec_module(m); [print(n, wire_digest(m, n)) for n in WIRE_CODECS]'
+# A changed digest means changed bytes on the wire (or a change in what they decode to): devices and
+# coordinators of different versions would no longer understand each other. Never update one to make
+# this test pass; a new quantiser adds its own codec names and digests (made by its first version).
+WIRE_DIGESTS = {
+    "fp32": "33d87162ec2946675012a09981e8799cec0419c22c4eb09f6f5974278fa460c5",
+    "fp32-delta": "33d87162ec2946675012a09981e8799cec0419c22c4eb09f6f5974278fa460c5",
+    "fp16": "ec2d48e9fb11b6518d359fa21098c4bc05cb5259c99d61016a1f23223ffbac9e",
+    "int8": "7c05c3915f29b91aefd1361973d2dc0df96eb04730078158c3410103c1e9a309",
+    "int8:channel": "44919fe7ddc576247c31e263b67ca87be72f5fdea01b780fe3cf7d52fb73af1a",
+    "topk:0.1": "d47ec13e0ebcf93c3a398b6e71ddd826e98e7036393b96788f9c11fb962d6c88",
+    "topk:1": "f62afa9ef02d100c2dce05227f69341998a1c1f6c89575047d655dcee1985b9b",
+    "topk:0.001": "2073c2a247bdb975a6383597c7969d883348f0f908de9d7209c61da13301acec",
+    "topk:0.1+fp16": "521bb7675492c455685888fe99fa893774da0b5b6e780c20af82ea725330d4ba",
+    "topk:0.1+int8": "cc8eae139205bd91c9877cf27815cdddeb5779fc1ba2987c6558eb07e8b7fde3",
+    "topk:0.1+int8:channel": "f5b1ba139c07a957c9cf2c1c97cb14317445a3748cbb1fb35768455aa6113b1d",
+}
+
+
+def _wire_tensors() -> dict[str, np.ndarray]:
+    """Fixed tensors: 2-D, 3-D float64, a bias, a scalar, empty ones, one > 65536 entries (uint32 indices),
+    values over fp16's range, and exact zeros and ties."""
+    rng = np.random.default_rng(20240613)
+    tensors: dict[str, np.ndarray] = {
+        "w": rng.standard_normal((6, 7)).astype(np.float32), "conv": rng.standard_normal((4, 2, 3)),
+        "b": rng.standard_normal(5).astype(np.float32), "scalar": np.array(-2.5, np.float32),
+        "empty": np.zeros((0, 4), np.float32), "rows": np.zeros((3, 0), np.float32),
+        "big": rng.standard_normal((300, 256)).astype(np.float32),
+        "huge": np.array([1e5, -7e4, 3.0, 0.0, 0.0, 3.0], np.float32),
+    }
+    return tensors
+
+
+def wire_digest(codec_module: ModuleType, codec_name: str) -> str:
+    """sha256 over every Array (name, stype, dtype, shape, data) ``codec_module`` writes for ``codec_name``
+    and what it decodes from them: each tensor alone (as a delta, and as full weights for dense codecs),
+    then one update with an error-feedback residual, its new residual and the weights it decodes to."""
+    if codec_name == "fp32-delta":  # what a device that trained from a lossy downlink sends
+        codec = codec_module.Codec(quantiser=None, fraction=None, delta=True)
+    else:
+        codec = codec_module.parse_codec(codec_name)
+    digest = hashlib.sha256()
+
+    def feed(name: str, array: Array) -> None:
+        digest.update(repr((name, str(array.stype), str(array.dtype), tuple(array.shape))).encode())
+        digest.update(bytes(array.data))
+
+    tensors = _wire_tensors()
+    for full in (False,) if codec.sparse else (False, True):
+        for seed, (name, tensor) in enumerate(tensors.items()):
+            array = codec_module.encode_tensor(tensor, codec, np.random.default_rng(seed), full=full)
+            feed(name, array)
+            values, is_full = codec_module.decode_tensor(array, name)
+            digest.update(repr((values.dtype.str, values.shape, is_full)).encode() + values.tobytes())
+    base = {name: np.full(np.shape(tensor), 0.25, np.float32) for name, tensor in tensors.items()}
+    residual = {name: np.full(np.shape(tensor), 0.01, np.float32) for name, tensor in tensors.items()}
+    record, kept = codec_module.encode_update(tensors, base, codec, np.random.default_rng(99), residual)
+    for name, array in record.items():
+        feed(name, array)
+    for name in sorted(kept):
+        digest.update(name.encode() + np.asarray(kept[name], "<f4").tobytes())
+    for name, values in codec_module.decode_update(record, base).items():
+        digest.update(repr((name, values.dtype.str, values.shape)).encode() + values.tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.skipif(sys.byteorder != "little", reason="digests of native-order decoded values")
+@pytest.mark.parametrize("name", WIRE_CODECS)
+def test_every_codec_writes_and_reads_the_same_bytes_as_before_the_registry(name: str) -> None:
+    assert wire_digest(codec_module, name) == WIRE_DIGESTS[name]
+
+
+def test_the_frozen_wire_format_covers_every_quantiser() -> None:
+    assert {parse_codec(name).values.name for name in WIRE_CODECS if name != "fp32-delta"} == set(
+        codec_module.QUANTISERS)
