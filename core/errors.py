@@ -37,3 +37,40 @@ class UpdateRejected(FedgeError):
 
 class BundleVerificationError(FedgeError):
     """An edge bundle failed signature, trust or hash verification."""
+
+
+class ExportError(FedgeError):
+    """The model could not be exported to ONNX, or the export disagrees with torch.
+
+    The message names the exporter's complaint; the usual fix is a model made of layers
+    the ONNX exporter supports (see ``fedge export --help``).
+    """
+
+
+class SecureRoundFailed(FedgeError):
+    """A secure-aggregation round that cannot finish: too few devices to unmask, or an
+    unmasked sum that is out of range (a wrong share).
+
+    The coordinator keeps the global model, records the round as not aggregated and goes
+    on with the next round.
+    """
+
+
+class ProtocolError(FedgeError):
+    """A secure-aggregation protocol message that is malformed or breaks the protocol.
+
+    Raised where the message is read. On the coordinator its sender is named and left out
+    of the round (the round goes on without it, as for a dropout).
+
+    Parameters
+    ----------
+    reason : str
+        What is wrong with the message, in words an operator can act on.
+    node_id : int | None
+        The Flower node id of the sender, when known.
+    """
+
+    def __init__(self, reason: str, *, node_id: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.node_id = node_id

@@ -17,8 +17,9 @@ from torch import nn
 
 import fedge
 from fedge.edge.bundle import format_time, write_bundle
-from fedge.edge.export import INPUT_NAME, OUTPUT_NAME, ExportError, export_onnx
+from fedge.edge.export import INPUT_NAME, OUTPUT_NAME, export_onnx
 from fedge.edge.quantize import quantize_int8
+from fedge.errors import ExportError
 
 FP32_FILE, INT8_FILE = "model.onnx", "model.int8.onnx"
 
@@ -95,7 +96,8 @@ def build_bundle(
     try:
         onnx.checker.check_model(onnx.load_from_string(fp32), full_check=True)
     except onnx.checker.ValidationError as exc:
-        raise ExportError(f"exported model fails onnx.checker: {exc}") from exc
+        raise ExportError(f"exported model fails onnx.checker: {exc}; the exporter produced an invalid graph, "
+                          "report it with the model's class and the torch and onnx versions") from exc
     int8, method = quantize_int8(fp32, calibration, input_name=INPUT_NAME)
     fp32_pred, int8_pred = _predict(fp32, x_test), _predict(int8, x_test)
     issued = dt.datetime.now(dt.UTC)

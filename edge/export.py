@@ -15,17 +15,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedge.errors import FedgeError
+from fedge.errors import ExportError
 
 log = logging.getLogger("fedge.edge")
 
 PARITY_TOLERANCE = 1e-4
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
-
-
-class ExportError(FedgeError):
-    """The model could not be exported, or the export disagrees with torch."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +62,9 @@ def export_onnx(model: nn.Module, sample: np.ndarray, path: str | Path) -> Expor
                 output_names=[OUTPUT_NAME], dynamic_shapes=({0: batch},), verbose=False,
             )
         except Exception as exc:  # noqa: BLE001 - the exporter raises many types
-            raise ExportError(f"torch.onnx.export failed for {type(model).__name__}: {exc}") from exc
+            raise ExportError(f"torch.onnx.export failed for {type(model).__name__}: {exc}; the model must run "
+                              "on a float32 batch shaped like the sample and use only layers torch's ONNX "
+                              "exporter supports") from exc
     assert program is not None
     program.save(str(path), external_data=False)
     opset = int(program.model.opset_imports.get("", 0))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from flwr.app import Message
 from flwr.serverapp import Grid
 
+from fedge.errors import ConfigError
 from fedge.strategies.timing import TimedGrid, timed
 
 
@@ -53,13 +54,22 @@ class DeadlinePolicy:
         Round deadline in seconds (simulated on a virtual-clock TimedGrid).
     over_selection : float
         Select ``ceil(over_selection * target)`` devices (>= 1).
+
+    Raises
+    ------
+    ConfigError
+        ``deadline_s`` not above 0 or ``over_selection`` below 1.
     """
 
     name = "deadline"
 
     def __init__(self, deadline_s: float, over_selection: float = 1.3) -> None:
-        if deadline_s <= 0 or over_selection < 1:
-            raise ValueError("deadline_s must be > 0 and over_selection >= 1")
+        if not deadline_s > 0:  # `not >` also refuses NaN
+            raise ConfigError(f"deadline-s = {deadline_s} cannot end a round: give a deadline of more than 0 "
+                              "seconds")
+        if not over_selection >= 1:
+            raise ConfigError(f"over-selection = {over_selection} would select fewer devices than a round keeps: "
+                              "give 1 or more (1.3 selects 30% more than the round aggregates)")
         self.deadline_s, self.over_selection = deadline_s, over_selection
 
     def selection_size(self, target: int) -> int:

@@ -14,7 +14,12 @@ Threat model: see :mod:`fedge.secagg`. Devices enforce the protocol themselves
 (:mod:`fedge.clients.secure`), so this side cannot make them reveal more than the sum
 even if it were modified; what it checks here protects the round from devices: public
 keys of small order (which would make every honest neighbour fail) are refused in the
-setup step and their sender named, invalid signatures are left out. Individual updates
+setup step and their sender named, invalid signatures are left out. Every field a device
+sends is read by one ``_read_*`` function of this module: a malformed message raises
+:class:`~fedge.errors.ProtocolError` there, its sender is named in the round's failures and
+the round goes on without that message; a round that cannot finish raises
+:class:`~fedge.errors.SecureRoundFailed` and keeps the global model. Nothing else is caught,
+so a bug in this module surfaces instead of passing for a failed round. Individual updates
 are never visible here, so per-update validation (NaN, shapes) is replaced by checks on
 the decoded aggregate; median, trimmed mean and Krum cannot be combined with it
 (refused at start).
@@ -24,16 +29,18 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from fedge.errors import ConfigError
+from fedge.errors import ConfigError, ProtocolError, SecureRoundFailed, UpdateRejected
 from fedge.secagg import (
     PUBLIC_KEYS,
+    SHARE_BYTES,
     STEPS,
     FixedPoint,
     InvalidPublicKey,
@@ -52,11 +59,15 @@ from fedge.secagg import (
 from fedge.strategies import FedAvg, FedNova, FedProx
 from fedge.strategies.fedavg import RoundReport
 from fedge.strategies.timing import durations
-from fedge.strategies.validation import Rejection
+from fedge.strategies.validation import Rejection, decode_arrays
 
 log = logging.getLogger("fedge.strategies.secure")
 
 ACTIONS = STEPS
+
+Keys = dict[str, bytes]
+"""A device's public keys for one round, by kind (:data:`fedge.secagg.PUBLIC_KEYS`)."""
+T = TypeVar("T")
 
 
 class SecureAggregation(FedAvg):
@@ -85,11 +96,19 @@ class SecureAggregation(FedAvg):
         Largest weight ``w`` (weights are encoded on their own scale; fedge passes ``max-num-examples``).
     work_cap : float
         Largest normalised local work ``a`` (FedNova; 1 for the others).
+
+    Raises
+    ------
+    ConfigError
+        A setting outside the range the protocol works in (the run config's ``secagg-*`` keys
+        have the same ranges).
     """
 
     def __init__(self, *, threshold: float = 0.5, neighbours: int = 0, clip: float = 1000.0,
                  precision: float = 1e-4, bits: int = 32, weight_clip: float = 1e5, work_cap: float = 1.0,
                  **kwargs: Any) -> None:
+        _check_settings(threshold=threshold, neighbours=neighbours, clip=clip, precision=precision, bits=bits,
+                        weight_clip=weight_clip, work_cap=work_cap)
         super().__init__(**kwargs)
         self.threshold_fraction, self.neighbours = threshold, neighbours
         self.clip, self.precision, self.bits, self.weight_clip = clip, precision, bits, weight_clip
@@ -106,9 +125,8 @@ class SecureAggregation(FedAvg):
         try:
             total, survivors = self._protocol(grid, server_round, instructions, codecs, timeout, report)
             summed, weight, weighted_work = self._decoded(total, codecs, len(survivors))
-        except (_RoundFailed, KeyError, TypeError, ValueError) as exc:  # the latter: a malformed protocol message
-            log.warning("round %d: secure aggregation failed (%s: %s); global model kept", server_round,
-                        type(exc).__name__, exc)
+        except SecureRoundFailed as exc:  # malformed messages were handled where they were read
+            log.warning("round %d: secure aggregation failed (%s); global model kept", server_round, exc)
             return None, MetricRecord({"accepted": 0, "failed": len(report.failed), "late": report.late})
         report.accepted, report.aggregated = len(survivors), True
         delta = summed / weight * (weighted_work / weight)
@@ -125,7 +143,7 @@ class SecureAggregation(FedAvg):
         plausible = (0 < weight <= count * weights.clip * (1 + 1e-6) and weighted_work > 0
                      and np.all(np.isfinite(summed)) and np.abs(summed).max(initial=0.0) <= count * values.clip)
         if not plausible:
-            raise _RoundFailed("the unmasked sum is out of range (a wrong share or a tampered input)")
+            raise SecureRoundFailed("the unmasked sum is out of range (a wrong share or a tampered input)")
         return summed, weight, weighted_work
 
     def _codecs(self, selected: int) -> tuple[FixedPoint, FixedPoint, FixedPoint]:
@@ -150,17 +168,18 @@ class SecureAggregation(FedAvg):
         (``t`` neighbours among the signers). Nothing is revealed unless every secret
         the sum needs can be rebuilt from the latter.
         """
-        keys = self._step(grid, "secagg_setup", {n: RecordDict({"config": ConfigRecord(
+        setup = self._step(grid, "secagg_setup", {n: RecordDict({"config": ConfigRecord(
             {"server-round": server_round})}) for n in instructions}, timeout, report)
-        alive = _distinct_keys([n for n, reply in keys.items() if _valid_keys(n, reply, server_round, report)],
-                               keys, server_round, report)
+        keys = _read_each(setup, _read_keys, "secagg_setup", "the round goes on without it", server_round, report)
+        alive = _distinct_keys(list(keys), keys, server_round, report)
         graph = neighbour_graph(alive, self.neighbours or len(alive), seed=self.selector.seed + server_round)
         threshold = self._threshold(graph)
         peers = {n: RecordDict({"peers": _peer_record(keys, graph[n], server_round, threshold)}) for n in alive}
-        sealed = self._step(grid, "secagg_share", peers, timeout, report)
-        shared = [n for n in alive if n in sealed and _has_shares_for(sealed[n], graph[n])]
-        inboxes = {n: ConfigRecord({f"from/{p}": sealed[p].content.config_records["sealed"][f"to/{n}"]
-                                    for p in graph[n] if p in shared}) for n in shared}
+        sealed = _read_each(self._step(grid, "secagg_share", peers, timeout, report),
+                            lambda node, reply: _read_sealed(node, reply, graph[node]), "secagg_share",
+                            "the round goes on without it", server_round, report)
+        shared = [n for n in alive if n in sealed]
+        inboxes = {n: ConfigRecord({f"from/{p}": sealed[p][n] for p in graph[n] if p in shared}) for n in shared}
         few = [n for n, inbox in inboxes.items() if len(inbox) < threshold]
         if few:  # it would refuse to mask (its self-mask alone would hide its input): a dropout
             log.warning("round %d: devices %s got shares from fewer than %d neighbours; left out", server_round,
@@ -168,10 +187,12 @@ class SecureAggregation(FedAvg):
         masked = self._masked_step(grid, server_round, instructions,
                                    {n: inbox for n, inbox in inboxes.items() if n not in few}, codecs, timeout, report)
         length = sum(int(np.prod(a.shape)) for a in self.global_numpy().values()) + 2  # update, w, w * a
-        survivors = [n for n in shared if n in masked and _vector(masked[n], length, self.bits) is not None]
+        vectors = _read_each(masked, lambda node, reply: _read_masked(node, reply, length, self.bits),
+                             "secagg_masked", "it is left out of the sum", server_round, report)
+        survivors = [n for n in shared if n in vectors]
         if len(survivors) < max(MIN_DEVICES, self.min_train_replies):
-            raise _RoundFailed(f"{len(survivors)} devices sent masked inputs, need {MIN_DEVICES} and "
-                               f"min-train-replies {self.min_train_replies}")
+            raise SecureRoundFailed(f"{len(survivors)} devices sent masked inputs, need {MIN_DEVICES} and "
+                                    f"min-train-replies {self.min_train_replies}")
         _enough_holders(graph, shared, survivors, threshold, "sent masked inputs")
         signatures = self._consistency(grid, server_round, survivors, keys, timeout, report)
         signers = set(signatures)
@@ -180,20 +201,24 @@ class SecureAggregation(FedAvg):
         asks = {n: RecordDict({"ask": ConfigRecord({"survivors": survivors, "server-round": server_round,
                                                     **{f"sig/{p}": signatures[p] for p in graph[n] & signers}})})
                 for n in unmaskers}
-        revealed = self._step(grid, "secagg_unmask", asks, timeout, report)
+        index = {owner: {holder: x for x, holder in enumerate(sorted(holders), start=1)}  # each share's Shamir x
+                 for owner, holders in graph.items()}
+        revealed = _read_each(
+            self._step(grid, "secagg_unmask", asks, timeout, report),
+            lambda node, reply: _read_revealed(node, reply, {owner: index[owner][node] for owner in graph[node]}),
+            "secagg_unmask", "its shares are not used", server_round, report)
         total = np.zeros(length, ring_dtype(self.bits))
         for n in survivors:
-            total = ring_add(total, _vector(masked[n], length, self.bits), self.bits)  # type: ignore[arg-type]
+            total = ring_add(total, vectors[n], self.bits)
         seeds = [self._rebuild(revealed, f"b/{u}", threshold, u) for u in survivors]
         leftovers: list[tuple[int, int, bytes]] = []
         for gone in (n for n in shared if n not in survivors):
             private = X25519PrivateKey.from_private_bytes(self._rebuild(revealed, f"s/{gone}", threshold, gone))
             for v in graph[gone] & set(survivors):
-                public = bytes(keys[v].content.config_records["keys"]["s-pk"])  # type: ignore[arg-type]
-                leftovers.append((v, gone, derive(private, public, "mask", str(server_round).encode())))
+                leftovers.append((v, gone, derive(private, keys[v]["s-pk"], "mask", str(server_round).encode())))
         return unmask(total, seeds, leftovers, self.bits), survivors
 
-    def _consistency(self, grid: Grid, server_round: int, survivors: list[int], keys: dict[int, Message],
+    def _consistency(self, grid: Grid, server_round: int, survivors: list[int], keys: Mapping[int, Keys],
                      timeout: float, report: RoundReport) -> dict[int, bytes]:
         """The ConsistencyCheck round: every survivor signs the survivor set; the valid signatures.
 
@@ -204,17 +229,9 @@ class SecureAggregation(FedAvg):
         check = ConfigRecord({"survivors": survivors, "server-round": server_round})
         replies = self._step(grid, "secagg_consistency", {n: RecordDict({"check": check}) for n in survivors},
                              timeout, report)
-        signatures = {}
-        for node, reply in replies.items():
-            record = reply.content.config_records.get("consistency")
-            signature = record.get("signature") if record is not None else None
-            public = bytes(keys[node].content.config_records["keys"]["g-pk"])  # type: ignore[arg-type]
-            if valid_survivors_signature(public, signature, server_round=server_round, survivors=survivors):
-                signatures[node] = signature
-            else:
-                report.failed.append(Rejection(node, "secagg_consistency: no valid signature over the survivor set"))
-                log.warning("round %d: device %d sent no valid signature over the survivor set", server_round, node)
-        return signatures  # type: ignore[return-value]
+        return _read_each(
+            replies, lambda node, reply: _read_signature(node, reply, keys[node]["g-pk"], server_round, survivors),
+            "secagg_consistency", "it cannot unmask; its input stays in the sum", server_round, report)
 
     def _masked_step(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
                      inboxes: dict[int, ConfigRecord], codecs: tuple[FixedPoint, FixedPoint, FixedPoint],
@@ -259,22 +276,23 @@ class SecureAggregation(FedAvg):
         smallest = min((len(peers) for peers in graph.values()), default=0)
         largest = max((len(peers) for peers in graph.values()), default=0)
         if smallest < 2:
-            raise _RoundFailed("too few devices to share secrets (each needs 2 neighbours or more)")
+            raise SecureRoundFailed("too few devices to share secrets (each needs 2 neighbours or more)")
         threshold = max(shares_needed(self.threshold_fraction, smallest), minimum_threshold(largest))
         if threshold > smallest:
-            raise _RoundFailed(f"neighbourhoods of {smallest} to {largest} devices admit no common threshold "
-                               "(more than half of the largest, at most the smallest)")
+            raise SecureRoundFailed(f"neighbourhoods of {smallest} to {largest} devices admit no common threshold "
+                                    "(more than half of the largest, at most the smallest)")
         return threshold
 
     @staticmethod
-    def _rebuild(revealed: dict[int, Message], name: str, threshold: int, owner: int) -> bytes:
-        shares = [value for reply in revealed.values()
-                  if isinstance(value := reply.content.config_records["revealed"].get(name), bytes)]
+    def _rebuild(revealed: Mapping[int, Mapping[str, bytes]], name: str, threshold: int, owner: int) -> bytes:
+        """The secret ``name`` of ``owner`` from the shares its neighbours revealed (read by
+        :func:`_read_revealed`: well formed, each at its holder's index, so distinct)."""
+        shares = [held[name] for held in revealed.values() if name in held]
         if len(shares) < threshold:
-            raise _RoundFailed(f"only {len(shares)} of {threshold} shares to unmask device {owner}")
+            raise SecureRoundFailed(f"only {len(shares)} of {threshold} shares to unmask device {owner}")
         secret = rebuild_secret(shares[:threshold])
         if len(shares) > threshold and rebuild_secret(shares[-threshold:]) != secret:
-            raise _RoundFailed(f"the shares revealed for device {owner} disagree (a wrong share)")
+            raise SecureRoundFailed(f"the shares revealed for device {owner} disagree (a wrong share)")
         return secret
 
     def _apply(self, arrays: ArrayRecord, delta: np.ndarray) -> ArrayRecord:
@@ -285,10 +303,6 @@ class SecureAggregation(FedAvg):
             new[name] = Array((current + delta[offset:offset + size].reshape(current.shape)).astype(current.dtype))
             offset += size
         return ArrayRecord({name: new[name] for name in arrays})
-
-
-class _RoundFailed(Exception):
-    pass
 
 
 MIN_DEVICES = 3  # with 2, each device learns the other's update from the sum
@@ -312,47 +326,137 @@ def _enough_holders(graph: dict[int, set[int]], shared: list[int], holders: list
     holders among ``holders`` (the self-mask seed of a survivor, the mask key of a dropout)."""
     short = [n for n in shared if len(graph[n] & set(holders)) < threshold]
     if short:
-        raise _RoundFailed(f"{len(holders)} of {len(shared)} devices {what}; device {short[0]} has fewer than "
-                           f"{threshold} such neighbours to rebuild its secret")
+        raise SecureRoundFailed(f"{len(holders)} of {len(shared)} devices {what}; device {short[0]} has fewer than "
+                                f"{threshold} such neighbours to rebuild its secret")
 
 
-def _has_shares_for(reply: Message, neighbours: set[int]) -> bool:
-    sealed = reply.content.config_records.get("sealed")
-    return sealed is not None and all(isinstance(sealed.get(f"to/{n}"), bytes) for n in neighbours)
+def _check_settings(*, threshold: float, neighbours: int, clip: float, precision: float, bits: int,
+                    weight_clip: float, work_cap: float) -> None:
+    """Refuse settings the protocol cannot run with, naming the run-config key to change."""
+    checks = [
+        (0.5 <= threshold <= 1, f"secagg-threshold = {threshold}: give a fraction in [0.5, 1] (devices refuse "
+                                "a threshold of half their neighbours or less)"),
+        (neighbours == 0 or neighbours >= 2, f"secagg-neighbours = {neighbours}: give 0 (all pairs) or 2 or more"),
+        (clip > 0, f"secagg-clip = {clip}: give a clipping bound above 0"),
+        (precision > 0, f"secagg-precision = {precision}: give a quantisation step above 0"),
+        (8 <= bits <= 64, f"secagg-bits = {bits}: give a ring width in [8, 64]"),
+        (weight_clip > 0, f"weight_clip = {weight_clip} (max-num-examples): give a largest weight above 0"),
+        (work_cap > 0, f"work_cap = {work_cap}: give a largest normalised local work above 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
 
 
-def _peer_record(keys: dict[int, Message], neighbours: set[int], server_round: int, threshold: int) -> ConfigRecord:
-    """What one device needs for the share step: its neighbours and their public keys."""
-    record = ConfigRecord({"server-round": server_round, "threshold": threshold, "neighbours": sorted(neighbours)})
-    for peer in neighbours:
-        for kind in PUBLIC_KEYS:
-            record[f"{kind}/{peer}"] = keys[peer].content.config_records["keys"][kind]
-    return record
+def _read_each(replies: Mapping[int, Message], read: Callable[[int, Message], T], step: str, consequence: str,
+               server_round: int, report: RoundReport) -> dict[int, T]:
+    """``read`` applied to each device's reply at ``step``; a malformed one is named and left out.
+
+    ``read`` raises :class:`ProtocolError` for a malformed message; its sender is recorded
+    as a failure of the round (``step: reason``) and logged with ``consequence``. Any other
+    exception is a bug of this module and propagates.
+    """
+    accepted = {}
+    for node, reply in replies.items():
+        try:
+            accepted[node] = read(node, reply)
+        except ProtocolError as exc:
+            report.failed.append(Rejection(node, f"{step}: {exc.reason}"))
+            log.warning("round %d: device %d sent an %s; %s", server_round, node, exc.reason, consequence)
+    return accepted
 
 
-def _valid_keys(node: int, reply: Message, server_round: int, report: RoundReport) -> bool:
-    """Whether ``node``'s setup reply holds three usable public keys; if not, name it.
+def _read_keys(node: int, reply: Message) -> Keys:
+    """``node``'s three public keys from its setup reply, each usable, else :class:`ProtocolError`.
 
     A key of small order (e.g. all zeros) passes a length check but makes every honest
     neighbour's key agreement with it fail: without this check one device could make
     every secure round fail and have the errors land on honest devices.
     """
-    keys = reply.content.config_records.get("keys")
+    record = reply.content.config_records.get("keys")
+    if record is None:
+        raise ProtocolError("invalid public key: no keys record", node_id=node)
     try:
-        if keys is None:
-            raise InvalidPublicKey("no keys record")
-        check_x25519_public(keys.get("c-pk"), name="c-pk")
-        check_x25519_public(keys.get("s-pk"), name="s-pk")
-        check_ed25519_public(keys.get("g-pk"), name="g-pk")
+        return {"c-pk": check_x25519_public(record.get("c-pk"), name="c-pk"),
+                "s-pk": check_x25519_public(record.get("s-pk"), name="s-pk"),
+                "g-pk": check_ed25519_public(record.get("g-pk"), name="g-pk")}
     except InvalidPublicKey as exc:
-        report.failed.append(Rejection(node, f"secagg_setup: invalid public key: {exc}"))
-        log.warning("round %d: device %d sent an invalid public key (%s); the round goes on without it",
-                    server_round, node, exc)
-        return False
-    return True
+        raise ProtocolError(f"invalid public key: {exc}", node_id=node) from None
 
 
-def _distinct_keys(nodes: list[int], keys: dict[int, Message], server_round: int, report: RoundReport) -> list[int]:
+def _read_sealed(node: int, reply: Message, neighbours: set[int]) -> dict[int, bytes]:
+    """The ciphertext ``node`` sealed for each of its ``neighbours``, by neighbour."""
+    record = reply.content.config_records.get("sealed")
+    if record is None:
+        raise ProtocolError("invalid share reply: it has no sealed record", node_id=node)
+    sealed = {peer: record.get(f"to/{peer}") for peer in sorted(neighbours)}
+    missing = [peer for peer, value in sealed.items() if not isinstance(value, bytes)]
+    if missing:
+        raise ProtocolError(f"invalid share reply: no sealed shares for neighbours {missing}", node_id=node)
+    return sealed  # type: ignore[return-value]  # every value checked to be bytes
+
+
+def _read_masked(node: int, reply: Message, length: int, bits: int) -> np.ndarray:
+    """``node``'s masked input: ``length`` ring elements of Z_{2^bits}, header checked before decoding."""
+    record = reply.content.array_records.get("masked")
+    if record is None:
+        raise ProtocolError("invalid masked input: the reply has no masked record", node_id=node)
+    try:
+        decoded = decode_arrays(record, {"vector": ((length,), np.dtype(ring_dtype(bits)).name)})
+    except UpdateRejected as exc:
+        raise ProtocolError(f"invalid masked input: {exc.reason}", node_id=node) from None
+    return decoded["vector"]
+
+
+def _read_signature(node: int, reply: Message, public: bytes, server_round: int, survivors: list[int]) -> bytes:
+    """``node``'s signature over this round's survivor set, verified with its signing key ``public``."""
+    record = reply.content.config_records.get("consistency")
+    signature = record.get("signature") if record is not None else None
+    if not isinstance(signature, bytes) or not valid_survivors_signature(
+            public, signature, server_round=server_round, survivors=survivors):
+        raise ProtocolError("invalid signature over the survivor set", node_id=node)
+    return signature
+
+
+def _read_revealed(node: int, reply: Message, holds: Mapping[int, int]) -> dict[str, bytes]:
+    """The shares ``node`` revealed (``b/<owner>``, ``s/<owner>``) for the owners it ``holds``, each checked.
+
+    ``holds`` maps each of ``node``'s neighbours to the index of the share ``node`` holds of
+    its secrets: owners share with their neighbours in ascending order of node id (the
+    order of the share step's ``neighbours``), the first at index 1. A share with another
+    index was copied or forged. Shares of devices that are not ``node``'s neighbours are
+    never read.
+    """
+    record = reply.content.config_records.get("revealed")
+    if record is None:
+        raise ProtocolError("invalid unmask reply: it has no revealed record", node_id=node)
+    shares = {}
+    for owner, index in sorted(holds.items()):
+        for name in (f"b/{owner}", f"s/{owner}"):
+            share = record.get(name)
+            if share is None:
+                continue
+            if not isinstance(share, bytes) or len(share) != SHARE_BYTES:
+                raise ProtocolError(f"invalid unmask reply: share {name} is not {SHARE_BYTES} bytes", node_id=node)
+            if int.from_bytes(share[:2], "big") != index:
+                raise ProtocolError(f"invalid unmask reply: share {name} carries index "
+                                    f"{int.from_bytes(share[:2], 'big')}, not this device's {index}", node_id=node)
+            shares[name] = share
+    return shares
+
+
+def _peer_record(keys: Mapping[int, Keys], neighbours: set[int], server_round: int,
+                 threshold: int) -> ConfigRecord:
+    """What one device needs for the share step: its neighbours and their public keys."""
+    record = ConfigRecord({"server-round": server_round, "threshold": threshold, "neighbours": sorted(neighbours)})
+    for peer in neighbours:
+        for kind in PUBLIC_KEYS:
+            record[f"{kind}/{peer}"] = keys[peer][kind]
+    return record
+
+
+def _distinct_keys(nodes: list[int], keys: Mapping[int, Keys], server_round: int,
+                   report: RoundReport) -> list[int]:
     """``nodes`` less those whose public key another device also sent, each named.
 
     Devices refuse neighbours with equal keys (Bonawitz et al. §4, ShareKeys), so one device
@@ -362,7 +466,7 @@ def _distinct_keys(nodes: list[int], keys: dict[int, Message], server_round: int
     holders: dict[bytes, set[int]] = {}
     for node in nodes:
         for kind in PUBLIC_KEYS:
-            holders.setdefault(bytes(keys[node].content.config_records["keys"][kind]), set()).add(node)  # type: ignore[arg-type]
+            holders.setdefault(keys[node][kind], set()).add(node)
     clashing = {node for group in holders.values() if len(group) > 1 for node in group}
     for node in sorted(clashing):
         others = sorted({peer for group in holders.values() if node in group for peer in group} - {node})
@@ -370,17 +474,6 @@ def _distinct_keys(nodes: list[int], keys: dict[int, Message], server_round: int
         log.warning("round %d: device %d sent a public key that device %d also sent; both left out", server_round,
                     node, others[0])
     return [node for node in nodes if node not in clashing]
-
-
-def _vector(reply: Message, length: int, bits: int) -> np.ndarray | None:
-    record = reply.content.array_records.get("masked")
-    if record is None or "vector" not in record:
-        return None
-    try:
-        vector = record["vector"].numpy()
-    except Exception:  # noqa: BLE001 - malformed bytes from a device
-        return None
-    return vector if vector.dtype == ring_dtype(bits) and vector.shape == (length,) else None
 
 
 class SecureFedProx(SecureAggregation, FedProx):

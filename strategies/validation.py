@@ -145,7 +145,7 @@ class ReplyValidator:
         metrics = wire.read_train_metrics(content, max_num_examples=self.max_num_examples)
         self._check_steps(meta, metrics.num_examples)
         record = next(iter(content.array_records.values()))
-        arrays = decode_update(record, reference) if is_encoded(record) else _decoded(record, spec)
+        arrays = decode_update(record, reference) if is_encoded(record) else decode_arrays(record, spec)
         check_arrays(arrays, spec)
         return CheckedReply(arrays, float(metrics.num_examples), meta, metrics)
 
@@ -192,11 +192,17 @@ class ReplyValidator:
             yield AcceptedUpdate(node_id, checked.arrays, checked.weight, message.content, checked.meta)
 
 
-def _decoded(record: ArrayRecord, spec: ArraySpec) -> dict[str, NDArray[np.generic]]:
+def decode_arrays(record: ArrayRecord, spec: ArraySpec) -> dict[str, NDArray[np.generic]]:
     """Plain numpy arrays, each header checked against ``spec`` before anything is allocated.
 
     ``Array.numpy()`` allocates whatever the ``.npy`` header claims: a 51-byte reply could
-    make the coordinator allocate gigabytes before it is rejected.
+    make the coordinator allocate gigabytes before it is rejected. Every array a device
+    sends is decoded here (plain updates, and the masked vectors of secure aggregation).
+
+    Raises
+    ------
+    UpdateRejected
+        Names differ from ``spec``, or an array's bytes do not hold its expected shape and dtype.
     """
     missing, extra = sorted(set(spec) - set(record)), sorted(set(record) - set(spec))
     if missing or extra:
