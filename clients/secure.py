@@ -82,7 +82,7 @@ def _advance(state: ConfigRecord, stage: str, server_round: int) -> None:
     """
     expected = STAGES[STAGES.index(str(state["stage"])) + 1] if state["stage"] != STAGES[-1] else None
     if int(state["round"]) != server_round or stage != expected:  # type: ignore[arg-type]
-        raise ValueError(f"refusing {stage} for round {server_round}: this device is at {state['stage']!s} of "
+        raise ProtocolViolation(f"refusing {stage} for round {server_round}: this device is at {state['stage']!s} of "
                          f"round {state['round']!s} (a replayed or reordered message)")
     state["stage"] = stage
 
@@ -90,7 +90,7 @@ def _advance(state: ConfigRecord, stage: str, server_round: int) -> None:
 def _state(context: Context, stage: str) -> ConfigRecord:
     """This round's secrets, or a refusal when no round is in progress (its secrets are spent)."""
     if STATE not in context.state.config_records:
-        raise ValueError(f"refusing {stage}: this device has no secure-aggregation round in progress "
+        raise ProtocolViolation(f"refusing {stage}: this device has no secure-aggregation round in progress "
                          "(a replayed or reordered message)")
     return context.state.config_records[STATE]
 

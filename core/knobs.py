@@ -29,7 +29,7 @@ def above(low: float) -> Check:
 
 def within(low: float, high: float, *, closed: str = "[]", note: str = "") -> Check:
     """``low <= value <= high``; ``closed`` says which ends are included, as interval brackets."""
-    left, right = closed
+    left, right = closed[0], closed[-1]
 
     def check(v: Any) -> bool:
         return (v >= low if left == "[" else v > low) and (v <= high if right == "]" else v < high)

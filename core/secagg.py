@@ -58,6 +58,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 
+from fedge.errors import ProtocolError
+
 Vector = NDArray[np.unsignedinteger]
 
 
@@ -190,7 +192,7 @@ def open_sealed(key: bytes, sealed: bytes, associated: bytes) -> bytes:
     return AESGCM(key).decrypt(sealed[:12], sealed[12:], associated)
 
 
-class InvalidPublicKey(ValueError):
+class InvalidPublicKey(ProtocolError, ValueError):
     """A public key that is malformed, not on its curve, or of small order.
 
     An X25519 key of small order makes every key agreement with it all zeros (its
@@ -286,7 +288,7 @@ PUBLIC_KEYS = ("c-pk", "s-pk", "g-pk")
 """A device's per-round public keys: share encryption (X25519), masks (X25519), signatures (Ed25519)."""
 
 
-class ProtocolViolation(ValueError):
+class ProtocolViolation(ProtocolError, ValueError):
     """A request a device refuses because obeying it could reveal more than the sum.
 
     Raised by the device handlers (:mod:`fedge.clients.secure`); the device's reply is

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
 from fedge.config import DEFAULTS, Scalar
@@ -68,7 +69,7 @@ def check_coordinator_keys(keys: CoordinatorKeys) -> None:
                           "regenerate both with `fedge keys init --force`")
     try:
         cert.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, Exception) as exc:  # noqa: BLE001 - any failure means "not ours"
+    except (ValueError, TypeError, InvalidSignature) as exc:  # any of these means "not signed by our CA"
         raise ConfigError(f"{keys.cert} is not signed by {keys.ca_cert} ({exc}); regenerate with "
                           "`fedge keys init --force`") from None
 

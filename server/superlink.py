@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedge.errors import ConfigError
+
 PUBLIC_PATHS = ("/v1/fleet/", "/health")
 AUTHN_TYPE = "oidc"  # the CLI-side plugin that sends a stored bearer token (Flower's own)
 
@@ -53,7 +55,8 @@ class OperatorTokenAuthn:
 
     def __init__(self, token: str) -> None:
         if len(token) < 32:
-            raise ValueError("the operator token must be at least 32 characters")
+            raise ConfigError("the operator token must be at least 32 characters; delete STATE_DIR/operator-token "
+                              "and `fedge coordinator start` makes a new one")
         self._token = token.encode()
 
     def get_login_details(self) -> None:

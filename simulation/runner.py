@@ -21,7 +21,7 @@ from flwr.clientapp import ClientApp
 
 from fedge.clients.app import make_default_client_app
 from fedge.config import Scalar, resolve_run_config
-from fedge.errors import ConfigError
+from fedge.errors import ConfigError, FedgeError
 from fedge.profiles import parse_fleet
 from fedge.server.app import behaviour_of, make_server_app, run_coordinator
 from fedge.server.report import run_dir_for
@@ -72,7 +72,7 @@ def simulate(
         run_dir = _run_on_ray(config, fleet.size, progress=progress)
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
-        raise RuntimeError(f"the run ended without writing {summary_path}; see the log above")
+        raise FedgeError(f"the run ended without writing {summary_path}; see the log above")
     return run_dir, json.loads(summary_path.read_text())
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
+from fedge.errors import ConfigError
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.registry import register
 
@@ -32,7 +33,7 @@ class FedProx(FedAvg):
 
     def __init__(self, *, proximal_mu: float = 0.01, **kwargs: Any) -> None:
         if proximal_mu < 0:
-            raise ValueError(f"proximal_mu must be >= 0, got {proximal_mu}")
+            raise ConfigError(f"proximal-mu = {proximal_mu}: give 0 (plain FedAvg) or more")
         super().__init__(**kwargs)
         self.proximal_mu = proximal_mu
 
