@@ -40,7 +40,6 @@ import os
 import re
 import struct
 import sys
-import tempfile
 import zipfile
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
@@ -53,6 +52,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from fedge.edge.signing import ensure_private_dir, fingerprint, load_public_key
 from fedge.errors import BundleVerificationError, ConfigError
+from fedge.files import write_bytes_atomic
 
 if sys.platform != "win32":
     import fcntl
@@ -537,7 +537,7 @@ class FreshnessStore:
                 return
             record = {"model_id": model_id, "version": version, "issued_at": manifest.get("issued_at"),
                       "accepted_at": format_time(_clock(now))}
-            _write_atomic(self.record_path(model_id), (json.dumps(record, indent=2) + "\n").encode())
+            write_bytes_atomic(self.record_path(model_id), (json.dumps(record, indent=2) + "\n").encode())
 
     @contextmanager
     def _locked(self, model_id: str) -> Iterator[None]:
@@ -557,23 +557,3 @@ class FreshnessStore:
             f"freshness record '{path}' {problem}; every bundle of this model is refused until it is "
             "restored from a backup (or deleted, which accepts the next bundle at any version)"
         )
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` via a 0600 temporary file in the same directory and ``os.replace``."""
-    fd, scratch = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(scratch, path)
-    except BaseException:
-        Path(scratch).unlink(missing_ok=True)
-        raise
-    if sys.platform != "win32":
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
-import tempfile
 import tokenize
 import zipfile
 import zlib
@@ -25,6 +23,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedge.errors import CheckpointMismatch
+from fedge.files import write_atomic
 
 _META = "__fedge_meta__"
 _STRATEGY = "__strategy__/"
@@ -48,22 +47,8 @@ def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
     meta = json.dumps({"round": checkpoint.server_round, "fingerprint": checkpoint.fingerprint,
                        "history": checkpoint.history, "model_keys": checkpoint.model_keys})
     strategy = {_STRATEGY + name: value for name, value in checkpoint.strategy_state.items()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            payload: dict[str, Any] = {**checkpoint.arrays, **strategy, _META: np.array(meta)}
-            np.savez(handle, **payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    payload: dict[str, Any] = {**checkpoint.arrays, **strategy, _META: np.array(meta)}
+    write_atomic(path, lambda handle: np.savez(handle, **payload))
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedge.config import Scalar
+from fedge.files import write_bytes_atomic
 
 
 def run_dir_for(config: Mapping[str, Scalar]) -> Path:
@@ -28,10 +29,8 @@ def run_dir_for(config: Mapping[str, Scalar]) -> Path:
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON to ``path`` via a temporary file and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Write JSON to ``path`` atomically (a reader such as the dashboard never sees half of it)."""
+    write_bytes_atomic(path, (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode())
 
 
 def append_jsonl(path: Path, row: Mapping[str, Any]) -> None:

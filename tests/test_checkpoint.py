@@ -32,7 +32,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint(
     def disk_error(fd: int) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr("fedge.server.checkpoint.os.fsync", disk_error)
+    monkeypatch.setattr("fedge.files.os.fsync", disk_error)  # the atomic write checkpoints use
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path / "c.npz", Checkpoint(2, {"w": np.ones(2)}, "f"))
     monkeypatch.undo()

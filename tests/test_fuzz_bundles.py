@@ -40,6 +40,7 @@ from fedge.edge import EdgeModel
 from fedge.edge.bundle import MANIFEST, SIGNATURE, FreshnessStore, read_bundle, sign_manifest, verify_bundle
 from fedge.errors import FedgeError
 from fuzzing import FUZZ_EXAMPLES, fuzz
+from fuzzing import mutated as fuzzing_mutated
 
 NOW = dt.datetime(2025, 6, 1, tzinfo=dt.UTC)
 # Cases per test, as shares of the shared default (2000; FEDGE_FUZZ_EXAMPLES scales them all):
@@ -77,29 +78,12 @@ def store(workdir: Path) -> FreshnessStore:
 # --------------------------------------------------------------------------- mutation strategies
 
 
-@st.composite
-def mutated(draw: st.DrawFn, original: bytes, max_ops: int = 4) -> bytes:
-    """``original`` after 1..``max_ops`` random byte edits."""
-    data = bytearray(original)
-    for _ in range(draw(st.integers(1, max_ops))):
-        op = draw(st.sampled_from(["flip", "overwrite", "insert", "delete", "truncate", "repeat"]))
-        pos = draw(st.integers(0, len(data)))
-        if op == "flip" and data:
-            data[min(pos, len(data) - 1)] ^= 1 << draw(st.integers(0, 7))
-        elif op == "overwrite":
-            chunk = draw(st.binary(min_size=1, max_size=8))
-            data[pos:pos + len(chunk)] = chunk
-        elif op == "insert":
-            data[pos:pos] = draw(st.one_of(st.binary(min_size=1, max_size=16),
-                                           st.sampled_from([b'"', b"{", b"[", b",", b"\\", b"\xff", b"\x00",
-                                                            b"1e999", b"NaN", b"-", b'"version": 9,'])))
-        elif op == "delete":
-            del data[pos:pos + draw(st.integers(1, 16))]
-        elif op == "truncate":
-            del data[pos:]
-        elif op == "repeat":
-            data[pos:pos] = data[pos:pos + draw(st.integers(1, 64))] * draw(st.integers(1, 4))
-    return bytes(data)
+JSON_TOKENS = [b'"', b"{", b"[", b",", b"\\", b"\xff", b"\x00", b"1e999", b"NaN", b"-", b'"version": 9,']
+
+
+def mutated(original: bytes, max_ops: int = 4) -> st.SearchStrategy[bytes]:
+    """:func:`fuzzing.mutated` with JSON tokens among the insertions."""
+    return fuzzing_mutated(original, max_ops, inserts=JSON_TOKENS)
 
 
 NASTY_NUMBERS = [0, -1, 1, 2**31, 2**63, -(2**63) - 1, 10**400, 1e308, -1e-320, math.nan, math.inf, -math.inf,

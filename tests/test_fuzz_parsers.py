@@ -45,6 +45,7 @@ from fedge.profiles import MAX_FLEET_SIZE, Fleet, parse_fleet
 from fedge.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedge.strategies.validation import ReplyValidator, spec_of
 from fuzzing import FUZZ_EXAMPLES, fuzz
+from fuzzing import mutated as fuzzing_mutated
 
 # --------------------------------------------------------------------------- shared mutation helpers
 
@@ -62,32 +63,9 @@ MAX_ALLOCATION = 64 * 2**20
 MAX_SECONDS = 10.0
 
 
-@st.composite
-def mutated(draw: st.DrawFn, original: bytes, max_ops: int = 4) -> bytes:
-    """``original`` after 1..``max_ops`` random edits (flip, overwrite, insert, delete, truncate, repeat)."""
-    data = bytearray(original)
-    for _ in range(draw(st.integers(1, max_ops))):
-        op = draw(st.sampled_from(["flip", "overwrite", "interesting", "insert", "delete", "truncate", "repeat"]))
-        pos = draw(st.integers(0, len(data)))
-        if op == "flip" and data:
-            index = min(pos, len(data) - 1)
-            data[index] ^= 1 << draw(st.integers(0, 7))
-        elif op == "overwrite":
-            chunk = draw(st.binary(min_size=1, max_size=8))
-            data[pos:pos + len(chunk)] = chunk
-        elif op == "interesting":
-            pos -= pos % draw(st.sampled_from([1, 2, 4]))  # fields are 1, 2 or 4 bytes, aligned
-            chunk = draw(st.sampled_from(INTERESTING_BYTES))
-            data[pos:pos + len(chunk)] = chunk
-        elif op == "insert":
-            data[pos:pos] = draw(st.binary(min_size=1, max_size=16))
-        elif op == "delete":
-            del data[pos:pos + draw(st.integers(1, 16))]
-        elif op == "truncate":
-            del data[pos:]
-        elif op == "repeat":
-            data[pos:pos] = data[pos:pos + draw(st.integers(1, 64))] * draw(st.integers(1, 4))
-    return bytes(data)
+def mutated(original: bytes, max_ops: int = 4) -> st.SearchStrategy[bytes]:
+    """:func:`fuzzing.mutated` with this file's interesting field values."""
+    return fuzzing_mutated(original, max_ops, interesting=INTERESTING_BYTES)
 
 
 @contextmanager

@@ -1,0 +1,41 @@
+"""Writing files so that a crash or a concurrent reader never sees half of one."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Create or replace ``path`` with what ``write`` writes, all or nothing.
+
+    ``write`` fills a 0600 temporary file in the same directory; it is flushed and fsynced,
+    renamed over ``path`` (atomic on POSIX and Windows) and the directory is fsynced, so after
+    a crash ``path`` holds either the old content or the new, never a mix. The temporary file
+    is removed if anything fails.
+    """
+    fd, scratch = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(scratch, path)
+    except BaseException:
+        Path(scratch).unlink(missing_ok=True)
+        raise
+    if sys.platform != "win32":  # a directory cannot be opened for fsync on Windows
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """:func:`write_atomic` of ``data``."""
+    write_atomic(path, lambda handle: handle.write(data))
