@@ -122,6 +122,9 @@ class Coordinator:
             check_coordinator_keys(self.keys)
         if not self.control_port:
             self.control_port = _free_loopback_port()
+        if self.control_port == self.port:
+            raise ConfigError(f"--control-port {self.control_port} is the device port; give the operator's "
+                              "Control API a port of its own (or 0 for a free one)")
         self._write_flower_config()
         logs = (self.state_dir / "superlink.log").open("ab")
         self.superlink = subprocess.Popen(self._superlink_command(), env=self.env(),
@@ -148,6 +151,9 @@ class Coordinator:
             from fedge.server.pki import write_private
 
             write_private(path, secrets.token_urlsafe(32).encode(), force=False)
+        elif os.name == "posix" and path.stat().st_mode & 0o077:
+            raise ConfigError(f"{path} is readable by others (mode {path.stat().st_mode & 0o777:o}): anyone who "
+                              "read it controls this coordinator; delete it (a new one is made at start) or chmod 600")
         return path
 
     def _write_flower_config(self) -> None:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hmac
+import ipaddress
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -100,17 +102,25 @@ class PublicListenerGuard:
         self.app, self.operator_port = app, operator_port
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:  # noqa: D102
-        if scope["type"] == "http" and not self._allowed(scope):
+        if scope["type"] == "lifespan" or scope["type"] == "http" and self._allowed(scope):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
             await _forbidden(send)
-            return
-        await self.app(scope, receive, send)
+        # anything else (websockets, ...) is not served at all
 
     def _allowed(self, scope: dict[str, Any]) -> bool:
-        server = scope.get("server") or ("", -1)
-        if server[1] == self.operator_port:
+        host, port = scope.get("server") or ("", -1)
+        if port == self.operator_port and _is_loopback(str(host)):  # the operator listener, and only it
             return True
         path = str(scope.get("path", ""))
         return any(path == prefix.rstrip("/") or path.startswith(prefix) for prefix in PUBLIC_PATHS)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 async def _forbidden(send: Any) -> None:
@@ -148,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     from flwr.superlink.main import create_app
 
     ours, flower_args = _parse(list(sys.argv[1:] if argv is None else argv))
+    for name in ("FLWR_INTERNAL_GRPC_CONTROL_API", "FLWR_INTERNAL_GRPC_FLEET_API"):
+        os.environ.pop(name, None)  # Flower's legacy gRPC Control/Fleet servers would listen off loopback
     sys.argv = ["flower-superlink", *flower_args]
     config = _parse_superlink_lifespan_config()  # Flower's own parsing and checks
     token = ours.operator_token_file.read_text().strip()
