@@ -22,6 +22,7 @@ import math
 import struct
 import tempfile
 import time
+import tomllib
 import tracemalloc
 import warnings
 import zipfile
@@ -899,12 +900,19 @@ def test_big_endian_and_fortran_arrays_load_as_native_c_arrays(tmp_path: Path) -
     assert loaded.flags.writeable
 
 
-PARSER_MODULES = ["clients", "edge", "fedge", "server", "strategies", "simulation", "cli"]
+def _package_folders() -> list[str]:
+    """Every folder pyproject maps onto the fedge package (the same list the architecture test reads)."""
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    return sorted(set(pyproject["tool"]["setuptools"]["package-dir"].values()))
+
+
+PARSER_MODULES = _package_folders()
 
 
 def test_nothing_unpickles_untrusted_files() -> None:
     # Prepare: every module of the package
     root = Path(__file__).resolve().parents[1]
+    assert all((root / folder).is_dir() for folder in PARSER_MODULES), PARSER_MODULES
     sources = [path for folder in PARSER_MODULES for path in (root / folder).rglob("*.py")]
     # Execute: find imports of pickle-like modules and np.load / torch.load calls that allow pickles
     found = []
