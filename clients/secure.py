@@ -32,6 +32,7 @@ import os
 from collections.abc import Callable
 
 import numpy as np
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -227,8 +228,19 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
         if len(holding) < threshold:  # Bonawitz et al. round 2: |U2| >= t, else the self-mask alone hides x
             raise ProtocolViolation(f"refusing secagg_masked: shares from only {len(holding)} neighbours reached "
                                     f"this device, fewer than the threshold {threshold}")
-        for peer in holding:
-            state[f"from/{peer}"] = inbox[f"from/{peer}"]
+        cipher_key = X25519PrivateKey.from_private_bytes(bytes(state["c-sk"]))  # type: ignore[arg-type]
+        for peer in holding:  # a share counts only if it opens: what was relayed is what the peer sealed for us
+            sealed = bytes(inbox[f"from/{peer}"])  # type: ignore[arg-type]
+            key = derive(cipher_key, bytes(state[f"c-pk/{peer}"]), "share")  # type: ignore[arg-type]
+            try:
+                opened = open_sealed(key, sealed, _ad(peer, me, server_round))
+            except InvalidTag:
+                raise ProtocolViolation(f"refusing secagg_masked: the share relayed from neighbour {peer} does not "
+                                        "open (altered or not sealed for this device)") from None
+            if len(opened) != 2 * SHARE_BYTES:
+                raise ProtocolViolation(f"refusing secagg_masked: the share from neighbour {peer} has "
+                                        f"{len(opened)} bytes, not {2 * SHARE_BYTES}")
+            state[f"from/{peer}"] = sealed
         state["holding"] = holding
         trained = train_content(msg, context)
         bits = int(params["bits"])  # type: ignore[arg-type]

@@ -554,3 +554,20 @@ def test_a_device_signs_once_and_unmasks_once_a_round() -> None:
     fleet.unmask(1, [1, 2, 3, 4], signatures)
     with pytest.raises(ValueError, match="no secure-aggregation round in progress"):
         fleet.unmask(1, [1, 2, 3], signatures)
+
+
+@pytest.mark.parametrize("relay", [
+    lambda sealed: sealed[:-1] + bytes([sealed[-1] ^ 1]),   # altered in transit
+    lambda sealed: b"\x00" * len(sealed),                    # made up
+])
+def test_a_device_refuses_to_mask_with_a_share_that_does_not_open(relay: Any) -> None:
+    # Prepare: 5 devices, t = 3; the coordinator alters one of device 1's five shares, so the
+    # device would pair masks with (and later vouch for) a peer whose share it never really got
+    fleet = Fleet(5)
+    fleet.setup()
+    for node in fleet.nodes:
+        fleet.share(node, 3)
+    fleet.sealed[2] = ConfigRecord({**fleet.sealed[2], "to/1": relay(bytes(fleet.sealed[2]["to/1"]))})  # type: ignore[arg-type]
+    # Execute / Assert: refused at the masked step, naming the neighbour (before: InvalidTag only at unmask)
+    with pytest.raises(ProtocolViolation, match="share relayed from neighbour 2 does not open"):
+        fleet.masked(1)
