@@ -24,7 +24,7 @@ from fedge import wire
 from fedge.clients.secure import add_secure_handlers
 from fedge.codec import Codec, codec_for, decode_update, encode_update, is_encoded
 from fedge.config import resolve_run_config
-from fedge.profiles import parse_fleet
+from fedge.profiles import parse_fleet, time_budget_steps
 from fedge.task.data import federated_data, load_local_file
 from fedge.task.models import build_model, load_arrays, model_arrays
 from fedge.task.training import as_dataset, evaluate, pick_device, train_local
@@ -93,9 +93,9 @@ def make_client_app(
             wire.SERVER_ROUND: round_,
             wire.PROFILE: profile,
             wire.SAMPLES_PROCESSED: stats.samples_processed,
-            "steps": stats.steps,
+            wire.STEPS: stats.steps,
         })
-        metrics = MetricRecord({"train-loss": stats.loss, wire.NUM_EXAMPLES: stats.num_examples})
+        metrics = MetricRecord({wire.TRAIN_LOSS: stats.loss, wire.NUM_EXAMPLES: stats.num_examples})
         return RecordDict({wire.ARRAYS: arrays, wire.METRICS: metrics, wire.REPLY_META: meta})
 
     @app.train(mods=[dp_clipping_mod])  # per handler: app-wide, Flower's DP mods break evaluate replies
@@ -163,7 +163,7 @@ def _step_budget(context: Context, setting: Mapping[str, Any]) -> int | None:
     fleet = parse_fleet(str(setting["fleet"]), str(setting["fleet-file"]))
     profile = fleet.profiles.get(device_profile_name(context, setting))
     rate = profile.compute_rate if profile else 1.0
-    return max(1, int(float(setting["time-budget-s"]) * rate) // int(setting["batch-size"]))
+    return time_budget_steps(float(setting["time-budget-s"]), rate, int(setting["batch-size"]))
 
 
 def _training_seed(context: Context, seed: int, server_round: int) -> int:

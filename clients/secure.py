@@ -19,11 +19,13 @@ never from a list the coordinator sends.
 Secrets live in the node's ``Context.state`` between the steps of one round and are
 deleted after the unmask step.
 
-Threat model: a coordinator that deviates from the protocol (withholds shares, sends
-different survivor sets to different devices, asks for a threshold of 1) learns no
-more than the sum while each device's neighbours hold an honest majority. Not stopped
-(see :mod:`fedge.secagg`): key substitution in the share step without a PKI, Sybil
-devices, and weaker per-neighbourhood guarantees with sparse SecAgg+ graphs.
+Threat model: a coordinator that deviates from the protocol on its own (withholds or
+alters shares, sends different survivor sets to different devices, asks for a threshold
+of 1) learns no more than the sum; with ``c`` colluding devices among a device's ``k``
+neighbours this holds while ``c < 2t - k``. Not stopped (see :mod:`fedge.secagg`): key
+substitution in the share step without a PKI (the signing keys included), Sybil devices,
+a neighbourhood made of colluders, and weaker per-neighbourhood guarantees with sparse
+SecAgg+ graphs.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ def _encode_update(global_arrays: ArrayRecord, trained: RecordDict, params: Conf
     local = trained.array_records[wire.ARRAYS]
     weight = float(trained.metric_records[wire.METRICS][wire.NUM_EXAMPLES])  # type: ignore[arg-type]
     momentum = float(params["work-momentum"])  # type: ignore[arg-type]
-    steps = int(trained.config_records[wire.REPLY_META].get("steps", 1))  # type: ignore[arg-type]
+    steps = int(trained.config_records[wire.REPLY_META].get(wire.STEPS, 1))  # type: ignore[arg-type]
     work = min(fednova_norm(max(steps, 1), momentum), float(params["work-cap"])) if momentum >= 0 else 1.0  # type: ignore[arg-type]
     delta = np.concatenate([(local[k].numpy().astype(np.float64) - global_arrays[k].numpy()).ravel()
                             for k in sorted(global_arrays)])

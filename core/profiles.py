@@ -89,6 +89,14 @@ class DeviceProfile:
         return samples / self.compute_rate
 
 
+def time_budget_steps(time_budget_s: float, compute_rate: float, batch_size: int) -> int:
+    """SGD steps that ``time_budget_s`` seconds buy at ``compute_rate`` samples/s (at least 1).
+
+    What a device with ``local-budget = "time"`` trains, and what the coordinator allows it.
+    """
+    return max(1, int(time_budget_s * compute_rate) // batch_size)
+
+
 def _is_number(value: object) -> bool:
     """An int or float, not a bool (TOML's ``true`` is no rate)."""
     return isinstance(value, int | float) and not isinstance(value, bool)

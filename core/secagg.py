@@ -15,17 +15,19 @@ Overhead", CCS 2020. Pieces:
 
 Threat model. The coordinator relays every message and may deviate from the protocol
 (an active adversary, as in Bonawitz et al.'s security analysis): it may drop, withhold or reorder messages,
-send different devices different survivor sets, choose the threshold and the
-neighbourhoods, and collude with fewer than ``t`` devices of a neighbourhood. It learns
-only the sum of the masked inputs of devices that finished, because every device
-enforces the paper's checks itself (see :mod:`fedge.clients.secure`): ``t >
+send different devices different survivor sets and choose the threshold. Deviating on its
+own, with the devices' real keys, it learns only the sum of the masked inputs of devices
+that finished, because every device enforces the paper's checks itself (see :mod:`fedge.clients.secure`): ``t >
 neighbours / 2`` and ``t >= 2``; shares from at least ``t`` neighbours before masking;
 a survivor set that contains it and at least ``t`` of its neighbours, signed once per
 round; at least ``t`` neighbours' signatures over that same set before it reveals; and
 for each neighbour exactly one share, chosen locally from that set (the self-mask seed
-of a survivor, the mask key of a dropout). Two different survivor sets can then not both
-collect ``t`` signatures in a neighbourhood with an honest majority, so no device's
-self-mask seed and mask key are both revealed.
+of a survivor, the mask key of a dropout). Honest devices sign one set a round, so two
+different survivor sets can both collect ``t`` signatures among a device's ``k`` neighbours
+only if ``c >= 2t - k`` of them collude with the coordinator (one colluder at ``t =
+floor(k/2) + 1``): below that, no device's self-mask seed and mask key are both revealed.
+The coordinator also chooses each device's neighbours (devices accept any list of 2 or
+more), so it can surround a target with colluders.
 
 Out of scope. (1) Without a PKI that binds the X25519 and Ed25519 keys to registered
 devices, a coordinator that substitutes public keys in the share step (a

@@ -22,7 +22,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedge.behaviour import Behaviour
 from fedge.config import Scalar, codec_policy, config_fingerprint, model_keys, resolve_run_config
 from fedge.errors import CheckpointMismatch, ConfigError
-from fedge.profiles import Fleet, parse_fleet
+from fedge.profiles import Fleet, parse_fleet, time_budget_steps
 from fedge.secagg import bits_needed
 from fedge.server.checkpoint import load_checkpoint
 from fedge.server.compression import DownlinkEncoder, check_codecs
@@ -105,7 +105,7 @@ def local_step_limit(config: Mapping[str, Scalar]) -> Callable[[int], int]:
     if config["local-budget"] == "time":
         fleet = parse_fleet(str(config["fleet"]), str(config["fleet-file"]))
         fastest = max([1.0, *(profile.compute_rate for profile in fleet.profiles.values())])
-        steps = max(1, int(float(config["time-budget-s"]) * fastest) // batch)
+        steps = time_budget_steps(float(config["time-budget-s"]), fastest, batch)
         return lambda n: steps
     epochs = int(config["local-epochs"])
     return lambda n: epochs * math.ceil(n / batch)

@@ -50,6 +50,8 @@ class FedBuff(FedAvg):
     clock; in deployment they come in real time through the Grid's push/pull API.
     """
 
+    keeps_partial_work = True  # asynchronous: whatever arrives is aggregated, stragglers' partial work too
+
     def __init__(self, *, concurrency: int = 20, buffer_size: int = 10, server_learning_rate: float = 1.0,
                  staleness_exponent: float = 0.5, **kwargs: Any) -> None:
         if buffer_size < 1 or concurrency < 1:

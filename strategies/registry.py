@@ -1,10 +1,9 @@
 """The strategy registry: each strategy file registers its class, its run-config name and how
 it reads its options from the run config. Adding a strategy is one file (plus tests).
 
-The registry knows what each strategy can be combined with, so the coordinator refuses
-impossible combinations by asking it instead of keeping lists of names:
-``dp`` (the noise is calibrated to a mean of clipped updates) and secure aggregation
-(the coordinator must not need individual updates).
+The registry knows whether a strategy works with ``dp`` (the noise is calibrated to a mean
+of clipped updates), so DP asks it instead of keeping a list of names. Secure aggregation
+still keeps its own map of strategies to their secure classes (``fedge.strategies.secure``).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ class StrategySpec:
     dp : bool
         Works with differential privacy (a mean of clipped updates).
     needs_individual_updates : bool
-        Needs each update on its own (robust aggregation): no secure aggregation.
+        Needs each update on its own (robust aggregation); documentation only so far.
     """
 
     name: str

@@ -83,7 +83,8 @@ class SecureAggregation(FedAvg):
     Parameters
     ----------
     threshold : float
-        Shares needed to rebuild a secret, as a fraction of a device's neighbours (ceil).
+        Shares needed to rebuild a secret: ``floor(threshold * k) + 1`` of a device's ``k`` neighbours
+        (at least 2, and more than half of them).
     neighbours : int
         Neighbours per device (0: all pairs; SecAgg+ uses O(log n)).
     clip : float
@@ -250,6 +251,7 @@ class SecureAggregation(FedAvg):
                             dst_node_id=n, message_type=f"{MessageType.TRAIN}.secagg_masked") for n in targets]
         exchange = self.policy.exchange(grid, messages, timeout, self.round_target)
         report.late += len(messages) - len(exchange.replies)  # late, surplus to the deadline's K, or gone
+        # masked replies carry no metrics (a device's loss would leak): Oort learns nothing here
         self.selector.observe(server_round, exchange.replies, durations(grid))
         replies = {}
         for reply in exchange.replies:
