@@ -70,8 +70,8 @@ def ensure_private_dir(directory: str | Path) -> Path:
     Raises
     ------
     ConfigError
-        If ``directory`` exists but is not a directory, or is writable by others
-        and cannot be tightened (not ours): choose a private directory instead.
+        If ``directory`` exists but is not a directory, belongs to another user, or is
+        writable by others and cannot be tightened: choose a private directory instead.
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -87,7 +87,11 @@ def ensure_private_dir(directory: str | Path) -> Path:
 
 
 def _tighten(directory: Path) -> None:
-    mode = stat.S_IMODE(directory.stat().st_mode)
+    info = directory.stat()
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():  # its owner could swap keys in it later
+        raise ConfigError(f"'{directory}' belongs to another user (uid {info.st_uid}), who could replace the keys "
+                          "in it; use a directory of your own")
+    mode = stat.S_IMODE(info.st_mode)
     if not mode & (stat.S_IWGRP | stat.S_IWOTH):
         return
     try:

@@ -100,3 +100,15 @@ def test_ensure_private_dir_refuses_a_file(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("not a directory")
     with pytest.raises(ConfigError, match="exists and is not a directory"):
         ensure_private_dir(tmp_path / "f")
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0,
+                    reason="needs root to make a directory another user owns")
+def test_a_key_directory_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    # Prepare: a 0755 directory that uid 12345 owns (it could later swap keys in it)
+    theirs = tmp_path / "keys"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 12345, 12345)
+    # Execute / Assert
+    with pytest.raises(ConfigError, match="belongs to another user"):
+        ensure_private_dir(theirs)
