@@ -30,7 +30,7 @@ CASES = [
     (["--fleet", "phone=3,toaster=2"], "fleet names unknown profile 'toaster'"),
     (["--fleet", "phone=2000"], "cannot partition 1438 training samples across 2000 devices"),
     (["--clients-per-round", "9"], "clients-per-round = 9 exceeds the fleet's 5 devices"),
-    (["--model", "resnet"], "'model' = 'resnet' is not allowed; use one of: mlp, cnn, logreg"),
+    (["--model", "resnet"], "'model' = 'resnet' is not a registered model; use one of: logreg, mlp, cnn"),
     (["--run-config", "init-checkpoint='CKPT'"], "do not match the model"),
 ]
 
