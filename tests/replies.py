@@ -56,24 +56,7 @@ SECURE_STEPS = ("secagg_setup", "secagg_share", "secagg_masked", "secagg_consist
 def tampered_app(partition: int, step: str, tamper: Callable[[RecordDict], None]) -> ClientApp:
     """fedge's own ClientApp, except that device ``partition`` runs ``tamper`` on its reply's
     content at ``step`` ("train" or a secure-aggregation step); ``tamper`` may raise (a dropout)."""
-    from fedge.clients.app import make_default_client_app
-
-    honest = make_default_client_app()
-    app = ClientApp()
-
-    def handler(name: str) -> Any:
-        def handle(msg: Message, context: Context) -> Message:
-            reply = honest(msg, context)
-            if int(context.node_config["partition-id"]) == partition and name == step:
-                tamper(reply.content)
-            return reply
-        return handle
-
-    app.train()(handler("train"))
-    for name in SECURE_STEPS:
-        app.train(name)(handler(name))
-    app.evaluate()(lambda msg, context: honest(msg, context))
-    return app
+    return tampered_apps({(partition, step): tamper})
 
 
 def tampered_apps(tampers: dict[tuple[int, str], Callable[[RecordDict], None]]) -> ClientApp:
@@ -103,3 +86,19 @@ def tampered_apps(tampers: dict[tuple[int, str], Callable[[RecordDict], None]]) 
 def drop_out(_: RecordDict) -> None:
     """A ``tamper`` for :func:`tampered_app`: the device goes away instead of replying."""
     raise ConnectionError("device went away")
+
+
+def capture_strategies(monkeypatch: Any) -> list[Any]:
+    """Make ``fedge.server.app.build_strategy`` keep every strategy it builds in the returned list
+    (so a test can read the round reports of a run it started through ``run_coordinator``)."""
+    import fedge.server.app as server_app
+
+    strategies: list[Any] = []
+    build = server_app.build_strategy
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        strategies.append(build(*args, **kwargs))
+        return strategies[-1]
+
+    monkeypatch.setattr(server_app, "build_strategy", keep)
+    return strategies

@@ -24,7 +24,7 @@ from fedge.simulation.grid import FIRST_NODE_ID, InlineGrid
 from fedge.strategies.policies import DeadlinePolicy
 from fedge.strategies.secure import SecureAggregation
 from fedge.strategies.validation import Rejection
-from replies import tampered_app
+from replies import capture_strategies, tampered_app
 
 PACKAGES = ["fedge", "fedge.server", "fedge.clients", "fedge.strategies", "fedge.edge", "fedge.task",
             "fedge.simulation", "fedge.cli"]
@@ -113,16 +113,7 @@ def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str = "train",
          tamper: Callable[[RecordDict], None] = lambda content: None) -> tuple[dict[str, Any], list[Rejection]]:
     """One secure round of 5 laptops (all pairs: 4 neighbours, 3 shares needed) where partition
     ``LIAR`` runs ``tamper`` on its reply at ``step``; the round's metrics and failures."""
-    import fedge.server.app as server_app
-
-    strategies: list[Any] = []
-    build = server_app.build_strategy
-
-    def keep(*args: Any, **kwargs: Any) -> Any:
-        strategies.append(build(*args, **kwargs))
-        return strategies[-1]
-
-    monkeypatch.setattr(server_app, "build_strategy", keep)
+    strategies = capture_strategies(monkeypatch)
     config = resolve_run_config({**BASE, "run-dir": str(tmp_path / "r")})
     run_dir = run_coordinator(InlineGrid(tampered_app(LIAR, step, tamper), NODES, config), config, progress=False)
     return read_jsonl(run_dir / "metrics.jsonl")[-1], strategies[0].reports[0].failed

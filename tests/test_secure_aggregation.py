@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from fedge.server.report import read_jsonl
 from fedge.simulation.grid import FIRST_NODE_ID, InlineGrid
 from fedge.simulation.runner import simulate
 from fedge.strategies.validation import Rejection
-from replies import drop_out, tampered_app, tampered_apps
+from replies import capture_strategies, drop_out, tampered_app, tampered_apps
 
 BASE = {"fleet": "phone=6,laptop=3,gpu-box=1", "clients-per-round": 6, "num-rounds": 3, "model": "mlp",
         "local-epochs": 2, "export-onnx": False}
@@ -98,16 +97,7 @@ def test_a_device_sending_a_small_order_key_is_named_and_the_round_goes_on_witho
 ) -> None:
     # Prepare: 5 devices; partition 3 sends `value` as its public key `key` in the setup step
     # (an all-zero X25519 key passed the old 32-byte check, and every honest device then failed)
-    import fedge.server.app as server_app
-
-    strategies: list[Any] = []
-    build = server_app.build_strategy
-
-    def keep(*args: Any, **kwargs: Any) -> Any:
-        strategies.append(build(*args, **kwargs))
-        return strategies[-1]
-
-    monkeypatch.setattr(server_app, "build_strategy", keep)
+    strategies = capture_strategies(monkeypatch)
     config = resolve_run_config({**BASE, "fleet": "laptop=5", "clients-per-round": 5, "num-rounds": 1,
                                  "secure-aggregation": True, "run-dir": str(tmp_path / "r")})
     nodes = [{"partition-id": i, "num-partitions": 5, "profile": "laptop"} for i in range(5)]
@@ -134,16 +124,7 @@ def test_devices_that_send_the_same_public_key_are_named_and_left_out(tmp_path: 
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: 5 devices; partitions 2 and 3 send one and the same (valid) mask key, as a device that
     # copied another's would: honest devices refuse neighbours with equal keys
-    import fedge.server.app as server_app
-
-    strategies: list[Any] = []
-    build = server_app.build_strategy
-
-    def keep(*args: Any, **kwargs: Any) -> Any:
-        strategies.append(build(*args, **kwargs))
-        return strategies[-1]
-
-    monkeypatch.setattr(server_app, "build_strategy", keep)
+    strategies = capture_strategies(monkeypatch)
     copied = public_bytes(X25519PrivateKey.generate())
 
     def copy_key(content: RecordDict) -> None:
