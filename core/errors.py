@@ -18,13 +18,13 @@ class CheckpointMismatch(ConfigError):
     """A checkpoint whose arrays or config do not match the model being run."""
 
 
-class UpdateRejected(FedgeError):
-    """A device's reply failed validation and was left out of aggregation.
+class DeviceFault(FedgeError):
+    """Something a device sent that fedge refused; the sender is left out and the round goes on.
 
     Parameters
     ----------
     reason : str
-        Why the reply was rejected, in words an operator can act on.
+        What is wrong, in words an operator can act on.
     node_id : int | None
         The Flower node id of the sender, when known.
     """
@@ -33,6 +33,10 @@ class UpdateRejected(FedgeError):
         super().__init__(reason)
         self.reason = reason
         self.node_id = node_id
+
+
+class UpdateRejected(DeviceFault):
+    """A device's reply failed validation and was left out of aggregation."""
 
 
 class BundleVerificationError(FedgeError):
@@ -56,21 +60,10 @@ class SecureRoundFailed(FedgeError):
     """
 
 
-class ProtocolError(FedgeError):
+class ProtocolError(DeviceFault):
     """A secure-aggregation protocol message that is malformed or breaks the protocol.
 
     Raised where the message is read. On the coordinator its sender is named and left out
     of the round (the round goes on without it, as for a dropout).
-
-    Parameters
-    ----------
-    reason : str
-        What is wrong with the message, in words an operator can act on.
-    node_id : int | None
-        The Flower node id of the sender, when known.
     """
 
-    def __init__(self, reason: str, *, node_id: int | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.node_id = node_id

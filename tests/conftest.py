@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,3 +32,13 @@ def fast_config(tmp_path: Path) -> dict[str, Any]:
         "local-epochs": 2,
         "run-dir": str(tmp_path / "run"),
     }
+
+
+@pytest.fixture
+def umask_zero() -> Iterator[None]:
+    """The most permissive umask: every mode bit a call asks for is kept."""
+    previous = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(previous)

@@ -7,12 +7,19 @@ The default suite runs a few thousand cases per parser; set ``FEDGE_FUZZ_EXAMPLE
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+import tracemalloc
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 FUZZ_EXAMPLES = int(os.environ.get("FEDGE_FUZZ_EXAMPLES", "2000"))
+# Claims far beyond anything a device, a bundle or a checkpoint may make us allocate, and a
+# generous time bound (a case takes milliseconds).
+MAX_ALLOCATION = 64 * 2**20
+MAX_SECONDS = 10.0
 
 
 def fuzz(examples: int | None = None) -> settings:
@@ -54,3 +61,22 @@ def mutated(draw: st.DrawFn, original: bytes, max_ops: int = 4, *, interesting: 
         elif op == "repeat":
             data[pos:pos] = data[pos:pos + draw(st.integers(1, 64))] * draw(st.integers(1, 4))
     return bytes(data)
+
+
+@contextmanager
+def bounded(*, memory: bool = True) -> Iterator[None]:
+    """Fail if the block runs longer than :data:`MAX_SECONDS` or (with ``memory``) allocates
+    more than :data:`MAX_ALLOCATION` (numpy arrays included), whether it returns or raises:
+    a rejection after a huge allocation fails too."""
+    if memory:
+        tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1] if memory else 0
+        if memory:
+            tracemalloc.stop()
+        assert peak <= MAX_ALLOCATION, f"allocated {peak / 2**20:.0f} MiB"
+        assert elapsed <= MAX_SECONDS, f"took {elapsed:.1f} s"

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -106,14 +105,6 @@ def test_record_never_lowers_a_version_recorded_meanwhile(key: Ed25519PrivateKey
         store.record(late)
     assert store.accepted_version(MODEL_ID) == 7
 
-
-@pytest.fixture
-def umask_zero() -> Iterator[None]:
-    previous = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(previous)
 
 
 def test_the_record_is_private_atomic_json(

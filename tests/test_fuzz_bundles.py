@@ -21,11 +21,8 @@ import datetime as dt
 import io
 import json
 import math
-import time
-import tracemalloc
 import zipfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +36,13 @@ from tiny_bundles import MODEL_ID, tiny_bundle, write_zip
 from fedge.edge import EdgeModel
 from fedge.edge.bundle import MANIFEST, SIGNATURE, FreshnessStore, read_bundle, sign_manifest, verify_bundle
 from fedge.errors import FedgeError
-from fuzzing import FUZZ_EXAMPLES, fuzz
+from fuzzing import FUZZ_EXAMPLES, bounded, fuzz
 from fuzzing import mutated as fuzzing_mutated
 
 NOW = dt.datetime(2025, 6, 1, tzinfo=dt.UTC)
 # Cases per test, as shares of the shared default (2000; FEDGE_FUZZ_EXAMPLES scales them all):
 # the verification layer gets the most, full loads (an onnxruntime session each) fewer.
 VERIFY_CASES, LOAD_CASES, SMALL_CASES = FUZZ_EXAMPLES * 3 // 4, FUZZ_EXAMPLES // 2, FUZZ_EXAMPLES // 4
-MAX_SECONDS = 10.0
-MAX_ALLOCATION = 64 * 2**20
 
 
 @pytest.fixture(scope="module")
@@ -128,27 +123,9 @@ def mutated_manifest(draw: st.DrawFn, manifest: dict[str, Any]) -> dict[str, Any
     return manifest
 
 
-@contextmanager
-def bounded(*, memory: bool = False) -> Iterator[None]:
-    """Fail if the block runs longer than :data:`MAX_SECONDS` (or, with ``memory``, allocates
-    more than :data:`MAX_ALLOCATION`): a case takes milliseconds."""
-    if memory:
-        tracemalloc.start()
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        elapsed = time.perf_counter() - start
-        peak = tracemalloc.get_traced_memory()[1] if memory else 0
-        if memory:
-            tracemalloc.stop()
-    assert elapsed <= MAX_SECONDS, f"took {elapsed:.1f} s"
-    assert peak <= MAX_ALLOCATION, f"allocated {peak / 2**20:.0f} MiB"
-
-
 def accepted_or_refused(action: Callable[[], object]) -> object | None:
     """Run ``action``: its result, or None for a clear refusal; any other exception fails the test."""
-    with bounded():
+    with bounded(memory=False):
         try:
             return action()
         except FedgeError as exc:

@@ -21,13 +21,10 @@ import json
 import math
 import struct
 import tempfile
-import time
 import tomllib
-import tracemalloc
 import warnings
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +42,7 @@ from fedge.errors import CheckpointMismatch, ConfigError, UpdateRejected
 from fedge.profiles import MAX_FLEET_SIZE, Fleet, parse_fleet
 from fedge.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedge.strategies.validation import ReplyValidator, spec_of
-from fuzzing import FUZZ_EXAMPLES, fuzz
+from fuzzing import FUZZ_EXAMPLES, bounded, fuzz
 from fuzzing import mutated as fuzzing_mutated
 
 # --------------------------------------------------------------------------- shared mutation helpers
@@ -59,31 +56,11 @@ INTERESTING_BYTES = [
     struct.pack("<I", 0), struct.pack("<I", 1), struct.pack("<I", 2**32 - 1), struct.pack("<I", 10**9),
     struct.pack("<I", 65536), struct.pack("<H", 0), struct.pack("<H", 65535), b"\x00", b"\xff", b"\x7f", b"\x80",
 ]
-# Claims far beyond anything a device or a checkpoint may make us allocate.
-MAX_ALLOCATION = 64 * 2**20
-MAX_SECONDS = 10.0
 
 
 def mutated(original: bytes, max_ops: int = 4) -> st.SearchStrategy[bytes]:
     """:func:`fuzzing.mutated` with this file's interesting field values."""
     return fuzzing_mutated(original, max_ops, interesting=INTERESTING_BYTES)
-
-
-@contextmanager
-def bounded() -> Iterator[None]:
-    """Fail if the block allocates more than :data:`MAX_ALLOCATION` (numpy arrays included)
-    or runs longer than :data:`MAX_SECONDS` (a generous bound: a case takes milliseconds),
-    whether it returns or raises (a rejection after a huge allocation fails too)."""
-    tracemalloc.start()
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        elapsed = time.perf_counter() - start
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        assert peak <= MAX_ALLOCATION, f"allocated {peak / 2**20:.0f} MiB"
-        assert elapsed <= MAX_SECONDS, f"took {elapsed:.1f} s"
 
 
 # --------------------------------------------------------------------------- 1. reply decoding (codecs)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,6 @@ import pytest
 from fedge.cli.main import main
 from fedge.edge.signing import ensure_private_dir
 from fedge.errors import ConfigError
-
-
-@pytest.fixture
-def umask_zero() -> Iterator[None]:
-    """The most permissive umask: every mode bit a call asks for is kept."""
-    previous = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(previous)
 
 
 def _mode(path: Path) -> int:
