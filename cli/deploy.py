@@ -69,8 +69,8 @@ def _run_config(args: argparse.Namespace) -> dict[str, Any]:
     from fedge.strategies import strategy_spec
     from fedge.task.models import model_class
 
-    strategy_spec(str(config["strategy"]))  # names nothing registered: refused here, not in the ServerApp
-    model_class(str(config["model"]))
+    strategy_spec(config.text("strategy"))  # names nothing registered: refused here, not in the ServerApp
+    model_class(config.text("model"))
     if not config["run-dir"]:
         from fedge.server.report import run_dir_for
 

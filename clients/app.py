@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from fedge import wire
 from fedge.clients.secure import add_secure_handlers
 from fedge.codec import Codec, codec_for, decode_update, encode_update, is_encoded
-from fedge.config import resolve_run_config
+from fedge.config import RunConfig, resolve_run_config
 from fedge.profiles import parse_fleet, time_budget_steps
 from fedge.task.data import federated_data, load_local_file
 from fedge.task.models import build_model, load_arrays, model_arrays
@@ -79,12 +79,12 @@ def make_client_app(
             batch_size=int(setting["batch-size"]),
             learning_rate=float(setting["learning-rate"]),
             momentum=float(setting["momentum"]),
-            device=pick_device(str(config["device"])),
-            seed=_training_seed(context, int(config["seed"]), round_),
+            device=pick_device(config.text("device")),
+            seed=_training_seed(context, config.integer("seed"), round_),
             proximal_mu=float(instruction.get("proximal-mu", 0.0)),  # type: ignore[arg-type]  # only FedProx sends it
             max_steps=_step_budget(context, setting),
         )
-        seed = _training_seed(context, int(config["seed"]), round_)
+        seed = _training_seed(context, config.integer("seed"), round_)
         codec = codec_for(profile, setting)
         if codec.lossless and is_encoded(msg.content.array_records[wire.ARRAYS]):
             codec = Codec(quantiser=None, fraction=None, delta=True)  # trained from a lossy copy: send the change
@@ -111,7 +111,7 @@ def make_client_app(
         load_arrays(model, msg.content[wire.ARRAYS], source="global arrays")
         train_data, test_data = data_fn(context)
         dataset = as_dataset(test_data if test_data is not None else train_data)
-        loss, accuracy = evaluate(model, dataset, device=pick_device(str(config["device"])))
+        loss, accuracy = evaluate(model, dataset, device=pick_device(config.text("device")))
         metrics = MetricRecord({"eval-loss": loss, "eval-acc": accuracy,
                                 wire.NUM_EXAMPLES: len(dataset)})  # type: ignore[arg-type]
         return Message(RecordDict({wire.METRICS: metrics}), reply_to=msg)
@@ -172,27 +172,27 @@ def _training_seed(context: Context, seed: int, server_round: int) -> int:
     return (seed * 1_000_003 + server_round * 10_007 + device) % 2**63
 
 
-def _effective_config(context: Context, defaults: Mapping[str, Any] | None) -> dict[str, Any]:
+def _effective_config(context: Context, defaults: Mapping[str, Any] | None) -> RunConfig:
     merged = dict(defaults or {})
     merged.update(context.run_config)
     return resolve_run_config(merged)
 
 
-def device_profile_name(context: Context, config: Mapping[str, Any]) -> str:
+def device_profile_name(context: Context, config: RunConfig) -> str:
     """The device's profile: ``node_config["profile"]``, else the fleet's assignment."""
     if "profile" in context.node_config:
         return str(context.node_config["profile"])
-    fleet = parse_fleet(str(config["fleet"]), str(config["fleet-file"]))
+    fleet = parse_fleet(config.text("fleet"), config.text("fleet-file"))
     partition_id = int(context.node_config.get("partition-id", 0))
-    assignment = fleet.assignment(int(config["seed"]))
+    assignment = fleet.assignment(config.integer("seed"))
     return assignment[partition_id] if partition_id < len(assignment) else "unknown"
 
 
-def num_partitions(context: Context, config: Mapping[str, Any]) -> int:
+def num_partitions(context: Context, config: RunConfig) -> int:
     """How many shards the data set is split into (the simulated fleet's size)."""
     if "num-partitions" in context.node_config:
         return int(context.node_config["num-partitions"])
-    return parse_fleet(str(config["fleet"]), str(config["fleet-file"])).size
+    return parse_fleet(config.text("fleet"), config.text("fleet-file")).size
 
 
 def make_default_client_app(config_defaults: Mapping[str, Any] | None = None) -> ClientApp:
@@ -208,7 +208,7 @@ def make_default_client_app(config_defaults: Mapping[str, Any] | None = None) ->
     def model_fn(context: Context) -> nn.Module:
         config = _effective_config(context, config_defaults)
         data = federated_data(config, num_partitions(context, config))
-        return build_model(str(config["model"]), data.num_features, data.num_classes)
+        return build_model(config.text("model"), data.num_features, data.num_classes)
 
     return make_client_app(model_fn, data_fn, config_defaults=config_defaults)
 

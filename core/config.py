@@ -36,7 +36,55 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {key: knob.check for key
 MODEL_KEYS = ("dataset", "model", "strategy", "seed", "synthetic-alpha", "synthetic-beta")
 
 
-def resolve_run_config(overrides: Mapping[str, Any] | None = None) -> dict[str, Scalar]:
+class RunConfig(dict[str, Scalar]):
+    """A checked run config (what :func:`resolve_run_config` returns) with typed reads.
+
+    It is still the flat ``dict`` Flower hands around, so it goes into ``ConfigRecord``s and
+    JSON as is; :meth:`integer`, :meth:`number`, :meth:`text` and :meth:`flag` return a knob's
+    value with its declared type, so use sites need no casts. Asking for a knob by the wrong
+    type is a programming error (``TypeError``), not a config error: the values were checked
+    when the config was resolved.
+    """
+
+    def _typed(self, key: str, kind: type) -> Any:
+        knob = KNOBS.get(key)
+        if knob is None and not key.startswith(CODEC_PREFIXES):
+            raise KeyError(f"'{key}' is not a run-config knob (see fedge.knobs.KNOBS)")
+        declared = type(knob.default) if knob is not None else str
+        if declared is not kind:
+            raise TypeError(f"run-config '{key}' is a {declared.__name__} knob, read as {kind.__name__}")
+        return self[key]
+
+    def integer(self, key: str) -> int:
+        """The value of int knob ``key``."""
+        value: int = self._typed(key, int)
+        return value
+
+    def number(self, key: str) -> float:
+        """The value of float knob ``key``, or of int knob ``key`` widened to a float."""
+        knob = KNOBS.get(key)
+        if knob is not None and type(knob.default) is int:
+            return float(self.integer(key))
+        value: float = self._typed(key, float)
+        return value
+
+    def text(self, key: str) -> str:
+        """The value of string knob ``key``."""
+        value: str = self._typed(key, str)
+        return value
+
+    def flag(self, key: str) -> bool:
+        """The value of bool knob ``key``."""
+        value: bool = self._typed(key, bool)
+        return value
+
+
+def as_run_config(config: Mapping[str, Any]) -> RunConfig:
+    """``config`` as a :class:`RunConfig`: itself when it already is one, else resolved (checked)."""
+    return config if isinstance(config, RunConfig) else resolve_run_config(config)
+
+
+def resolve_run_config(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     """Merge ``overrides`` over :data:`DEFAULTS`, refusing unknown keys and bad values.
 
     Raises
@@ -44,7 +92,7 @@ def resolve_run_config(overrides: Mapping[str, Any] | None = None) -> dict[str, 
     ConfigError
         Naming the key, the value and what is allowed.
     """
-    config: dict[str, Scalar] = dict(DEFAULTS)
+    config = RunConfig(DEFAULTS)
     for key, value in (overrides or {}).items():
         config[key] = _checked(key, value)
     return config

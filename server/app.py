@@ -20,7 +20,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedge.behaviour import Behaviour
-from fedge.config import Scalar, codec_policy, config_fingerprint, model_keys, resolve_run_config
+from fedge.config import RunConfig, codec_policy, config_fingerprint, model_keys, resolve_run_config
 from fedge.errors import CheckpointMismatch, ConfigError
 from fedge.profiles import Fleet, parse_fleet, time_budget_steps
 from fedge.secagg import bits_needed
@@ -64,17 +64,17 @@ def make_server_app(
 app = make_server_app()
 
 
-def build_strategy(config: Mapping[str, Scalar], num_nodes: int | None = None) -> FedAvg:
+def build_strategy(config: RunConfig, num_nodes: int | None = None) -> FedAvg:
     """The strategy named by ``strategy``, sampling ``clients-per-round`` devices a round.
 
     ``num_nodes`` (the simulated fleet's size) is checked against ``clients-per-round``;
     in deployment it is unknown and the strategy waits for devices to connect.
     """
-    per_round = int(config["clients-per-round"])
+    per_round = config.integer("clients-per-round")
     if num_nodes is not None and per_round > num_nodes:
         raise ConfigError(f"clients-per-round = {per_round} exceeds the fleet's {num_nodes} "
                           "devices; lower clients-per-round or enlarge the fleet")
-    spec = strategy_spec(str(config["strategy"]))
+    spec = strategy_spec(config.text("strategy"))
     extra, strategy_class = spec.options(config, num_nodes), spec.cls
     if config["secure-aggregation"]:
         strategy_class = secure_variant(strategy_class)
@@ -82,36 +82,36 @@ def build_strategy(config: Mapping[str, Scalar], num_nodes: int | None = None) -
     return strategy_class(
         clients_per_round=per_round,
         policy=build_policy(config),
-        validator=ReplyValidator(max_num_examples=int(config["max-num-examples"]),
+        validator=ReplyValidator(max_num_examples=config.integer("max-num-examples"),
                                  max_local_steps=local_step_limit(config)),
         selector=build_selector(config),
-        min_train_replies=min(int(config["min-train-replies"]), per_round),
-        wait_for_nodes_s=float(config["round-timeout"]),
-        straggler_fraction=float(config["straggler-fraction"]),
-        fraction_evaluate=float(config["fraction-evaluate"]),
+        min_train_replies=min(config.integer("min-train-replies"), per_round),
+        wait_for_nodes_s=config.number("round-timeout"),
+        straggler_fraction=config.number("straggler-fraction"),
+        fraction_evaluate=config.number("fraction-evaluate"),
         min_evaluate_nodes=0 if not config["fraction-evaluate"] else 1,
         **extra,
     )
 
 
-def local_step_limit(config: Mapping[str, Scalar]) -> Callable[[int], int]:
+def local_step_limit(config: RunConfig) -> Callable[[int], int]:
     """The most local SGD steps a round's instruction allows a device holding ``n`` examples.
 
     ``local-epochs * ceil(n / batch-size)`` (one step per batch, the last one partial), or
     with ``local-budget = "time"`` the steps the budget buys on the fleet's fastest profile
     (what :func:`fedge.clients.app._step_budget` gives a device). Stragglers do fewer.
     """
-    batch = int(config["batch-size"])
+    batch = config.integer("batch-size")
     if config["local-budget"] == "time":
-        fleet = parse_fleet(str(config["fleet"]), str(config["fleet-file"]))
+        fleet = parse_fleet(config.text("fleet"), config.text("fleet-file"))
         fastest = max([1.0, *(profile.compute_rate for profile in fleet.profiles.values())])
-        steps = time_budget_steps(float(config["time-budget-s"]), fastest, batch)
+        steps = time_budget_steps(config.number("time-budget-s"), fastest, batch)
         return lambda n: steps
-    epochs = int(config["local-epochs"])
+    epochs = config.integer("local-epochs")
     return lambda n: epochs * math.ceil(n / batch)
 
 
-def secure_options(config: Mapping[str, Scalar], selected: int) -> dict[str, Any]:
+def secure_options(config: RunConfig, selected: int) -> dict[str, Any]:
     """Secure-aggregation settings, refused at start when they cannot work for ``selected`` devices.
 
     Raises
@@ -123,53 +123,54 @@ def secure_options(config: Mapping[str, Scalar], selected: int) -> dict[str, Any
     if selected < MIN_DEVICES:
         raise ConfigError(f"secure-aggregation needs at least 3 devices a round, got clients-per-round = {selected}: "
                           "with 2, each device learns the other's update from the sum; raise clients-per-round")
-    clip, precision, bits = float(config["secagg-clip"]), float(config["secagg-precision"]), int(config["secagg-bits"])
+    clip, precision = config.number("secagg-clip"), config.number("secagg-precision")
+    bits = config.integer("secagg-bits")
     if bits_needed(selected, clip, precision) > bits:
         raise ConfigError(
             f"secagg-bits = {bits} is too small: {selected} devices x secagg-clip {clip:g} / secagg-precision "
             f"{precision:g} overflow it (needs {bits_needed(selected, clip, precision)} bits); raise secagg-bits "
             "(up to 64), lower secagg-clip, coarsen secagg-precision or select fewer devices")
-    return {"threshold": float(config["secagg-threshold"]), "neighbours": int(config["secagg-neighbours"]),
+    return {"threshold": config.number("secagg-threshold"), "neighbours": config.integer("secagg-neighbours"),
             "clip": clip, "precision": precision, "bits": bits,
-            "weight_clip": float(config["max-num-examples"]), "work_cap": FEDNOVA_WORK_CAP}
+            "weight_clip": config.number("max-num-examples"), "work_cap": FEDNOVA_WORK_CAP}
 
 
-def build_selector(config: Mapping[str, Scalar]) -> RandomSelector:
+def build_selector(config: RunConfig) -> RandomSelector:
     """Random selection, or Oort-style capability-aware selection."""
     if config["selector"] == "oort":
-        return OortSelector(int(config["seed"]), preferred_s=float(config["preferred-round-s"]),
-                            epsilon=float(config["exploration"]), fairness_rounds=int(config["fairness-rounds"]),
-                            max_num_examples=int(config["max-num-examples"]))
-    return RandomSelector(int(config["seed"]))
+        return OortSelector(config.integer("seed"), preferred_s=config.number("preferred-round-s"),
+                            epsilon=config.number("exploration"), fairness_rounds=config.integer("fairness-rounds"),
+                            max_num_examples=config.integer("max-num-examples"))
+    return RandomSelector(config.integer("seed"))
 
 
-def build_policy(config: Mapping[str, Scalar]) -> RoundPolicy:
+def build_policy(config: RunConfig) -> RoundPolicy:
     """The round policy named by ``round-policy``."""
     if config["round-policy"] == "deadline":
-        return DeadlinePolicy(float(config["deadline-s"]), float(config["over-selection"]))
+        return DeadlinePolicy(config.number("deadline-s"), config.number("over-selection"))
     return SyncPolicy()
 
 
-def check_deadline(config: Mapping[str, Scalar], fleet: Fleet, model_bytes: int) -> None:
+def check_deadline(config: RunConfig, fleet: Fleet, model_bytes: int) -> None:
     """Refuse a deadline that no device in the fleet could meet with even one batch of work."""
     if config["round-policy"] != "deadline":
         return
-    fastest = min(reply_seconds(profile, model_bytes, model_bytes, int(config["batch-size"]))
+    fastest = min(reply_seconds(profile, model_bytes, model_bytes, config.integer("batch-size"))
                   for name, profile in fleet.profiles.items() if name in dict(fleet.mix))
-    if float(config["deadline-s"]) < fastest:
+    if config.number("deadline-s") < fastest:
         raise ConfigError(f"deadline-s = {config['deadline-s']} is shorter than any device could finish a round "
                           f"(the fastest needs {fastest:.3g} s for one batch and the model's transfer); "
                           "raise deadline-s")
 
 
-def behaviour_of(config: Mapping[str, Scalar], fleet: Fleet) -> Behaviour:
+def behaviour_of(config: RunConfig, fleet: Fleet) -> Behaviour:
     """The simulated fleet's behaviour (availability, dropout, jitter) from the run config."""
-    return Behaviour.from_fleet(fleet, seed=int(config["seed"]), enabled=bool(config["device-behaviour"]),
-                                jitter=float(config["jitter"]))
+    return Behaviour.from_fleet(fleet, seed=config.integer("seed"), enabled=config.flag("device-behaviour"),
+                                jitter=config.number("jitter"))
 
 
 def run_coordinator(
-    grid: Grid, config: dict[str, Scalar], *, progress: bool = True, simulated: bool = True
+    grid: Grid, config: RunConfig, *, progress: bool = True, simulated: bool = True
 ) -> Path:
     """Run one federated training job on ``grid``; return the run directory.
 
@@ -179,18 +180,18 @@ def run_coordinator(
     ``simulated`` says whether the fleet config describes every node (simulation) or
     the devices are whoever connects (deployment).
     """
-    fleet = parse_fleet(str(config["fleet"]), str(config["fleet-file"]))
+    fleet = parse_fleet(config.text("fleet"), config.text("fleet-file"))
     data = federated_data(config, fleet.size)
-    model = build_model(str(config["model"]), data.num_features, data.num_classes,
-                        seed=int(config["seed"]))
+    model = build_model(config.text("model"), data.num_features, data.num_classes,
+                        seed=config.integer("seed"))
     if config["init-checkpoint"]:
-        saved = load_checkpoint(str(config["init-checkpoint"])).arrays
+        saved = load_checkpoint(config.text("init-checkpoint")).arrays
         load_arrays(model, ArrayRecord({name: Array(value) for name, value in saved.items()}),
                     source=f"checkpoint '{config['init-checkpoint']}'")
     strategy = build_strategy(config, fleet.size if simulated else None)
     strategy.privacy = build_privacy(strategy, config, fleet.size)
     check_codecs(config, fleet)
-    downlink = DownlinkEncoder(config, seed=int(config["seed"]))
+    downlink = DownlinkEncoder(config, seed=config.integer("seed"))
     strategy.downlink = downlink if downlink.active else None
     check_deadline(config, fleet, sum(len(array.data) for array in model_arrays(model).values()))
     run_dir = run_dir_for(config)
@@ -203,17 +204,17 @@ def run_coordinator(
     log.info("effective run config: %s", json.dumps(config, sort_keys=True))
     log.info("run directory: %s", run_dir)
 
-    poll = float(config["grid-poll-interval"])
+    poll = config.number("grid-poll-interval")
     metered = MeteredGrid(grid, fleet, poll_interval=poll if poll > 0 else None,
                           behaviour=behaviour_of(config, fleet) if simulated else None)
     recorder = RoundRecorder(run_dir, config, metered, strategy, data, model, progress=progress,
                              history=history)
     train_config = ConfigRecord({**{key: config[key] for key in TRAIN_KEYS}, **codec_policy(config)})
     if strategy.privacy is not None and strategy.privacy.client_side:
-        train_config[CLIENT_CLIPPING] = str(config["dp"]).removeprefix("client-")
+        train_config[CLIENT_CLIPPING] = config.text("dp").removeprefix("client-")
     with recorder.progress:
-        strategy.start(metered, model_arrays(model), int(config["num-rounds"]),
-                       timeout=float(config["round-timeout"]), train_config=train_config,
+        strategy.start(metered, model_arrays(model), config.integer("num-rounds"),
+                       timeout=config.number("round-timeout"), train_config=train_config,
                        evaluate_fn=recorder.on_round_end,
                        start_round=int(history[-1]["round"]) + 1 if history else 1)
     recorder.finish()
@@ -221,7 +222,7 @@ def run_coordinator(
 
 
 def _resume_into(model: torch.nn.Module, strategy: FedAvg, run_dir: Path,
-                 config: Mapping[str, Scalar]) -> list[dict[str, Any]]:
+                 config: RunConfig) -> list[dict[str, Any]]:
     """Load ``run_dir``'s last checkpoint into ``model`` and ``strategy``; return its history.
 
     Raises

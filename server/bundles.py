@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from torch import nn
 
-from fedge.config import Scalar
+from fedge.config import RunConfig
 from fedge.edge.build import BuiltBundle, BundleSpec, build_bundle, default_model_id
 from fedge.edge.signing import PRIVATE_NAME, fingerprint, generate_signing_key, load_private_key
 from fedge.task.data import FederatedData, calibration_sample, label_names, preprocessing_for
@@ -20,14 +19,14 @@ log = logging.getLogger("fedge.server")
 CALIBRATION_SIZE = 256
 
 
-def run_signing_key(config: Mapping[str, Scalar], run_dir: Path) -> Ed25519PrivateKey:
+def run_signing_key(config: RunConfig, run_dir: Path) -> Ed25519PrivateKey:
     """The key named by ``signing-key``, else one made for this run under ``run_dir/keys``.
 
     A per-run key keeps simulation bundles signed (devices still verify them) without
     asking a researcher for key management; its public half is ``keys/signing.pub``.
     """
     if config["signing-key"]:
-        return load_private_key(str(config["signing-key"]))
+        return load_private_key(config.text("signing-key"))
     keys = run_dir / "keys"
     if not (keys / PRIVATE_NAME).exists():
         generate_signing_key(keys)
@@ -40,7 +39,7 @@ def export_global_model(
     model: nn.Module,
     out_dir: Path,
     *,
-    config: Mapping[str, Scalar],
+    config: RunConfig,
     data: FederatedData,
     server_round: int,
     source_run: str,
@@ -61,13 +60,13 @@ def export_global_model(
         model_name=model_name,
         source_run=source_run,
         server_round=server_round,
-        preprocessing=preprocessing_for(str(config["dataset"])),
+        preprocessing=preprocessing_for(config.text("dataset")),
         labels=label_names(data.num_classes),
         model_id=default_model_id(source_run, model_name),
         valid_for=valid_for,
     )
     built = build_bundle(model, out_dir, spec=spec, private_key=private_key, test_set=data.test,
-                         calibration=calibration_sample(data, CALIBRATION_SIZE, int(config["seed"])),
+                         calibration=calibration_sample(data, CALIBRATION_SIZE, config.integer("seed")),
                          make_zip=make_zip)
     log.info("round %d: signed bundle %s (model %s version %d, signer %s)", server_round, built.path,
              spec.lineage, server_round, fingerprint(private_key.public_key()))

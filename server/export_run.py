@@ -33,8 +33,8 @@ def export_run_round(
     config = resolve_run_config(json.loads((run_dir / "config.json").read_text()))
     checkpoint = load_checkpoint(_checkpoint_path(run_dir, server_round))
     private_key = load_private_key(key_path)
-    data = federated_data(config, parse_fleet(str(config["fleet"]), str(config["fleet-file"])).size)
-    model = build_model(str(config["model"]), data.num_features, data.num_classes)
+    data = federated_data(config, parse_fleet(config.text("fleet"), config.text("fleet-file")).size)
+    model = build_model(config.text("model"), data.num_features, data.num_classes)
     load_arrays(model, ArrayRecord({k: Array(v) for k, v in checkpoint.arrays.items()}),
                 source=f"checkpoint of round {checkpoint.server_round}")
     return export_global_model(model, out_dir, config=config, data=data,

@@ -48,7 +48,7 @@ from flwr.supercore.privacy_accounting import (
 from numpy.typing import NDArray
 
 from fedge import wire
-from fedge.config import Scalar
+from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.strategies.registry import REGISTRY, strategy_spec
 
@@ -152,7 +152,7 @@ def _wrapper(strategy: Strategy, mode: str, z: float, clip: float, k: int, quant
                     clip_norm_lr=lr, clipped_count_stddev=stddev)
 
 
-def build_privacy(strategy: Strategy, config: Mapping[str, Scalar], population: int) -> DifferentialPrivacy | None:
+def build_privacy(strategy: Strategy, config: RunConfig, population: int) -> DifferentialPrivacy | None:
     """The run's DP from run config (``dp`` and ``dp-*`` keys), or ``None`` when ``dp = "off"``.
 
     Raises
@@ -161,21 +161,21 @@ def build_privacy(strategy: Strategy, config: Mapping[str, Scalar], population: 
         DP with a strategy whose aggregate is not a mean of updates, with secure
         aggregation, or with no noise.
     """
-    mode = str(config["dp"])
+    mode = config.text("dp")
     if mode == "off":
         return None
-    if not strategy_spec(str(config["strategy"])).dp:
+    if not strategy_spec(config.text("strategy")).dp:
         allowed = ", ".join(sorted(name for name, spec in REGISTRY.items() if spec.dp))
         raise ConfigError(f"dp = '{mode}' works with strategy {allowed} (the noise is calibrated "
                           f"to a mean of clipped updates), not '{config['strategy']}'; use one of {allowed}")
     if config["secure-aggregation"]:
         raise ConfigError("dp with secure-aggregation is not supported yet (the coordinator cannot clip updates it "
                           "cannot see, and fedge does not add distributed noise on devices); turn one of them off")
-    if float(config["dp-noise-multiplier"]) <= 0:
+    if config.number("dp-noise-multiplier") <= 0:
         raise ConfigError("dp-noise-multiplier must be > 0 when dp is on (0 adds no noise and ε is infinite)")
     return DifferentialPrivacy(
-        strategy=strategy, mode=mode, noise_multiplier=float(config["dp-noise-multiplier"]),
-        clipping_norm=float(config["dp-clipping-norm"]), num_sampled=int(config["clients-per-round"]),
-        population=population, delta=float(config["dp-delta"]),
-        target_quantile=float(config["dp-target-quantile"]), clip_norm_lr=float(config["dp-clip-norm-lr"]),
-        clipped_count_stddev=float(config["dp-clipped-count-stddev"]) or None)
+        strategy=strategy, mode=mode, noise_multiplier=config.number("dp-noise-multiplier"),
+        clipping_norm=config.number("dp-clipping-norm"), num_sampled=config.integer("clients-per-round"),
+        population=population, delta=config.number("dp-delta"),
+        target_quantile=config.number("dp-target-quantile"), clip_norm_lr=config.number("dp-clip-norm-lr"),
+        clipped_count_stddev=config.number("dp-clipped-count-stddev") or None)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 
-from fedge.config import Scalar, config_fingerprint, model_keys
+from fedge.config import RunConfig, config_fingerprint, model_keys
 from fedge.edge.export import PARITY_TOLERANCE
 from fedge.server.checkpoint import Checkpoint, save_checkpoint
 from fedge.server.metering import MeteredGrid
@@ -38,18 +38,18 @@ class RoundRecorder:
     initial arrays (round 0) and after every round.
     """
 
-    def __init__(self, run_dir: Path, config: dict[str, Scalar], grid: MeteredGrid,
+    def __init__(self, run_dir: Path, config: RunConfig, grid: MeteredGrid,
                  strategy: FedAvg, data: FederatedData, model: torch.nn.Module,
                  *, progress: bool, history: list[dict[str, Any]] | None = None) -> None:
         self.run_dir, self.config, self.grid, self.strategy = run_dir, config, grid, strategy
         self.model = model
         self.test_set = as_dataset(data.test)
-        self.device = pick_device(str(config["device"]))
+        self.device = pick_device(config.text("device"))
         self.rows: list[dict[str, Any]] = list(history or [])
         done = self.rows[-1] if self.rows else {"round": 0, "sim_time_s": 0.0, "wall_time_s": 0.0}
         self.started = time.perf_counter() - float(done.get("wall_time_s", 0.0))  # a resumed run's clocks go on
         grid.sim_time = float(done.get("sim_time_s", 0.0))
-        self.progress = RoundProgress(int(config["num-rounds"]), enabled=progress)
+        self.progress = RoundProgress(config.integer("num-rounds"), enabled=progress)
         self.progress.advance(int(done["round"]), float(done.get("accuracy", 0.0)), grid.sim_time)
         self.data = data
         self.bundles: list[BuiltBundle] = []
@@ -97,7 +97,7 @@ class RoundRecorder:
                                 strategy_state=self.strategy.checkpoint_state())
         save_checkpoint(self.run_dir / "checkpoints" / f"round-{server_round:04d}.npz", checkpoint)
         save_checkpoint(self.run_dir / "checkpoint.npz", checkpoint)
-        every = int(self.config["export-every"])
+        every = self.config.integer("export-every")
         if self.config["export-onnx"] and every and server_round and server_round % every == 0:
             self._export_bundle(server_round)
         self.progress.advance(server_round, accuracy, self.grid.sim_time)

@@ -14,18 +14,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedge.config import Scalar
+from fedge.config import RunConfig
 from fedge.files import write_bytes_atomic
 
 
-def run_dir_for(config: Mapping[str, Scalar]) -> Path:
+def run_dir_for(config: RunConfig) -> Path:
     """The run directory a config names (``run-dir``, else ``runs-root/run-name``)."""
     if config["run-dir"]:
-        return Path(str(config["run-dir"]))
-    name = str(config["run-name"]) or (
+        return Path(config.text("run-dir"))
+    name = config.text("run-name") or (
         f"{config['strategy']}-{config['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
-    return Path(str(config["runs-root"])) / name
+    return Path(config.text("runs-root")) / name
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:

@@ -20,7 +20,7 @@ import torch
 from flwr.clientapp import ClientApp
 
 from fedge.clients.app import make_default_client_app
-from fedge.config import Scalar, resolve_run_config
+from fedge.config import RunConfig, Scalar, resolve_run_config
 from fedge.errors import ConfigError, FedgeError
 from fedge.profiles import parse_fleet
 from fedge.server.app import behaviour_of, make_server_app, run_coordinator
@@ -56,14 +56,14 @@ def simulate(
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend '{backend}'; use one of: {', '.join(BACKENDS)}")
     config = resolve_run_config(overrides)
-    fleet = parse_fleet(str(config["fleet"]), str(config["fleet-file"]))
+    fleet = parse_fleet(config.text("fleet"), config.text("fleet-file"))
     config["run-dir"] = str(run_dir_for(config))  # fixed now so that both backends agree
     if torch_threads:
         torch.set_num_threads(torch_threads)
     if backend == "inline":
         node_configs = [
             {"partition-id": index, "num-partitions": fleet.size, "profile": profile}
-            for index, profile in enumerate(fleet.assignment(int(config["seed"])))
+            for index, profile in enumerate(fleet.assignment(config.integer("seed")))
         ]
         grid = InlineGrid(_client_app(config, fleet.size), node_configs, config,
                           behaviour=behaviour_of(config, fleet))
@@ -76,7 +76,7 @@ def simulate(
     return run_dir, json.loads(summary_path.read_text())
 
 
-def _run_on_ray(config: dict[str, Scalar], num_nodes: int, *, progress: bool) -> Path:
+def _run_on_ray(config: RunConfig, num_nodes: int, *, progress: bool) -> Path:
     """Flower's simulation engine; its Contexts carry no run config, so bind it here."""
     from flwr.simulation import run_simulation
 
@@ -88,16 +88,16 @@ def _run_on_ray(config: dict[str, Scalar], num_nodes: int, *, progress: bool) ->
         backend_config={"client_resources": {"num_cpus": 1.0},
                         "init_args": {"num_cpus": 2, "include_dashboard": False}},
     )
-    return Path(str(config["run-dir"]))
+    return Path(config.text("run-dir"))
 
 
-def _client_app(config: Mapping[str, Scalar], num_nodes: int,
+def _client_app(config: RunConfig, num_nodes: int,
                 defaults: Mapping[str, Scalar] | None = None) -> ClientApp:
     """fedge's ClientApp, with Byzantine devices mixed in when ``byzantine-fraction`` > 0."""
     honest = make_default_client_app(defaults)
     if not config["byzantine-fraction"]:
         return honest
-    bad = byzantine_partitions(num_nodes, float(config["byzantine-fraction"]), int(config["seed"]))
+    bad = byzantine_partitions(num_nodes, config.number("byzantine-fraction"), config.integer("seed"))
     log.info("byzantine devices (%s): partitions %s", config["byzantine-attack"], sorted(bad))
-    return make_byzantine_client_app(honest, bad, str(config["byzantine-attack"]),
-                                     float(config["attack-scale"]))
+    return make_byzantine_client_app(honest, bad, config.text("byzantine-attack"),
+                                     config.number("attack-scale"))

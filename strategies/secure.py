@@ -58,6 +58,7 @@ from fedge.secagg import (
 )
 from fedge.strategies import FedAvg, FedNova, FedProx
 from fedge.strategies.fedavg import RoundReport
+from fedge.strategies.registry import REGISTRY, register_secure
 from fedge.strategies.timing import durations
 from fedge.strategies.validation import Rejection, decode_arrays
 
@@ -70,6 +71,7 @@ Keys = dict[str, bytes]
 T = TypeVar("T")
 
 
+@register_secure("fedavg")
 class SecureAggregation(FedAvg):
     """Rounds that run the secure-aggregation protocol; combine with FedAvg, FedProx or FedNova.
 
@@ -478,36 +480,32 @@ def _distinct_keys(nodes: list[int], keys: Mapping[int, Keys], server_round: int
     return [node for node in nodes if node not in clashing]
 
 
+@register_secure("fedprox")
 class SecureFedProx(SecureAggregation, FedProx):
     """FedProx (Li et al., MLSys 2020) with rounds under secure aggregation: devices add the
     proximal term; stragglers' partial work counts."""
 
 
+@register_secure("fednova")
 class SecureFedNova(SecureAggregation, FedNova):
     """FedNova (Wang et al., NeurIPS 2020) with rounds under secure aggregation: devices send
     ``w * delta / a`` and ``w * a`` masked, so the normalised average needs no single ``a_i``."""
 
 
-# Each strategy (by its run-config name) that can run under secure aggregation, and the class that does.
-SECURE_STRATEGIES: dict[str, tuple[type[FedAvg], type[SecureAggregation]]] = {
-    "fedavg": (FedAvg, SecureAggregation), "fedprox": (FedProx, SecureFedProx),
-    "fednova": (FedNova, SecureFedNova)}
-
-
 def secure_variant(strategy_class: type[FedAvg]) -> type[SecureAggregation]:
-    """The class that runs ``strategy_class``'s rounds under secure aggregation.
+    """The class that runs ``strategy_class``'s rounds under secure aggregation (from the registry).
 
     Raises
     ------
     ConfigError
-        For strategies that need individual updates or are asynchronous.
+        For strategies without a registered secure variant, naming why and those that have one.
     """
-    secure = {plain: variant for plain, variant in SECURE_STRATEGIES.values()}
-    if strategy_class not in secure:
-        allowed = ", ".join(SECURE_STRATEGIES)
-        raise ConfigError(
-            f"secure-aggregation works with strategy {allowed}, not {strategy_class.__name__}: median, "
-            "trimmed-mean and krum need individual updates, fedbuff is asynchronous and the server "
-            "optimisers (fedavgm, fedadam, fedyogi) are not wired to it yet; drop secure-aggregation or "
-            f"use one of {allowed}")
-    return secure[strategy_class]
+    specs = [spec for spec in REGISTRY.values() if spec.cls is strategy_class]
+    if specs and specs[0].secure is not None:
+        return specs[0].secure  # type: ignore[no-any-return]
+    allowed = ", ".join(sorted(spec.name for spec in REGISTRY.values() if spec.secure is not None))
+    individual = ", ".join(sorted(spec.name for spec in REGISTRY.values() if spec.needs_individual_updates))
+    raise ConfigError(
+        f"secure-aggregation works with strategy {allowed}, not {strategy_class.__name__}: {individual} need "
+        "individual updates, which secure aggregation hides; the others (asynchronous fedbuff, the server "
+        f"optimisers) have no secure variant registered yet; drop secure-aggregation or use one of {allowed}")

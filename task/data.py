@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
+from fedge.config import RunConfig
 from fedge.errors import ConfigError
 
 Features = NDArray[np.float32]
@@ -70,6 +70,12 @@ def load_npz(path: str | Path) -> tuple[Features, Labels]:
 
 def load_csv(path: str | Path, label_column: str = "label") -> tuple[Features, Labels]:
     """Load a CSV with a header; the ``label_column`` (or the last column) is the label."""
+    features, labels = load_csv_table(path, label_column)
+    return _checked_xy(features, labels, path)
+
+
+def load_csv_table(path: str | Path, label_column: str = "label") -> tuple[np.ndarray, np.ndarray]:
+    """A numeric CSV with a header as (features, ``label_column`` or the last column), float64."""
     try:
         with open(path, newline="") as handle:
             rows = list(csv.reader(handle))
@@ -83,8 +89,7 @@ def load_csv(path: str | Path, label_column: str = "label") -> tuple[Features, L
         table = np.array(body, dtype=np.float64)
     except ValueError as exc:
         raise ConfigError(f"'{path}' has a non-numeric cell: {exc}") from None
-    features = np.delete(table, label_at, axis=1)
-    return _checked_xy(features, table[:, label_at], path)
+    return np.delete(table, label_at, axis=1), table[:, label_at]
 
 
 @lru_cache(maxsize=4)
@@ -211,20 +216,20 @@ def calibration_sample(data: FederatedData, size: int, seed: int) -> Features:
     return pooled[pick]
 
 
-def federated_data(config: Mapping[str, object], num_partitions: int) -> FederatedData:
+def federated_data(config: RunConfig, num_partitions: int) -> FederatedData:
     """The data set named by a run config, split into ``num_partitions`` device shards.
 
     Cached per process: the inline simulator asks once per device.
     """
     return _federated_data(
-        str(config["dataset"]),
-        str(config["partitioner"]),
-        float(config["dirichlet-alpha"]),  # type: ignore[arg-type]
-        float(config["test-fraction"]),  # type: ignore[arg-type]
-        int(config["seed"]),  # type: ignore[call-overload]
-        float(config["synthetic-alpha"]),  # type: ignore[arg-type]
-        float(config["synthetic-beta"]),  # type: ignore[arg-type]
-        str(config["data-path"]),
+        config.text("dataset"),
+        config.text("partitioner"),
+        config.number("dirichlet-alpha"),
+        config.number("test-fraction"),
+        config.integer("seed"),
+        config.number("synthetic-alpha"),
+        config.number("synthetic-beta"),
+        config.text("data-path"),
         num_partitions,
     )
 
@@ -245,7 +250,7 @@ def _federated_data(
         devices = synthetic_fedprox(synthetic_alpha, synthetic_beta, num_partitions, seed)
         return _split_per_device(devices, test_fraction, seed, num_classes=10)
     x, y = _centralised(dataset, data_path)
-    x_train, y_train, test = _holdout(x, y, test_fraction, seed)
+    x_train, y_train, test = holdout(x, y, test_fraction, seed)
     if partitioner == "iid":
         shards = iid_partition(len(y_train), num_partitions, seed)
     else:
@@ -266,7 +271,7 @@ def _centralised(dataset: str, data_path: str) -> tuple[Features, Labels]:
     return load_npz(data_path) if dataset == "npz" else load_csv(data_path)
 
 
-def _holdout(
+def holdout(
     x: Features, y: Labels, test_fraction: float, seed: int
 ) -> tuple[Features, Labels, tuple[Features, Labels]]:
     """Stratified, seeded split: ``test_fraction`` of every class goes to the test set."""

@@ -80,3 +80,27 @@ def test_every_knob_says_what_it_means_and_who_reads_it() -> None:
         assert not (knob.choices and knob.check), key  # one kind of constraint per key
         assert not knob.choices or knob.default in knob.choices, key
         assert knob.check is None or knob.check[0](knob.default), key
+
+
+def test_the_typed_view_reads_each_knob_with_its_declared_type() -> None:
+    # Prepare
+    config = resolve_run_config({"num-rounds": 7, "learning-rate": 1, "strategy": "fedprox"})
+    # Execute / Assert: an int given for a float knob reads back as a float
+    assert config.integer("num-rounds") == 7 and config.text("strategy") == "fedprox"
+    assert config.number("learning-rate") == 1.0 and isinstance(config.number("learning-rate"), float)
+    assert config.flag("resume") is False
+    assert config.number("num-rounds") == 7.0 and isinstance(config.number("num-rounds"), float)  # widened
+
+
+@pytest.mark.parametrize(("read", "key", "error"), [
+    ("integer", "learning-rate", TypeError),
+    ("text", "num-rounds", TypeError),
+    ("flag", "strategy", TypeError),
+    ("integer", "num-round", KeyError),
+])
+def test_reading_a_knob_by_the_wrong_type_is_a_programming_error(read: str, key: str, error: type) -> None:
+    # Prepare
+    config = resolve_run_config()
+    # Execute / Assert
+    with pytest.raises(error, match=key):
+        getattr(config, read)(key)

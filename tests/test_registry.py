@@ -150,3 +150,21 @@ def test_coordinator_start_refuses_unregistered_names_before_starting_anything(
     # Assert: one line, exit 2, no state written
     assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "state").exists()
+
+
+def test_secure_aggregation_asks_the_registry_for_each_strategys_secure_class() -> None:
+    # Prepare
+    from fedge.strategies.secure import SecureAggregation, SecureFedNova, SecureFedProx
+    # Assert: the three with a secure class, none of those needing individual updates
+    assert {name: spec.secure for name, spec in REGISTRY.items() if spec.secure} == {
+        "fedavg": SecureAggregation, "fedprox": SecureFedProx, "fednova": SecureFedNova}
+    assert all(spec.secure is None for spec in REGISTRY.values() if spec.needs_individual_updates)
+
+
+def test_a_strategy_that_needs_individual_updates_cannot_register_a_secure_class() -> None:
+    # Prepare
+    from fedge.strategies.registry import register_secure
+    # Execute / Assert
+    with pytest.raises(ConfigError, match="needs individual updates, which secure aggregation hides"):
+        register_secure("median")(type("SecureMedian", (), {}))
+    assert REGISTRY["median"].secure is None

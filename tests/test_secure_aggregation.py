@@ -149,4 +149,4 @@ def test_secure_aggregation_refuses_strategies_that_need_individual_updates(
 ) -> None:
     code = main(["simulate", "--quiet", "--fleet", "laptop=4", "--clients-per-round", "4", "--strategy", strategy,
                  "--run-config", "secure-aggregation=true", "--run-dir", str(tmp_path / "r")])
-    assert code == 2 and "secure-aggregation works with strategy fedavg, fedprox, fednova" in capsys.readouterr().err
+    assert code == 2 and "secure-aggregation works with strategy fedavg, fednova, fedprox" in capsys.readouterr().err
