@@ -38,7 +38,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy core server clients edge strategies simulation cli task
+	$(VENV)/bin/mypy core server clients edge strategies simulation cli task tasks
 
 bench: $(STAMP)
 	$(PY) bench/sim_vs_flower.py

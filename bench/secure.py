@@ -55,14 +55,14 @@ from rich.table import Table
 from torch import nn
 
 from fedge.clients.app import make_client_app
-from fedge.config import resolve_run_config
+from fedge.config import RunConfig, resolve_run_config
 from fedge.server.app import TRAIN_KEYS
 from fedge.simulation.grid import InlineGrid
 from fedge.strategies import FedAvg
 from fedge.strategies.secure import SecureAggregation
-from fedge.task.data import federated_data
 from fedge.task.models import model_arrays
-from fedge.task.training import as_dataset, train_local
+from fedge.task.training import train_local
+from fedge.tasks.digits import Digits
 
 HERE = Path(__file__).resolve().parent
 HIDDEN = 1320  # 64 * 1320 + 1320 + 1320 * 10 + 10 = 99,010 parameters
@@ -73,6 +73,13 @@ def wide_mlp() -> nn.Module:
     """The benchmark's 100k-parameter model (same initial weights everywhere)."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 10))
+
+
+class WideDigits(Digits):
+    """The digits task with the benchmark's wide MLP."""
+
+    def build_model(self) -> nn.Module:
+        return wide_mlp()
 
 
 class Metered:
@@ -122,17 +129,12 @@ def neighbours_for(n: int) -> int:
     return n - 1 if n <= 10 else min(n - 1, 2 * math.ceil(math.log2(n)))
 
 
-def fedge_client(config: dict[str, Any], n: int) -> ClientApp:
-    data = federated_data(config, n)
-
-    def data_fn(context: Context) -> Any:
-        return data.partitions[int(context.node_config["partition-id"])], None
-
-    return make_client_app(lambda context: wide_mlp(), data_fn, config_defaults=config)
+def fedge_client(config: RunConfig, n: int) -> ClientApp:
+    return make_client_app(WideDigits(config), config_defaults=config)
 
 
-def flower_client(config: dict[str, Any], n: int) -> ClientApp:
-    data = federated_data(config, n)
+def flower_client(config: RunConfig, n: int) -> ClientApp:
+    task = WideDigits(config)
 
     class Client(NumPyClient):  # type: ignore[misc]
         def __init__(self, partition: int) -> None:
@@ -141,8 +143,8 @@ def flower_client(config: dict[str, Any], n: int) -> ClientApp:
         def fit(self, parameters: list[np.ndarray], fit_config: dict[str, Any]) -> Any:
             model = wide_mlp()
             model.load_state_dict({k: torch.from_numpy(v) for k, v in zip(model.state_dict(), parameters, strict=True)})
-            dataset = as_dataset(data.partitions[self.partition])
-            stats = train_local(model, dataset, epochs=1, batch_size=32, learning_rate=0.05, momentum=0.0,
+            dataset = task.partition(self.partition, n, config)
+            stats = train_local(task, model, dataset, epochs=1, batch_size=32, learning_rate=0.05, momentum=0.0,
                                 device=torch.device("cpu"), seed=self.partition)
             return [v.detach().numpy() for v in model.state_dict().values()], stats.num_examples, {}
 

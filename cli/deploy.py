@@ -46,6 +46,8 @@ def add_parsers(sub: Any) -> None:
     device.add_argument("--key", type=Path, help="this device's key (`fedge keys add-device`)")
     device.add_argument("--ca", type=Path, help="the coordinator's ca.crt")
     device.add_argument("--fleet-file", default="", help="TOML defining custom profiles")
+    device.add_argument("--task", default="", help="the task this device runs (a registered name or "
+                        "package.module:object); it refuses runs of other tasks (default: the run's built-in)")
     device.add_argument("--insecure", action="store_true", help="NO TLS (a throwaway test network only)")
     device.add_argument("--max-wait", type=float, help="give up if the coordinator is unreachable this long")
     device.add_argument("--state-dir", type=Path, help="Flower's working files for this device")
@@ -67,10 +69,10 @@ def _run_config(args: argparse.Namespace) -> dict[str, Any]:
     overrides["deployment"] = True
     config = resolve_run_config(overrides)  # refuse bad keys before starting anything
     from fedge.strategies import strategy_spec
-    from fedge.task.models import model_class
+    from fedge.tasks import check_task, load_task
 
     strategy_spec(config.text("strategy"))  # names nothing registered: refused here, not in the ServerApp
-    model_class(config.text("model"))
+    check_task(load_task(config), config)  # a task that cannot work is refused before any process starts
     if not config["run-dir"]:
         from fedge.server.report import run_dir_for
 
@@ -116,7 +118,8 @@ def _status(args: argparse.Namespace) -> int:
         rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
         if rows:
             last = rows[-1]
-            print(f"run {run_dir}: round {last['round']} done, accuracy {last['accuracy']:.4f}, "
+            value = "-" if last.get("headline") is None else f"{last['headline']:.4f}"
+            print(f"run {run_dir}: round {last['round']} done, {last.get('metric', 'accuracy')} {value}, "
                   f"{last['participants']} participants, {last['rejected']} rejected")
         else:
             print(f"run {run_dir}: no round completed yet")
@@ -129,4 +132,4 @@ def _device(args: argparse.Namespace) -> int:
     return run_device(DeviceOptions(coordinator=args.coordinator, profile=args.profile, data=args.data,
                                     key=args.key, ca=args.ca, insecure=args.insecure,
                                     fleet_file=args.fleet_file, max_wait_s=args.max_wait,
-                                    state_dir=args.state_dir))
+                                    state_dir=args.state_dir, task=args.task))

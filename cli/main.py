@@ -23,6 +23,8 @@ def _simulate_parser(sub: Any) -> None:
     p.add_argument("--rounds", type=int, help="run-config num-rounds")
     p.add_argument("--clients-per-round", type=int, help="run-config clients-per-round")
     p.add_argument("--fleet", help="profile mix like phone=60,laptop=30,gpu-box=10, or a TOML file")
+    p.add_argument("--task", help="the task: a registered name (digits, images, chars, diabetes, ...) or "
+                   "package.module:object (importable from the current directory)")
     p.add_argument("--dataset", help="digits | synthetic | npz | csv")
     p.add_argument("--model", help="mlp | cnn | logreg")
     p.add_argument("--strategy", help="fedavg")
@@ -36,6 +38,15 @@ def _simulate_parser(sub: Any) -> None:
     p.add_argument("--verbose", action="store_true", help="show Flower's own log lines")
 
 
+def _importable_here() -> None:
+    """Let ``package.module:object`` tasks import from the current directory, as ``python -m`` does,
+    in this process and in Ray's workers (which inherit PYTHONPATH)."""
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH", "")]))
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from fedge.config import parse_run_config_args
     from fedge.simulation.runner import simulate
@@ -46,9 +57,11 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides.update({"resume": True, "run-dir": args.resume})
     overrides.update(parse_run_config_args(args.run_config))
     flags = {"num-rounds": args.rounds, "clients-per-round": args.clients_per_round,
-             "dataset": args.dataset, "model": args.model, "strategy": args.strategy,
+             "task": args.task, "dataset": args.dataset, "model": args.model, "strategy": args.strategy,
              "seed": args.seed, "run-dir": args.run_dir}
     overrides.update({k: v for k, v in flags.items() if v is not None})
+    if ":" in str(overrides.get("task", "")):
+        _importable_here()
     if args.fleet:
         key = "fleet-file" if args.fleet.endswith(".toml") else "fleet"
         overrides[key] = args.fleet
@@ -62,7 +75,8 @@ def _simulate(args: argparse.Namespace) -> int:
           f"  rejected updates: {summary['rejected']}")
     if onnx:
         print(f"model.onnx parity vs torch: max abs diff {onnx['max_abs_diff']:.1e}")
-    print(f"final accuracy: {summary['final_accuracy']:.4f}")
+    final = summary.get("final_headline")
+    print(f"final {summary['headline']}: {'-' if final is None else format(final, '.4f')}")
     return 0
 
 

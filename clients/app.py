@@ -1,15 +1,14 @@
-"""The client SDK: turn a torch model and local data into a Flower ``ClientApp``.
+"""The client SDK: turn a task (model, data, loss, metrics) into a Flower ``ClientApp``.
 
-A device app calls :func:`make_client_app` with two functions of the Flower
-``Context``: one that builds its ``torch.nn.Module`` and one that returns its
-local data. The returned ``ClientApp`` runs unchanged in fedge's inline
+A device app calls :func:`make_client_app` with its :class:`fedge.task.Task` (or none: the
+task the run config names). The returned ``ClientApp`` runs unchanged in fedge's inline
 simulator, on Flower's Ray simulation engine, and under a SuperNode.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -17,64 +16,66 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 from flwr.clientapp.typing import ClientAppCallable
-from torch import nn
-from torch.utils.data import Dataset
 
 from fedge import wire
 from fedge.clients.secure import add_secure_handlers
 from fedge.codec import Codec, codec_for, decode_update, encode_update, is_encoded
 from fedge.config import RunConfig, resolve_run_config
+from fedge.errors import ConfigError
 from fedge.profiles import parse_fleet, time_budget_steps
-from fedge.task.data import federated_data, load_local_file
-from fedge.task.models import build_model, load_arrays, model_arrays
-from fedge.task.training import as_dataset, evaluate, pick_device, train_local
-
-LocalData = Dataset | tuple[np.ndarray, np.ndarray]  # type: ignore[type-arg]
-ModelFn = Callable[[Context], nn.Module]
-DataFn = Callable[[Context], tuple[LocalData, LocalData | None]]
+from fedge.task.api import Task, TaskData, seeded_model
+from fedge.task.models import load_arrays, model_arrays
+from fedge.task.training import evaluate, pick_device, train_local
+from fedge.tasks import load_task, task_reference
 
 log = logging.getLogger("fedge.clients")
 
 
 def make_client_app(
-    model_fn: ModelFn,
-    data_fn: DataFn,
+    task: Task | None = None,
     *,
     config_defaults: Mapping[str, Any] | None = None,
 ) -> ClientApp:
-    """Build a Flower ClientApp that trains ``model_fn(context)`` on ``data_fn(context)``.
+    """Build a Flower ClientApp that trains and evaluates ``task``'s model on this device's data.
 
     Parameters
     ----------
-    model_fn : Callable[[Context], nn.Module]
-        Returns the device's model (its architecture must match the coordinator's).
-    data_fn : Callable[[Context], tuple[train, test | None]]
-        Returns the device's local data: torch Datasets or ``(x, y)`` numpy pairs.
-        Without a test set, evaluation runs on the training data.
+    task : Task, optional
+        The task (model, data, loss, optimiser, metrics). None: the task the run config
+        names (``task``, else the built-in for ``dataset``), as the coordinator loads it.
+        A deployed device that set its own task (``fedge device --task``) refuses a run
+        that names another one.
     config_defaults : Mapping, optional
         Run-config values used where the run does not set them.
 
     Returns
     -------
     ClientApp
-        With ``@app.train()`` and ``@app.evaluate()`` handlers.
+        With ``@app.train()`` and ``@app.evaluate()`` handlers (and the secure-aggregation
+        steps). Its data: a simulated device's partition (``partition-id`` of
+        ``num-partitions`` in the node config), or a real device's ``data-path``.
     """
     app = ClientApp()
 
+    def setup(context: Context) -> tuple[RunConfig, Task, TaskData]:
+        config = _effective_config(context, config_defaults)
+        chosen = task if task is not None else device_task(context, config)
+        return config, chosen, local_data(chosen, context, config)
+
     def train_content(msg: Message, context: Context) -> RecordDict:
         """Train on the instruction in ``msg``; the reply's content (arrays, metrics, meta)."""
-        config = _effective_config(context, config_defaults)
+        config, chosen, data = setup(context)
         instruction = msg.content[wire.CONFIG]
-        model = model_fn(context)
+        model = seeded_model(chosen, config.integer("seed"))
         base = received_weights(msg.content.array_records[wire.ARRAYS])
         load_arrays(model, ArrayRecord({k: Array(v) for k, v in base.items()}), source="global arrays")
-        train_data, _ = data_fn(context)
         setting = {**config, **instruction}  # the coordinator's instruction wins
         round_ = int(setting.get(wire.SERVER_ROUND, 0))
         profile = device_profile_name(context, config)
         stats = train_local(
+            chosen,
             model,
-            as_dataset(train_data),
+            data,
             epochs=int(setting["local-epochs"]),
             batch_size=int(setting["batch-size"]),
             learning_rate=float(setting["learning-rate"]),
@@ -106,14 +107,12 @@ def make_client_app(
 
     @app.evaluate()
     def evaluate_(msg: Message, context: Context) -> Message:
-        config = _effective_config(context, config_defaults)
-        model = model_fn(context)
+        config, chosen, data = setup(context)
+        model = seeded_model(chosen, config.integer("seed"))
         load_arrays(model, msg.content[wire.ARRAYS], source="global arrays")
-        train_data, test_data = data_fn(context)
-        dataset = as_dataset(test_data if test_data is not None else train_data)
-        loss, accuracy = evaluate(model, dataset, device=pick_device(config.text("device")))
-        metrics = MetricRecord({"eval-loss": loss, "eval-acc": accuracy,
-                                wire.NUM_EXAMPLES: len(dataset)})  # type: ignore[arg-type]
+        scores = evaluate(chosen, model, data, device=pick_device(config.text("device")))
+        metrics = MetricRecord({**{wire.EVAL_PREFIX + name: value for name, value in scores.items()},
+                                wire.NUM_EXAMPLES: len(data)})
         return Message(RecordDict({wire.METRICS: metrics}), reply_to=msg)
 
     return app
@@ -195,24 +194,42 @@ def num_partitions(context: Context, config: RunConfig) -> int:
     return parse_fleet(config.text("fleet"), config.text("fleet-file")).size
 
 
+def device_task(context: Context, config: RunConfig) -> Task:
+    """The task this device runs: the run's, checked against the device's own choice.
+
+    Threat model: loading a task runs code. A deployed device (``data-path`` in its node
+    config) runs a ``package.module:object`` task only when its owner named that same task
+    (``fedge device --task``); otherwise only registered (installed, built-in) task names.
+    A coordinator cannot make a device import code the device did not choose.
+
+    Raises
+    ------
+    ConfigError
+        The run names another task than the device's, or an unregistered one the device did not choose.
+    """
+    wanted = task_reference(config)
+    own = str(context.node_config.get("task", ""))
+    if own and own != wanted:
+        raise ConfigError(f"this device runs task '{own}', but the run asks for '{wanted}'; start the device "
+                          f"with --task '{wanted}' to join this run")
+    if not own and "data-path" in context.node_config and ":" in wanted:
+        raise ConfigError(f"the run names task '{wanted}', which this device did not choose; start the device "
+                          f"with --task '{wanted}' if you trust that code")
+    return load_task(config)
+
+
+def local_data(task: Task, context: Context, config: RunConfig) -> TaskData:
+    """A real device's own file (``data-path``), else the simulated device's partition."""
+    if "data-path" in context.node_config:
+        return task.device_data(str(context.node_config["data-path"]))
+    return task.partition(int(context.node_config.get("partition-id", 0)), num_partitions(context, config), config)
+
+
 def make_default_client_app(config_defaults: Mapping[str, Any] | None = None) -> ClientApp:
-    """The ClientApp for fedge's built-in data sets and models (driven by run config)."""
-
-    def data_fn(context: Context) -> tuple[LocalData, LocalData | None]:
-        if "data-path" in context.node_config:  # a real device: its own file
-            return load_local_file(str(context.node_config["data-path"])), None
-        config = _effective_config(context, config_defaults)
-        data = federated_data(config, num_partitions(context, config))
-        return data.partitions[int(context.node_config.get("partition-id", 0))], None
-
-    def model_fn(context: Context) -> nn.Module:
-        config = _effective_config(context, config_defaults)
-        data = federated_data(config, num_partitions(context, config))
-        return build_model(config.text("model"), data.num_features, data.num_classes)
-
-    return make_client_app(model_fn, data_fn, config_defaults=config_defaults)
+    """The ClientApp for the task the run config names (fedge's ``flwr run`` entry point)."""
+    return make_client_app(None, config_defaults=config_defaults)
 
 
 app = make_default_client_app()
 
-__all__ = ["app", "make_client_app", "make_default_client_app"]
+__all__ = ["app", "device_task", "local_data", "make_client_app", "make_default_client_app"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import ssl
 import subprocess
@@ -30,6 +31,8 @@ from fedge.task.data import load_local_file
 
 log = logging.getLogger("fedge.clients.device")
 
+TASK_REFERENCE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*(:[A-Za-z_][A-Za-z0-9_.]*)?$")
+
 INSECURE_WARNING = ("WARNING: INSECURE MODE. This device does not verify the coordinator and sends its "
                     "updates unencrypted. Use only on a trusted test network.")
 
@@ -47,6 +50,7 @@ class DeviceOptions:
     fleet_file: str = ""
     max_wait_s: float | None = None
     state_dir: Path | None = None
+    task: str = ""  # the task this device runs (a registered name or package.module:object); "" = the run's built-in
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -62,8 +66,16 @@ def check_device(options: DeviceOptions) -> None:
     parse_fleet(f"{options.profile}=1", options.fleet_file)  # unknown profile -> ConfigError
     if not options.data.exists():
         raise ConfigError(f"data file '{options.data}' does not exist")
-    x, _ = load_local_file(str(options.data.resolve()))
-    if len(x) == 0:
+    if options.task and not TASK_REFERENCE.match(options.task):
+        raise ConfigError(f"--task {options.task!r} is not a task name or package.module:object")
+    if options.task:  # the device's own task reads its own data: checked now, not at the first round
+        from fedge.config import resolve_run_config  # noqa: PLC0415 - torch only when a task is named
+        from fedge.tasks import load_task  # noqa: PLC0415
+
+        count = len(load_task(resolve_run_config({"task": options.task})).device_data(str(options.data.resolve())))
+    else:
+        count = len(load_local_file(str(options.data.resolve()))[1])
+    if count == 0:
         raise ConfigError(f"data file '{options.data}' has no samples")
     if options.insecure:
         return
@@ -130,6 +142,8 @@ def supernode_command(options: DeviceOptions) -> list[str]:
     from fedge.process import flower_bin
 
     node_config = f'profile="{options.profile}" data-path="{options.data.resolve()}"'
+    if options.task:
+        node_config += f' task="{options.task}"'
     command = [flower_bin("flower-supernode"), "--superlink", options.coordinator,
                "--node-config", node_config, "--port", str(_free_port())]
     if options.insecure:

@@ -33,7 +33,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {key: knob.check for key
 
 # Keys that change the model's arrays or meaning: a checkpoint made under other
 # values of these cannot be continued.
-MODEL_KEYS = ("dataset", "model", "strategy", "seed", "synthetic-alpha", "synthetic-beta")
+MODEL_KEYS = ("task", "dataset", "model", "strategy", "seed", "synthetic-alpha", "synthetic-beta")
 
 
 class RunConfig(dict[str, Scalar]):

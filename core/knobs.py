@@ -68,6 +68,8 @@ KNOBS: dict[str, Knob] = {
     "num-rounds": Knob(50, "training rounds", "server", check=at_least(1)),
     "clients-per-round": Knob(10, "devices trained per round", "strategies", check=at_least(1)),
     "strategy": Knob("fedavg", "aggregation strategy: a name registered in fedge.strategies", "strategies"),
+    "task": Knob("", "the task: a registered name (digits, synthetic, npz, csv, images, chars, diabetes) or "
+                 "'package.module:object'; empty: the built-in task for dataset", "task"),
     "dataset": Knob("digits", "digits, synthetic (FedProx Synthetic(alpha, beta)), npz or csv (with data-path)",
                     "task", choices=("digits", "synthetic", "npz", "csv")),
     "model": Knob("cnn", "model architecture: a name registered in fedge.task.models (mlp, cnn, logreg)", "task"),

@@ -29,6 +29,7 @@ PROFILE = "profile"
 SAMPLES_PROCESSED = "samples-processed"
 STEPS = "steps"
 TRAIN_LOSS = "train-loss"
+EVAL_PREFIX = "eval-"  # a device's evaluation reply names each task metric "eval-<metric>"
 
 PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_COUNT = 10**12  # no device processes more samples or steps than this in one round

@@ -35,8 +35,9 @@ from fedge.strategies.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
 from fedge.strategies.secure import MIN_DEVICES, secure_variant
 from fedge.strategies.selection import OortSelector, RandomSelector
 from fedge.strategies.validation import ReplyValidator
-from fedge.task.data import federated_data
-from fedge.task.models import build_model, load_arrays, model_arrays
+from fedge.task.api import Task, seeded_model
+from fedge.task.models import load_arrays, model_arrays
+from fedge.tasks import check_task, load_task
 
 if TYPE_CHECKING:
     pass
@@ -48,15 +49,18 @@ TRAIN_KEYS = ("local-epochs", "batch-size", "learning-rate", "momentum", "local-
 
 
 def make_server_app(
-    config_defaults: Mapping[str, Any] | None = None, *, progress: bool = True
+    config_defaults: Mapping[str, Any] | None = None, *, progress: bool = True, task: Task | None = None
 ) -> ServerApp:
-    """A ServerApp whose run config falls back to ``config_defaults`` then fedge's defaults."""
+    """A ServerApp whose run config falls back to ``config_defaults`` then fedge's defaults.
+
+    ``task``: the task to federate (default: the one the run config names).
+    """
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         config = resolve_run_config({**(config_defaults or {}), **context.run_config})
-        run_coordinator(grid, config, progress=progress, simulated=not config["deployment"])
+        run_coordinator(grid, config, progress=progress, simulated=not config["deployment"], task=task)
 
     return app
 
@@ -163,6 +167,30 @@ def check_deadline(config: RunConfig, fleet: Fleet, model_bytes: int) -> None:
                           "raise deadline-s")
 
 
+def with_evaluation(config: RunConfig, task: Task, num_nodes: int | None) -> RunConfig:
+    """``config``, with federated evaluation turned on when the task has no central data.
+
+    Without central data the devices evaluate the global model each round: about
+    ``clients-per-round`` of them (all, in deployment) unless ``fraction-evaluate`` says otherwise.
+
+    Raises
+    ------
+    ConfigError
+        For strategies that have no evaluation rounds (FedBuff) on such a task.
+    """
+    if task.central_data() is not None:
+        return config
+    if not strategy_spec(config.text("strategy")).cls.federated_evaluation:
+        raise ConfigError(f"task '{task.name}' has no central evaluation data and strategy '{config['strategy']}' "
+                          "runs no federated evaluation; give the task central_data() or use another strategy")
+    if config.number("fraction-evaluate") > 0:
+        return config
+    fraction = 1.0 if num_nodes is None else min(1.0, config.integer("clients-per-round") / num_nodes)
+    log.info("task '%s' has no central data: devices evaluate the global model (fraction-evaluate = %.3g)",
+             task.name, fraction)
+    return resolve_run_config({**config, "fraction-evaluate": fraction})
+
+
 def behaviour_of(config: RunConfig, fleet: Fleet) -> Behaviour:
     """The simulated fleet's behaviour (availability, dropout, jitter) from the run config."""
     return Behaviour.from_fleet(fleet, seed=config.integer("seed"), enabled=config.flag("device-behaviour"),
@@ -170,7 +198,7 @@ def behaviour_of(config: RunConfig, fleet: Fleet) -> Behaviour:
 
 
 def run_coordinator(
-    grid: Grid, config: RunConfig, *, progress: bool = True, simulated: bool = True
+    grid: Grid, config: RunConfig, *, progress: bool = True, simulated: bool = True, task: Task | None = None
 ) -> Path:
     """Run one federated training job on ``grid``; return the run directory.
 
@@ -178,12 +206,14 @@ def run_coordinator(
     before the run directory is created, so a refused run writes nothing. With
     ``resume`` the run continues after the last completed round in its run directory.
     ``simulated`` says whether the fleet config describes every node (simulation) or
-    the devices are whoever connects (deployment).
+    the devices are whoever connects (deployment). ``task`` (default: the one the run
+    config names) is checked before anything else.
     """
     fleet = parse_fleet(config.text("fleet"), config.text("fleet-file"))
-    data = federated_data(config, fleet.size)
-    model = build_model(config.text("model"), data.num_features, data.num_classes,
-                        seed=config.integer("seed"))
+    task = task if task is not None else load_task(config)
+    check_task(task, config)
+    config = with_evaluation(config, task, fleet.size if simulated else None)
+    model = seeded_model(task, config.integer("seed"))
     if config["init-checkpoint"]:
         saved = load_checkpoint(config.text("init-checkpoint")).arrays
         load_arrays(model, ArrayRecord({name: Array(value) for name, value in saved.items()}),
@@ -202,12 +232,13 @@ def run_coordinator(
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir / "config.json", config)
     log.info("effective run config: %s", json.dumps(config, sort_keys=True))
+    log.info("%s", task.describe())
     log.info("run directory: %s", run_dir)
 
     poll = config.number("grid-poll-interval")
     metered = MeteredGrid(grid, fleet, poll_interval=poll if poll > 0 else None,
                           behaviour=behaviour_of(config, fleet) if simulated else None)
-    recorder = RoundRecorder(run_dir, config, metered, strategy, data, model, progress=progress,
+    recorder = RoundRecorder(run_dir, config, metered, strategy, task, model, progress=progress,
                              history=history)
     train_config = ConfigRecord({**{key: config[key] for key in TRAIN_KEYS}, **codec_policy(config)})
     if strategy.privacy is not None and strategy.privacy.client_side:

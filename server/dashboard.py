@@ -99,8 +99,9 @@ class RunView:
             "status": "finished" if finished is not None else ("running" if rows else "starting"),
             "rounds_done": int(last.get("round", 0)),
             "rounds_total": int(config.get("num-rounds", 0)),
+            "metric": last.get("metric", "accuracy"), "higher_is_better": last.get("higher_is_better", True),
+            "headline": last.get("headline", last.get("accuracy")), "best_headline": _best_headline(rows),
             "accuracy": last.get("accuracy"), "loss": last.get("loss"),
-            "best_accuracy": max((row.get("accuracy", 0.0) for row in rows), default=None),
             "sim_time_s": last.get("sim_time_s"), "wall_time_s": last.get("wall_time_s"),
             "dp_epsilon": last.get("dp_epsilon"), "dp_delta": last.get("dp_delta"),
             "strategy": config.get("strategy"), "dataset": config.get("dataset"), "model": config.get("model"),
@@ -238,11 +239,20 @@ def serve_in_background(run_dir: Path, *, host: str = "127.0.0.1", port: int = 8
     return server
 
 
+def _best_headline(rows: list[dict[str, Any]]) -> float | None:
+    """The best headline value of ``rows`` (max, or min for lower-is-better metrics such as MSE)."""
+    values = [row["headline"] for row in rows if isinstance(row.get("headline"), int | float)]
+    if not values:
+        return None
+    return max(values) if rows[-1].get("higher_is_better", True) else min(values)
+
+
 def _schema(properties: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "properties": properties}
 
 
-_ROW = _schema({"round": {"type": "integer"}, "accuracy": {"type": "number"}, "loss": {"type": "number"},
+_ROW = _schema({"round": {"type": "integer"}, "metric": {"type": "string"}, "headline": {"type": ["number", "null"]},
+                "accuracy": {"type": "number"}, "loss": {"type": "number"},
                 "sim_time_s": {"type": "number"}, "wall_time_s": {"type": "number"},
                 "participants_by_profile": {"type": "object"}, "bytes_up_by_profile": {"type": "object"},
                 "bytes_down_by_profile": {"type": "object"}, "rejections": {"type": "array"},
@@ -260,9 +270,12 @@ OPENAPI: dict[str, Any] = {
     "info": {"title": "fedge dashboard API", "version": "1",
              "description": "Read-only view of one fedge run directory (live or finished)."},
     "paths": {
-        "/api/summary": _get("Run status, progress, latest accuracy/loss, DP epsilon, config and final summary",
+        "/api/summary": _get("Run status, progress, the task's headline metric (latest and best), loss, DP "
+                             "epsilon, config and final summary",
                              _schema({"status": {"enum": ["starting", "running", "finished"]},
                                       "rounds_done": {"type": "integer"}, "rounds_total": {"type": "integer"},
+                                      "metric": {"type": "string"}, "headline": {"type": ["number", "null"]},
+                                      "best_headline": {"type": ["number", "null"]},
                                       "accuracy": {"type": ["number", "null"]},
                                       "dp_epsilon": {"type": ["number", "null"]},
                                       "summary": {"type": ["object", "null"]}, "config": {"type": "object"}})),

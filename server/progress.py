@@ -8,16 +8,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class RoundProgress:
-    """Shows ``round k/N``, the latest accuracy and the simulated clock."""
+    """Shows ``round k/N``, the latest headline metric and the simulated clock."""
 
-    def __init__(self, num_rounds: int, *, enabled: bool = True) -> None:
+    def __init__(self, num_rounds: int, headline: str = "accuracy", *, enabled: bool = True) -> None:
         self.enabled = enabled
         self._bar = Progress(
             TextColumn("[bold]rounds"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("acc {task.fields[accuracy]:.4f}  sim {task.fields[sim]:.0f}s"),
+            TextColumn(f"{headline} " + "{task.fields[value]}  sim {task.fields[sim]:.0f}s"),
             TimeElapsedColumn(), disable=not enabled,
         )
-        self._task = self._bar.add_task("rounds", total=num_rounds, accuracy=0.0, sim=0.0)
+        self._task = self._bar.add_task("rounds", total=num_rounds, value="-", sim=0.0)
 
     def __enter__(self) -> RoundProgress:
         self._bar.start()
@@ -27,6 +27,7 @@ class RoundProgress:
                  tb: TracebackType | None) -> None:
         self._bar.stop()
 
-    def advance(self, server_round: int, accuracy: float, sim_time: float) -> None:
+    def advance(self, server_round: int, headline: float | None, sim_time: float) -> None:
         """Show the state after ``server_round`` (round 0 is the initial model)."""
-        self._bar.update(self._task, completed=server_round, accuracy=accuracy, sim=sim_time)
+        shown = "-" if headline is None else f"{headline:.4f}"
+        self._bar.update(self._task, completed=server_round, value=shown, sim=sim_time)

@@ -19,11 +19,12 @@ from fedge.edge.export import PARITY_TOLERANCE
 from fedge.server.checkpoint import Checkpoint, save_checkpoint
 from fedge.server.metering import MeteredGrid
 from fedge.server.progress import RoundProgress
-from fedge.server.report import append_jsonl, plot_accuracy, write_json_atomic
+from fedge.server.report import append_jsonl, plot_headline, write_json_atomic
 from fedge.strategies import FedAvg
-from fedge.task.data import FederatedData
+from fedge.task.api import Task, best, headline_of
 from fedge.task.models import load_arrays
-from fedge.task.training import as_dataset, evaluate, pick_device
+from fedge.task.training import evaluate, pick_device
+from fedge.wire import EVAL_PREFIX
 
 if TYPE_CHECKING:
     from fedge.edge.build import BuiltBundle
@@ -39,19 +40,18 @@ class RoundRecorder:
     """
 
     def __init__(self, run_dir: Path, config: RunConfig, grid: MeteredGrid,
-                 strategy: FedAvg, data: FederatedData, model: torch.nn.Module,
+                 strategy: FedAvg, task: Task, model: torch.nn.Module,
                  *, progress: bool, history: list[dict[str, Any]] | None = None) -> None:
         self.run_dir, self.config, self.grid, self.strategy = run_dir, config, grid, strategy
-        self.model = model
-        self.test_set = as_dataset(data.test)
+        self.model, self.task = model, task
+        self.test_set = task.central_data()  # None: the devices' federated evaluation is recorded instead
         self.device = pick_device(config.text("device"))
         self.rows: list[dict[str, Any]] = list(history or [])
         done = self.rows[-1] if self.rows else {"round": 0, "sim_time_s": 0.0, "wall_time_s": 0.0}
         self.started = time.perf_counter() - float(done.get("wall_time_s", 0.0))  # a resumed run's clocks go on
         grid.sim_time = float(done.get("sim_time_s", 0.0))
-        self.progress = RoundProgress(config.integer("num-rounds"), enabled=progress)
-        self.progress.advance(int(done["round"]), float(done.get("accuracy", 0.0)), grid.sim_time)
-        self.data = data
+        self.progress = RoundProgress(config.integer("num-rounds"), task.headline, enabled=progress)
+        self.progress.advance(int(done["round"]), done.get("headline"), grid.sim_time)
         self.bundles: list[BuiltBundle] = []
         rows = "".join(json.dumps(row, sort_keys=True) + "\n" for row in self.rows)
         (run_dir / "metrics.jsonl").write_text(rows)
@@ -60,15 +60,19 @@ class RoundRecorder:
         (run_dir / "checkpoints").mkdir(exist_ok=True)
 
     def on_round_end(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        """Evaluate ``arrays`` on the held-out test set and record the round."""
+        """Evaluate ``arrays`` on the central data (or take the devices' evaluation) and record the round."""
         load_arrays(self.model, arrays)
-        loss, accuracy = evaluate(self.model, self.test_set, device=self.device)
+        metrics = self._metrics(server_round)
         traffic = self.grid.take_round()
         report = self.strategy.reports[-1] if server_round and self.strategy.reports else None
         row = {
             "round": server_round,
-            "accuracy": accuracy,
-            "loss": loss,
+            **metrics,
+            "metric": self.task.headline,
+            "metric_names": sorted(metrics),
+            "headline": headline_of(metrics, self.task),
+            "higher_is_better": self.task.higher_is_better,
+            "evaluation": "central" if self.test_set is not None else "federated",
             "sim_time_s": self.grid.sim_time,
             "wall_time_s": time.perf_counter() - self.started,
             "bytes_up": traffic.bytes_up,
@@ -100,8 +104,19 @@ class RoundRecorder:
         every = self.config.integer("export-every")
         if self.config["export-onnx"] and every and server_round and server_round % every == 0:
             self._export_bundle(server_round)
-        self.progress.advance(server_round, accuracy, self.grid.sim_time)
-        return MetricRecord({"accuracy": accuracy, "loss": loss})
+        self.progress.advance(server_round, row["headline"], self.grid.sim_time)
+        return MetricRecord(metrics)  # type: ignore[arg-type]
+
+    def _metrics(self, server_round: int) -> dict[str, float]:
+        """The task's metrics of the global model: on the central data, else the devices' weighted
+        federated evaluation of this round (none for round 0, before any device saw the model)."""
+        if self.test_set is not None:
+            return evaluate(self.task, self.model, self.test_set, device=self.device)
+        record = self.strategy.evaluated.get(server_round)
+        if record is None:
+            return {}
+        return {key.removeprefix(EVAL_PREFIX): float(value) for key, value in record.items()  # type: ignore[arg-type]
+                if key.startswith(EVAL_PREFIX)}
 
     def _log_devices(self, server_round: int, replies: list[dict[str, Any]], report: Any,
                      row: dict[str, Any]) -> None:
@@ -118,10 +133,16 @@ class RoundRecorder:
     def finish(self) -> dict[str, Any]:
         """Export the final model, plot, and write ``summary.json``."""
         last = self.rows[-1]
+        headline = self.task.headline
         summary: dict[str, Any] = {
-            "final_accuracy": last["accuracy"],
-            "final_loss": last["loss"],
-            "best_accuracy": max(row["accuracy"] for row in self.rows),
+            "task": self.task.name,
+            "headline": headline,
+            "higher_is_better": self.task.higher_is_better,
+            "final_headline": last.get("headline"),
+            "best_headline": best((row.get("headline") for row in self.rows), self.task),
+            **{f"final_{name}": last[name] for name in last.get("metric_names", ())},
+            f"final_{headline}": last.get("headline"),
+            f"best_{headline}": best((row.get("headline") for row in self.rows), self.task),
             "rounds": last["round"],
             "sim_time_s": last["sim_time_s"],
             "wall_time_s": time.perf_counter() - self.started,
@@ -136,8 +157,8 @@ class RoundRecorder:
         }
         if self.strategy.privacy is not None:
             summary["dp"] = self.strategy.privacy.summary()  # type: ignore[attr-defined]
-        plot_accuracy(self.rows, self.run_dir / "accuracy.png",
-                      f"{self.config['strategy']} on {self.config['dataset']}")
+        plot_headline(self.rows, self.run_dir / "headline.png", f"{self.config['strategy']} on {self.task.name}",
+                      headline)
         if self.config["export-onnx"]:
             summary.update(self._final_export(last["round"]))
         write_json_atomic(self.run_dir / "summary.json", summary)
@@ -149,7 +170,7 @@ class RoundRecorder:
 
         built = export_global_model(
             self.model, self.run_dir / "bundles" / f"round-{server_round:04d}", config=self.config,
-            data=self.data, server_round=server_round, source_run=self.run_dir.name,
+            task=self.task, server_round=server_round, source_run=self.run_dir.name,
             private_key=run_signing_key(self.config, self.run_dir))
         self.bundles.append(built)
         return built

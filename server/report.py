@@ -2,7 +2,7 @@
 
 Every run writes ``<runs-root>/<run-name>/``: ``config.json``, ``metrics.jsonl``
 (one JSON object per round, round 0 being the initial model), ``summary.json``,
-``accuracy.png``, ``checkpoint.npz`` and ``model.onnx``.
+``headline.png``, ``checkpoint.npz`` and ``model.onnx``.
 """
 
 from __future__ import annotations
@@ -52,21 +52,23 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def plot_accuracy(rows: list[Mapping[str, Any]], path: Path, title: str) -> None:
-    """Accuracy vs round and vs simulated time, side by side, as a PNG."""
+def plot_headline(rows: list[Mapping[str, Any]], path: Path, title: str, headline: str = "accuracy") -> None:
+    """The headline metric vs round and vs simulated time, side by side, as a PNG (rounds
+    without a value, e.g. round 0 under federated evaluation, are left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rounds = [row["round"] for row in rows]
-    accuracy = [row["accuracy"] for row in rows]
-    sim_time = [row["sim_time_s"] for row in rows]
+    shown = [row for row in rows if row.get("headline") is not None]
+    rounds = [row["round"] for row in shown]
+    values = [row["headline"] for row in shown]
+    sim_time = [row["sim_time_s"] for row in shown]
     fig, (by_round, by_time) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    by_round.plot(rounds, accuracy, marker="o", markersize=3)
-    by_round.set(xlabel="round", ylabel="test accuracy", title="accuracy vs round")
-    by_time.plot(sim_time, accuracy, marker="o", markersize=3, color="tab:orange")
-    by_time.set(xlabel="simulated wall-clock time (s)", title="accuracy vs simulated time")
+    by_round.plot(rounds, values, marker="o", markersize=3)
+    by_round.set(xlabel="round", ylabel=headline, title=f"{headline} vs round")
+    by_time.plot(sim_time, values, marker="o", markersize=3, color="tab:orange")
+    by_time.set(xlabel="simulated wall-clock time (s)", title=f"{headline} vs simulated time")
     for axis in (by_round, by_time):
         axis.grid(alpha=0.3)
     fig.suptitle(title)

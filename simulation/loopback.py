@@ -24,7 +24,7 @@ import psutil
 from fedge.config import resolve_run_config
 from fedge.server.pki import add_device, init_keys
 from fedge.server.report import read_jsonl
-from fedge.task.data import federated_data
+from fedge.tasks import load_task
 
 FEDGE = str(Path(sys.executable).with_name("fedge"))
 
@@ -52,10 +52,12 @@ class LoopbackFederation:
     def __init__(self, root: Path, num_devices: int, env: dict[str, str] | None = None) -> None:
         self.root, self.port, self.extra_env = root, free_port(), dict(env or {})
         self.keys = init_keys(root / "keys")
-        data = federated_data(resolve_run_config({"partitioner": "iid"}), num_devices)
-        for index, (x, y) in enumerate(data.partitions):
+        config = resolve_run_config({"partitioner": "iid"})
+        task = load_task(config)
+        for index in range(num_devices):
+            shard = task.partition(index, num_devices, config)
             add_device(root / "keys", f"dev{index}")
-            np.savez(root / f"dev{index}.npz", x=x, y=y)
+            np.savez(root / f"dev{index}.npz", x=shard.inputs[0], y=shard.targets)
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.devices: dict[int, subprocess.Popen[bytes]] = {}
         self.run_dir = root / "run"

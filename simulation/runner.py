@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from flwr.clientapp import ClientApp
 
-from fedge.clients.app import make_default_client_app
+from fedge.clients.app import make_client_app
 from fedge.config import RunConfig, Scalar, resolve_run_config
 from fedge.errors import ConfigError, FedgeError
 from fedge.profiles import parse_fleet
@@ -27,6 +27,7 @@ from fedge.server.app import behaviour_of, make_server_app, run_coordinator
 from fedge.server.report import run_dir_for
 from fedge.simulation.byzantine import byzantine_partitions, make_byzantine_client_app
 from fedge.simulation.grid import InlineGrid
+from fedge.task.api import Task
 
 log = logging.getLogger("fedge.simulation")
 
@@ -39,6 +40,7 @@ def simulate(
     backend: str = "inline",
     progress: bool = True,
     torch_threads: int | None = 1,
+    task: Task | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Run a simulated federation; return the run directory and its summary.
 
@@ -52,6 +54,8 @@ def simulate(
         Show a progress bar over rounds.
     torch_threads : int, optional
         Intra-op threads for torch (1 is fastest for small models on few cores).
+    task : Task, optional
+        The task to federate, given in Python (default: the one the run config names).
     """
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend '{backend}'; use one of: {', '.join(BACKENDS)}")
@@ -65,24 +69,24 @@ def simulate(
             {"partition-id": index, "num-partitions": fleet.size, "profile": profile}
             for index, profile in enumerate(fleet.assignment(config.integer("seed")))
         ]
-        grid = InlineGrid(_client_app(config, fleet.size), node_configs, config,
+        grid = InlineGrid(_client_app(config, fleet.size, task=task), node_configs, config,
                           behaviour=behaviour_of(config, fleet))
-        run_dir = run_coordinator(grid, config, progress=progress)
+        run_dir = run_coordinator(grid, config, progress=progress, task=task)
     else:
-        run_dir = _run_on_ray(config, fleet.size, progress=progress)
+        run_dir = _run_on_ray(config, fleet.size, progress=progress, task=task)
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise FedgeError(f"the run ended without writing {summary_path}; see the log above")
     return run_dir, json.loads(summary_path.read_text())
 
 
-def _run_on_ray(config: RunConfig, num_nodes: int, *, progress: bool) -> Path:
+def _run_on_ray(config: RunConfig, num_nodes: int, *, progress: bool, task: Task | None) -> Path:
     """Flower's simulation engine; its Contexts carry no run config, so bind it here."""
     from flwr.simulation import run_simulation
 
     run_simulation(
-        server_app=make_server_app(config, progress=progress),
-        client_app=_client_app(config, num_nodes, defaults=config),
+        server_app=make_server_app(config, progress=progress, task=task),
+        client_app=_client_app(config, num_nodes, defaults=config, task=task),
         num_supernodes=num_nodes,
         backend_name="ray",
         backend_config={"client_resources": {"num_cpus": 1.0},
@@ -92,9 +96,9 @@ def _run_on_ray(config: RunConfig, num_nodes: int, *, progress: bool) -> Path:
 
 
 def _client_app(config: RunConfig, num_nodes: int,
-                defaults: Mapping[str, Scalar] | None = None) -> ClientApp:
+                defaults: Mapping[str, Scalar] | None = None, task: Task | None = None) -> ClientApp:
     """fedge's ClientApp, with Byzantine devices mixed in when ``byzantine-fraction`` > 0."""
-    honest = make_default_client_app(defaults)
+    honest = make_client_app(task, config_defaults=defaults)
     if not config["byzantine-fraction"]:
         return honest
     bad = byzantine_partitions(num_nodes, config.number("byzantine-fraction"), config.integer("seed"))

@@ -128,8 +128,11 @@ class FedAvg(FlowerFedAvg):
         self.stragglers: set[int] = set()
         self.global_arrays: ArrayRecord | None = None
         self.reports: list[RoundReport] = []
+        self.evaluated: dict[int, MetricRecord] = {}  # the devices' aggregated evaluation, by round
         self.privacy: PrivacyLayer | None = None  # set by the coordinator when dp is on
         self.downlink: DownlinkLayer | None = None  # set by the coordinator for per-profile downlink codecs
+
+    federated_evaluation = True  # runs Flower's evaluation rounds (FedBuff does not)
 
     def start(  # type: ignore[override]
         self,
@@ -166,7 +169,7 @@ class FedAvg(FlowerFedAvg):
             if evaluate_messages:
                 evaluate_replies = grid.send_and_receive(evaluate_messages, timeout=timeout)
                 if (metrics := self.aggregate_evaluate(server_round, evaluate_replies)) is not None:
-                    result.evaluate_metrics_clientapp[server_round] = metrics
+                    result.evaluate_metrics_clientapp[server_round] = self.evaluated[server_round] = metrics
             if evaluate_fn and (res := evaluate_fn(server_round, arrays)) is not None:
                 result.evaluate_metrics_serverapp[server_round] = res
         return result

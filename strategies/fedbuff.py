@@ -60,6 +60,8 @@ class FedBuff(FedAvg):
         self.concurrency, self.buffer_size = concurrency, buffer_size
         self.server_learning_rate, self.staleness_exponent = server_learning_rate, staleness_exponent
 
+    federated_evaluation = False  # asynchronous: no evaluation rounds, only central evaluation
+
     def start(  # type: ignore[override]
         self,
         grid: Grid,

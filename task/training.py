@@ -1,17 +1,18 @@
-"""Local training and evaluation of a torch model on a device's data."""
+"""Local training and batched evaluation of a task's torch model on a device's data."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from fedge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedge.task.api import Task, TaskData
 
 
 @dataclass(frozen=True)
@@ -68,17 +69,10 @@ def pick_device(preference: str = "auto") -> torch.device:
     return torch.device(preference)
 
 
-def as_dataset(data: Dataset | tuple[np.ndarray, np.ndarray]) -> Dataset:  # type: ignore[type-arg]
-    """Accept a torch Dataset or an ``(x, y)`` pair of numpy arrays."""
-    if isinstance(data, Dataset):
-        return data
-    x, y = data
-    return TensorDataset(torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y, dtype=torch.int64))
-
-
 def train_local(
+    task: Task,
     model: nn.Module,
-    data: Dataset,  # type: ignore[type-arg]
+    data: TaskData,
     *,
     epochs: int,
     batch_size: int,
@@ -89,49 +83,67 @@ def train_local(
     proximal_mu: float = 0.0,
     max_steps: int | None = None,
 ) -> TrainStats:
-    """Train ``model`` in place with SGD for ``epochs`` passes over ``data``.
+    """Train ``model`` in place with the task's loss and optimiser for ``epochs`` passes over ``data``.
 
     With ``proximal_mu`` > 0 the loss gets FedProx's ``mu/2 ||w - w_start||^2`` term
     (Li et al., MLSys 2020), ``w_start`` being the weights the call began with.
-    With ``max_steps`` the device does exactly that many SGD steps (cycling through
-    its data as often as needed) instead of ``epochs`` passes: partial work that fits
-    a time budget.
+    With ``max_steps`` the device does exactly that many steps (cycling through its
+    data as often as needed) instead of ``epochs`` passes: partial work that fits a
+    time budget. Batches are drawn as ``DataLoader(shuffle=True, generator=seed)`` draws
+    them (same order, same random stream) but sliced from tensors, not indexed example
+    by example.
     """
+    if len(data) == 0:
+        raise ConfigError(f"task '{task.name}': this device has no training examples")
     generator = torch.Generator().manual_seed(seed)
-    loader = DataLoader(data, batch_size=batch_size, shuffle=True, generator=generator)
+    inputs, targets = data.tensors()
     model.to(device).train()
-    optimizer = MomentumSGD(list(model.parameters()), lr=learning_rate, momentum=momentum)
-    loss_fn = nn.CrossEntropyLoss()
+    optimizer = task.optimizer(list(model.parameters()), lr=learning_rate, momentum=momentum)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
     total_loss, seen, steps = 0.0, 0, 0
-    for x, y in _batches(loader, epochs, max_steps):
-        x, y = x.to(device), y.to(device)
+    for index in _batches(len(data), batch_size, generator, epochs, max_steps):
+        batch = [tensor[index].to(device) for tensor in inputs]
+        target = targets[index].to(device)
         model.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
+        loss = task.loss(task.forward(model, batch), target)
         objective = loss + _proximal(model, anchor, proximal_mu) if anchor else loss
         objective.backward()
         optimizer.step()
-        total_loss += loss.item() * len(y)
-        seen += len(y)
+        total_loss += loss.item() * len(target)
+        seen += len(target)
         steps += 1
     model.cpu()
-    return TrainStats(loss=total_loss / max(seen, 1), num_examples=len(data),  # type: ignore[arg-type]
-                      samples_processed=seen, steps=steps)
+    return TrainStats(loss=total_loss / max(seen, 1), num_examples=len(data), samples_processed=seen, steps=steps)
 
 
-def _batches(loader: DataLoader, epochs: int, max_steps: int | None) -> Iterator[Any]:  # type: ignore[type-arg]
-    """``epochs`` passes over ``loader``, or exactly ``max_steps`` batches when given."""
+def _batches(size: int, batch_size: int, generator: torch.Generator, epochs: int,
+             max_steps: int | None) -> Iterator[torch.Tensor]:
+    """Index batches: ``epochs`` passes, or exactly ``max_steps`` batches when given."""
     if max_steps is None:
         for _ in range(epochs):
-            yield from loader
+            yield from _epoch(size, batch_size, generator)
         return
     done = 0
     while done < max_steps:
-        for batch in loader:
+        for batch in _epoch(size, batch_size, generator):
             yield batch
             done += 1
             if done == max_steps:
                 return
+
+
+def _epoch(size: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """One shuffled pass, drawing from ``generator`` exactly as ``DataLoader``'s ``RandomSampler``
+    does (a base-seed draw when the pass starts, a permutation, a zero-length tail permutation
+    when it ends), so runs are reproducible across fedge versions that used ``DataLoader``."""
+    torch.empty((), dtype=torch.int64).random_(generator=generator)
+    order = torch.randperm(size, generator=generator)
+    full = size // batch_size
+    for start in range(0, full * batch_size, batch_size):
+        yield order[start:start + batch_size]
+    torch.randperm(size, generator=generator)
+    if size % batch_size:
+        yield order[full * batch_size:]
 
 
 def _proximal(model: nn.Module, anchor: list[torch.Tensor], mu: float) -> torch.Tensor:
@@ -139,18 +151,22 @@ def _proximal(model: nn.Module, anchor: list[torch.Tensor], mu: float) -> torch.
 
 
 @torch.no_grad()
-def evaluate(
-    model: nn.Module, data: Dataset, *, device: torch.device, batch_size: int = 512  # type: ignore[type-arg]
-) -> tuple[float, float]:
-    """Mean cross-entropy loss and accuracy of ``model`` on ``data``."""
+def evaluate(task: Task, model: nn.Module, data: TaskData, *, device: torch.device,
+             batch_size: int = 1024) -> dict[str, float]:
+    """The task's metrics on ``data``: batch means weighted by batch size, then ``task.summarize``.
+
+    Batches are tensor slices (no per-example Dataset indexing), so evaluating 100,000
+    examples costs a few forward passes.
+    """
+    if len(data) == 0:
+        raise ConfigError(f"task '{task.name}': no examples to evaluate on")
+    inputs, targets = data.tensors()
     model.to(device).eval()
-    loss_fn = nn.CrossEntropyLoss(reduction="sum")
-    total_loss, correct, seen = 0.0, 0, 0
-    for x, y in DataLoader(data, batch_size=batch_size):
-        x, y = x.to(device), y.to(device)
-        logits = model(x)
-        total_loss += loss_fn(logits, y).item()
-        correct += int((logits.argmax(dim=1) == y).sum())
-        seen += len(y)
+    sums: dict[str, float] = {}
+    for start in range(0, len(data), batch_size):
+        batch = [tensor[start:start + batch_size].to(device) for tensor in inputs]
+        target = targets[start:start + batch_size].to(device)
+        for name, value in task.metrics(task.forward(model, batch), target).items():
+            sums[name] = sums.get(name, 0.0) + float(value) * len(target)
     model.cpu()
-    return total_loss / max(seen, 1), correct / max(seen, 1)
+    return task.summarize({name: total / len(data) for name, total in sums.items()})

@@ -13,7 +13,6 @@ from fedge.config import resolve_run_config
 from fedge.errors import ConfigError
 from fedge.task.data import (
     dirichlet_partition,
-    federated_data,
     iid_partition,
     load_csv,
     load_digits_arrays,
@@ -70,11 +69,19 @@ def test_digits_ship_with_scikit_learn() -> None:
     assert set(np.unique(y)) == set(range(10))
 
 
-def test_federated_digits_split_covers_the_training_set() -> None:
+def test_the_digits_task_splits_every_example_into_one_partition_or_the_test_set() -> None:
+    # Prepare
+    from fedge.tasks import load_task
+
     config = resolve_run_config({"test-fraction": 0.25})
-    data = federated_data(config, 20)
-    assert sum(len(y) for _, y in data.partitions) + len(data.test[1]) == 1797
-    assert data.num_features == 64 and data.num_classes == 10
+    task = load_task(config)
+    # Execute
+    partitions = [task.partition(index, 20, config) for index in range(20)]
+    central = task.central_data()
+    # Assert: 1797 digits, 25% of each class held out (rounded per class)
+    assert central is not None and sum(len(p) for p in partitions) + len(central) == 1797
+    assert abs(len(central) - 0.25 * 1797) < 10
+    assert task.num_features == 64 and task.num_classes == 10  # type: ignore[attr-defined]
 
 
 def test_synthetic_shapes_and_counts() -> None:

@@ -46,7 +46,7 @@ def test_two_rounds_with_tls_and_auth(federation: LoopbackFederation) -> None:
     first = load_checkpoint(federation.run_dir / "checkpoints" / "round-0000.npz").arrays
     last = load_checkpoint(federation.run_dir / "checkpoint.npz").arrays
     assert any(not np.array_equal(first[k], last[k]) for k in first)
-    for name in ("config.json", "summary.json", "accuracy.png", "model.onnx", "bundles/round-0002/manifest.sig"):
+    for name in ("config.json", "summary.json", "headline.png", "model.onnx", "bundles/round-0002/manifest.sig"):
         assert (federation.run_dir / name).exists(), name
     assert status.returncode == 0 and status.stdout.count("device ") == 3, status.stdout + status.stderr
     assert "online" in status.stdout

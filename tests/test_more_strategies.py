@@ -16,9 +16,11 @@ from fedge.aggregate import (
     fedavgm_step,
     fednova_norm,
 )
+from fedge.signature import InputSpec
 from fedge.simulation.runner import simulate
+from fedge.task.api import Task, TaskData
 from fedge.task.models import build_model
-from fedge.task.training import as_dataset, train_local
+from fedge.task.training import train_local
 
 
 def _x(value: float) -> dict[str, np.ndarray]:
@@ -64,12 +66,14 @@ def test_fednova_aggregate_by_hand_differs_from_fedavg() -> None:
 
 def test_proximal_term_keeps_local_weights_near_the_start() -> None:
     torch.manual_seed(0)
-    data = as_dataset((np.random.default_rng(0).random((64, 8), np.float32), np.arange(64) % 3))
+    data = TaskData.from_xy(np.random.default_rng(0).random((64, 8), np.float32), np.arange(64) % 3)
+    task = Task()
+    task.inputs = (InputSpec("x", ("batch", 8)),)
 
     def drift(mu: float) -> float:
         model = build_model("mlp", 8, 3, seed=1)
         start = [p.detach().clone() for p in model.parameters()]
-        train_local(model, data, epochs=20, batch_size=8, learning_rate=0.1, momentum=0.0,
+        train_local(task, model, data, epochs=20, batch_size=8, learning_rate=0.1, momentum=0.0,
                     device=torch.device("cpu"), seed=0, proximal_mu=mu)
         return float(sum(((p.detach() - s) ** 2).sum() for p, s in zip(model.parameters(), start, strict=True)))
 

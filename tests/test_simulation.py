@@ -8,18 +8,22 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import Array, ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
-from torch.utils.data import TensorDataset
+from torch.utils.data import Subset, TensorDataset
 
 from fedge import wire
 from fedge.clients.app import make_client_app, make_default_client_app
 from fedge.config import resolve_run_config
 from fedge.server.app import run_coordinator
 from fedge.server.checkpoint import load_checkpoint
+from fedge.signature import InputSpec
 from fedge.simulation.grid import InlineGrid
 from fedge.simulation.runner import simulate
-from fedge.task.data import federated_data
+from fedge.task.api import Task, TaskData
+from fedge.task.data import load_digits_arrays
+from fedge.task.loaders import from_dataset
 from fedge.task.models import build_model
 
 METRIC_KEYS = {"round", "accuracy", "loss", "sim_time_s", "wall_time_s", "bytes_up", "bytes_down",
@@ -40,7 +44,7 @@ def test_three_round_simulation_learns_and_writes_the_run_report(fast_config: di
     assert all(row.keys() >= METRIC_KEYS for row in rows)
     assert all(row["participants"] == 4 and row["bytes_up"] > 0 for row in rows[1:])
     assert rows[1]["sim_time_s"] > 0 and rows[3]["sim_time_s"] > rows[1]["sim_time_s"]
-    for name in ("config.json", "summary.json", "accuracy.png", "checkpoint.npz", "model.onnx"):
+    for name in ("config.json", "summary.json", "headline.png", "checkpoint.npz", "model.onnx"):
         assert (run_dir / name).stat().st_size > 0, name
     assert summary["final_accuracy"] == rows[-1]["accuracy"] and summary["rounds"] == 3
     assert summary["onnx"]["max_abs_diff"] <= 1e-4 and summary["onnx"]["parity_ok"]
@@ -91,23 +95,34 @@ def test_poisoned_updates_are_rejected_and_rounds_go_on(fast_config: dict[str, A
     assert all(np.all(np.isfinite(a)) for a in final.values())
 
 
-def test_sdk_takes_a_torch_dataset_and_a_user_model(fast_config: dict[str, Any]) -> None:
-    # Prepare: an app developer's own model_fn and data_fn (torch Dataset)
-    config = resolve_run_config({**fast_config, "export-onnx": False})
-    data = federated_data(config, 10)
+class UserDigits(Task):
+    """An app developer's own task: their MLP and their torch Dataset (digits in a TensorDataset)."""
 
-    def model_fn(context: Context) -> Any:
+    name = "user-digits"
+    inputs = (InputSpec("pixels", ("batch", 64)),)
+
+    def __init__(self) -> None:
+        x, y = load_digits_arrays()
+        self.dataset = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+
+    def build_model(self) -> Any:
         return build_model("mlp", 64, 10)
 
-    def data_fn(context: Context) -> tuple[Any, Any]:
-        x, y = data.partitions[int(context.node_config["partition-id"])]
-        import torch
-        return TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), None
+    def train_data(self) -> TaskData:
+        return from_dataset(Subset(self.dataset, range(1400)), self)
 
+    def central_data(self) -> TaskData:
+        return from_dataset(Subset(self.dataset, range(1400, 1797)), self)
+
+
+def test_sdk_takes_a_torch_dataset_and_a_user_model(fast_config: dict[str, Any]) -> None:
+    # Prepare: a task given in Python to both app factories, its data a torch Dataset
+    config = resolve_run_config({**fast_config, "export-onnx": False, "partitioner": "iid"})
+    task = UserDigits()
     nodes = [{"partition-id": i, "num-partitions": 10, "profile": "phone"} for i in range(10)]
-    grid = InlineGrid(make_client_app(model_fn, data_fn), nodes, config)
+    grid = InlineGrid(make_client_app(task), nodes, config)
     # Execute
-    rows = _rows(run_coordinator(grid, config, progress=False))
+    rows = _rows(run_coordinator(grid, config, progress=False, task=task))
     # Assert
     assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.2
     assert rows[1]["participants_by_profile"] == {"phone": 4}

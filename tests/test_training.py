@@ -9,8 +9,20 @@ import torch
 from torch import nn
 
 from fedge.errors import ConfigError
+from fedge.signature import InputSpec
+from fedge.task.api import Task, TaskData
 from fedge.task.models import build_model
-from fedge.task.training import MomentumSGD, as_dataset, evaluate, pick_device, train_local
+from fedge.task.training import MomentumSGD, _batches, evaluate, pick_device, train_local
+
+
+class TwoClass(Task):
+    """Logistic regression on 8 features, the label the sign of the first one."""
+
+    name = "two-class"
+    inputs = (InputSpec("x", ("batch", 8)),)
+
+    def build_model(self) -> nn.Module:
+        return build_model("logreg", 8, 2)
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
@@ -34,17 +46,50 @@ def test_momentum_sgd_matches_torch_optim_step_for_step(momentum: float) -> None
 
 
 def test_train_local_counts_work_and_lowers_loss() -> None:
+    # Prepare
     torch.manual_seed(1)
     x = torch.randn(64, 8)
-    y = (x[:, 0] > 0).long()
-    data = as_dataset((x.numpy(), y.numpy()))
+    data, task = TaskData.from_xy(x.numpy(), (x[:, 0] > 0).long().numpy()), TwoClass()
     model = build_model("logreg", 8, 2, seed=0)
-    before, _ = evaluate(model, data, device=torch.device("cpu"))
-    stats = train_local(model, data, epochs=3, batch_size=16, learning_rate=0.5, momentum=0.0,
+    before = evaluate(task, model, data, device=torch.device("cpu"))
+    # Execute
+    stats = train_local(task, model, data, epochs=3, batch_size=16, learning_rate=0.5, momentum=0.0,
                         device=torch.device("cpu"), seed=0)
-    after, accuracy = evaluate(model, data, device=torch.device("cpu"))
+    after = evaluate(task, model, data, device=torch.device("cpu"))
+    # Assert: 3 epochs of 4 batches of 16
     assert (stats.num_examples, stats.samples_processed, stats.steps) == (64, 192, 12)
-    assert after < before and accuracy > 0.8
+    assert after["loss"] < before["loss"] and after["accuracy"] > 0.8
+
+
+@pytest.mark.parametrize(("size", "batch", "epochs", "max_steps"), [
+    (64, 16, 3, None), (70, 16, 2, None), (13, 16, 4, None), (70, 16, 1, 11), (5, 2, 1, 7)])
+def test_batches_come_in_dataloaders_order_from_the_same_random_stream(size: int, batch: int, epochs: int,
+                                                                        max_steps: int | None) -> None:
+    # Prepare: what DataLoader(shuffle=True) with a seeded generator yields, pass by pass
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(range(size), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(3))
+    expected: list[list[int]] = []
+    while len(expected) < (max_steps or epochs * -(-size // batch)):
+        expected.extend(b.tolist() for b in loader)
+    expected = expected[:max_steps or len(expected)]
+    # Execute
+    ours = [b.tolist() for b in _batches(size, batch, torch.Generator().manual_seed(3), epochs, max_steps)]
+    # Assert
+    assert ours == expected
+
+
+def test_evaluation_weights_each_batch_by_its_size() -> None:
+    # Prepare: 3 examples, batches of 2 and 1; the model predicts class 0 everywhere
+    model = nn.Linear(8, 2)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.copy_(torch.tensor([1.0, 0.0]))
+    data = TaskData.from_xy(torch.zeros(3, 8).numpy(), torch.tensor([0, 1, 0]).numpy())
+    # Execute
+    metrics = evaluate(TwoClass(), model, data, device=torch.device("cpu"), batch_size=2)
+    # Assert: 2 of 3 right (not the mean of the batch means 1/2 and 1)
+    assert metrics["accuracy"] == pytest.approx(2 / 3)
 
 
 def test_device_choice() -> None:

@@ -104,8 +104,9 @@ function renderSummary(s) {
   const progress = document.getElementById("round-progress");
   progress.max = s.rounds_total || 1;
   progress.value = s.rounds_done;
-  document.getElementById("accuracy").textContent = fmt(s.accuracy);
-  document.getElementById("best").textContent = s.best_accuracy === null ? "" : `best ${fmt(s.best_accuracy)}`;
+  document.getElementById("headline-name").textContent = s.metric || "accuracy";
+  document.getElementById("accuracy").textContent = fmt(s.headline);
+  document.getElementById("best").textContent = s.best_headline === null || s.best_headline === undefined ? "" : `best ${fmt(s.best_headline)}`;
   document.getElementById("loss").textContent = fmt(s.loss);
   document.getElementById("sim-time").textContent = s.sim_time_s === null || s.sim_time_s === undefined ? "-" : `${fmt(s.sim_time_s, 1)} s`;
   document.getElementById("wall-time").textContent = s.wall_time_s ? `wall ${fmt(s.wall_time_s, 1)} s` : "";
@@ -123,13 +124,16 @@ function renderSummary(s) {
 function renderRounds(data) {
   const rows = data.rounds;
   const trained = rows.filter((r) => r.round > 0);
+  const metric = rows.length ? rows[rows.length - 1].metric || "accuracy" : "accuracy";
+  const scored = rows.filter((r) => r.headline !== null && r.headline !== undefined);
+  const bounded = metric === "accuracy" ? { yMax: 1 } : {};
   lineChart(document.getElementById("chart-round"), [
-    { name: "accuracy", points: rows.map((r) => [r.round, r.accuracy]) },
-    { name: "loss", points: rows.map((r) => [r.round, r.loss]), axis: "right", color: COLORS[1] },
-  ], { xLabel: "round", yMax: 1, xDigits: 0 });
+    { name: metric, points: scored.map((r) => [r.round, r.headline]) },
+    { name: "loss", points: rows.filter((r) => r.loss !== undefined).map((r) => [r.round, r.loss]), axis: "right", color: COLORS[1] },
+  ], { xLabel: "round", xDigits: 0, ...bounded });
   lineChart(document.getElementById("chart-time"), [
-    { name: "accuracy", points: rows.map((r) => [r.sim_time_s, r.accuracy]) },
-  ], { xLabel: "simulated s", yMax: 1 });
+    { name: metric, points: scored.map((r) => [r.sim_time_s, r.headline]) },
+  ], { xLabel: "simulated s", ...bounded });
   const profiles = profilesOf(trained, "participants_by_profile");
   barChart(document.getElementById("chart-participants"),
     trained.slice(-40).map((r) => ({ label: String(r.round), values: r.participants_by_profile || {} })), profiles);
