@@ -19,3 +19,56 @@ def test_ray_backend_runs_the_same_apps_for_two_rounds(fast_config: dict[str, An
     assert [row["participants"] for row in rows[1:]] == [4, 4]
     assert rows[-1]["accuracy"] > rows[0]["accuracy"]
     assert rows[-1]["sim_time_s"] > 0  # profiles resolved from the fleet by partition id
+
+
+USER_TASK = '''
+import numpy as np
+from torch import nn
+from fedge.signature import InputSpec
+from fedge.task.api import Task, TaskData
+
+
+class Wave(Task):
+    """Regression of sin(3x) on x: a user's task, on Ray's workers too."""
+
+    name, headline, higher_is_better = "wave", "mse", False
+    inputs, labels, target_dtype = (InputSpec("x", ("batch", 1)),), None, "float32"
+
+    def __init__(self):
+        x = np.linspace(-1, 1, 400, dtype=np.float32)[:, None]
+        self.data = TaskData.from_xy(x, np.sin(3 * x[:, 0]).astype(np.float32))
+
+    def build_model(self):
+        return nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def train_data(self):
+        return self.data
+
+    def central_data(self):
+        return self.data.take(slice(0, 400, 4))
+
+    def loss(self, outputs, targets):
+        return nn.functional.mse_loss(outputs.squeeze(-1), targets)
+
+    def metrics(self, outputs, targets):
+        return {"mse": float(self.loss(outputs, targets))}
+'''
+
+
+@pytest.mark.slow
+def test_a_task_outside_fedge_runs_on_ray(fast_config: dict[str, Any], tmp_path: Any,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: the user's module, importable by the driver and by Ray's workers (PYTHONPATH)
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "user_wave.py").write_text(USER_TASK)
+    monkeypatch.syspath_prepend(str(code))
+    monkeypatch.setenv("PYTHONPATH", str(code))
+    fast_config.update({"num-rounds": 2, "export-onnx": False, "task": "user_wave:Wave", "partitioner": "iid",
+                        "learning-rate": 0.1})
+    # Execute
+    run_dir, summary = simulate(fast_config, backend="ray", progress=False)
+    # Assert: the user's headline went down on Ray's workers
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["task"] == "wave" and summary["headline"] == "mse"
+    assert [row["participants"] for row in rows[1:]] == [4, 4] and rows[-1]["mse"] < rows[0]["mse"]
