@@ -212,6 +212,8 @@ def run_coordinator(
     fleet = parse_fleet(config.text("fleet"), config.text("fleet-file"))
     task = task if task is not None else load_task(config)
     check_task(task, config)
+    if simulated:  # a fleet the data cannot be split across is refused now, not by every device
+        task.partition(0, fleet.size, config)
     config = with_evaluation(config, task, fleet.size if simulated else None)
     model = seeded_model(task, config.integer("seed"))
     if config["init-checkpoint"]:
