@@ -29,13 +29,15 @@ from flwr.app import Array, ArrayRecord
 from torch import nn
 
 from fedge.config import resolve_run_config
-from fedge.edge.build import BundleSpec, build_bundle
+from fedge.edge.build import FP32_FILE, INT8_FILE, BundleSpec, build_bundle
 from fedge.edge.signing import generate_signing_key, load_private_key
+from fedge.server.bundles import CALIBRATION_SIZE, task_score
 from fedge.server.checkpoint import load_checkpoint
 from fedge.simulation.runner import simulate
-from fedge.task.data import federated_data, label_names, preprocessing_for
-from fedge.task.models import build_model, load_arrays
-from fedge.task.training import as_dataset, train_local
+from fedge.task.api import Task, seeded_model
+from fedge.task.models import load_arrays
+from fedge.task.training import train_local
+from fedge.tasks import load_task
 
 HERE = Path(__file__).resolve().parent
 
@@ -53,22 +55,20 @@ class WideCNN(nn.Module):
         return self.net(x.reshape(-1, 1, 8, 8))  # type: ignore[no-any-return]
 
 
-def demo_model(scratch: Path) -> nn.Module:
-    """The demo's CNN after the demo's federated run (default config, no export)."""
+def demo_model(task: Task, scratch: Path) -> nn.Module:
+    """The demo task's CNN after the demo's federated run (default config, no export)."""
     run_dir, _ = simulate({"export-onnx": False, "run-dir": str(scratch / "demo")}, progress=False)
-    model = build_model("cnn", 64, 10)
+    model = seeded_model(task, 0)
     arrays = load_checkpoint(run_dir / "checkpoint.npz").arrays
     load_arrays(model, ArrayRecord({k: Array(v) for k, v in arrays.items()}))
     return model
 
 
-def wide_model(data: Any) -> nn.Module:
-    """WideCNN trained centrally on the pooled training shards."""
+def wide_model(task: Task) -> nn.Module:
+    """WideCNN trained centrally on the task's pooled training examples."""
     torch.manual_seed(0)
     model = WideCNN()
-    x = np.concatenate([p[0] for p in data.partitions])
-    y = np.concatenate([p[1] for p in data.partitions])
-    train_local(model, as_dataset((x, y)), epochs=10, batch_size=32, learning_rate=0.05, momentum=0.9,
+    train_local(task, model, task.train_data(), epochs=10, batch_size=32, learning_rate=0.05, momentum=0.9,
                 device=torch.device("cpu"), seed=0)
     return model
 
@@ -85,14 +85,17 @@ def latency_ms(run: Any, x: np.ndarray, iters: int) -> dict[str, float]:
     return {"p50": float(np.percentile(samples, 50)), "p99": float(np.percentile(samples, 99))}
 
 
-def measure(name: str, model: nn.Module, data: Any, key: Any, scratch: Path, iters: int) -> dict[str, Any]:
-    """Sizes, latencies and accuracies of one model in its three forms."""
-    x_test, y_test = data.test
-    x_all = np.concatenate([p[0] for p in data.partitions])
-    spec = BundleSpec(model_name=name, source_run="bench", server_round=0,
-                      preprocessing=preprocessing_for("digits"), labels=label_names(10))
-    bundle = build_bundle(model, scratch / name, spec=spec, private_key=key, test_set=data.test,
-                          calibration=x_all[:256])
+def measure(name: str, model: nn.Module, task: Task, key: Any, scratch: Path, iters: int) -> dict[str, Any]:
+    """Sizes, latencies and accuracies of one model in its three forms (two when int8 is skipped)."""
+    test = task.central_data()
+    assert test is not None, "the digits task holds out a test set"
+    (x_test,), y_test = test.inputs, test.targets
+    input_name = task.inputs[0].name
+    spec = BundleSpec(model_name=name, source_run="bench", server_round=0, preprocessing=dict(task.preprocessing),
+                      labels=list(task.labels or ()), output_meaning=task.output, headline=task.headline)
+    bundle = build_bundle(model, scratch / name, spec=spec, private_key=key, inputs=task.inputs,
+                          sample=test.inputs, score=task_score(task, y_test),
+                          calibration=task.calibration_data(CALIBRATION_SIZE, 0))
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     model = model.eval()
@@ -104,10 +107,12 @@ def measure(name: str, model: nn.Module, data: Any, key: Any, scratch: Path, ite
             return model(torch.from_numpy(x)).numpy()  # type: ignore[no-any-return]
 
     forms: dict[str, Any] = {"torch eager fp32": (torch_run, buffer.getbuffer().nbytes)}
-    for variant, file in (("onnxruntime fp32", "model.onnx"), ("onnxruntime int8", "model.int8.onnx")):
+    for variant, file in (("onnxruntime fp32", FP32_FILE), ("onnxruntime int8", INT8_FILE)):
+        if not (bundle.path / file).exists():  # int8 skipped: the manifest says why
+            continue
         session = ort.InferenceSession(str(bundle.path / file), options, providers=["CPUExecutionProvider"])
         size = (bundle.path / file).stat().st_size
-        forms[variant] = (lambda x, s=session: s.run(None, {"input": x})[0], size)
+        forms[variant] = (lambda x, s=session: s.run(None, {input_name: x})[0], size)
     results: dict[str, Any] = {"quantization": bundle.manifest["variants"]["int8"]["quantization"],
                                "parameters": sum(p.numel() for p in model.parameters()), "forms": {}}
     for form, (run, size) in forms.items():
@@ -117,6 +122,10 @@ def measure(name: str, model: nn.Module, data: Any, key: Any, scratch: Path, ite
             "batch32_ms": latency_ms(run, np.ascontiguousarray(x_test[:32]), max(iters // 3, 20)),
             "accuracy": float(np.mean(np.argmax(run(np.ascontiguousarray(x_test)), axis=1) == y_test)),
         }
+    if len(forms) < 3:
+        results["int8_skipped"] = bundle.manifest["variants"]["int8"].get("skipped")
+        results["ratios"] = {}
+        return results
     base, fp32, int8 = (results["forms"][f] for f in forms)
     results["ratios"] = {
         "int8_speedup_vs_torch_batch1": base["batch1_ms"]["p50"] / int8["batch1_ms"]["p50"],
@@ -138,6 +147,9 @@ def print_table(rows: dict[str, Any]) -> None:
                   f"{r['batch1_ms']['p99']:>9.3f}{r['batch32_ms']['p50']:>9.3f}{r['batch32_ms']['p99']:>9.3f}"
                   f"{r['accuracy']:>8.4f}")
         ratios = result["ratios"]
+        if not ratios:
+            print(f"{'':<10}no int8 model: {result.get('int8_skipped')}")
+            continue
         verdict = lambda ok: "met" if ok else "NOT met"  # noqa: E731
         print(f"{'':<10}int8 vs torch, batch 1: x{ratios['int8_speedup_vs_torch_batch1']:.2f} "
               f"({verdict(ratios['int8_speedup_vs_torch_batch1'] >= 2)}: >= 2x); size fp32/int8: "
@@ -153,12 +165,12 @@ def main() -> None:
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
-    data = federated_data(resolve_run_config({}), 100)
+    task = load_task(resolve_run_config({}))  # the demo's task: digits, cnn
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         key = load_private_key(generate_signing_key(scratch / "keys")[0])
-        rows = {"demo-cnn": measure("demo-cnn", demo_model(scratch), data, key, scratch, args.iters),
-                "wide-cnn": measure("wide-cnn", wide_model(data), data, key, scratch, args.iters)}
+        rows = {"demo-cnn": measure("demo-cnn", demo_model(task, scratch), task, key, scratch, args.iters),
+                "wide-cnn": measure("wide-cnn", wide_model(task), task, key, scratch, args.iters)}
     print_table(rows)
     out = HERE / "results" / "edge.json"
     out.parent.mkdir(exist_ok=True)

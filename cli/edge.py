@@ -42,13 +42,16 @@ def add_parsers(sub: Any) -> None:
     _add_freshness_arguments(verify, "and record its version as accepted")
     verify.set_defaults(handler=_verify)
 
-    predict = sub.add_parser("predict", help="run a verified bundle on inputs from a .npy file")
+    predict = sub.add_parser("predict", help="run a verified bundle on inputs from a .npy (or .npz) file")
     predict.add_argument("bundle", type=Path)
-    predict.add_argument("inputs", type=Path, help=".npy with (features,) or (n, features)")
+    predict.add_argument("inputs", type=Path,
+                         help=".npy with one example or a batch of the bundle's one input; .npz with an "
+                              "array per input name for a bundle of several inputs")
     predict.add_argument("--trusted", action="append", default=[], type=Path)
-    predict.add_argument("--variant", default="int8", choices=["int8", "fp32"])
+    predict.add_argument("--variant", choices=["int8", "fp32"],
+                         help="model to run (default: int8, or fp32 when the bundle has no int8 model)")
     predict.add_argument("--raw", action="store_true",
-                         help="inputs are raw; apply the manifest's preprocessing first")
+                         help="inputs are raw; apply the manifest's (affine) preprocessing first")
     predict.add_argument("--allow-unsigned", action="store_true",
                          help="DEVELOPMENT ONLY: accept a bundle without a signature")
     _add_freshness_arguments(predict, "and record its version once it is loaded")
@@ -118,13 +121,35 @@ def _export(args: argparse.Namespace) -> int:
     valid_for = dt.timedelta(days=args.valid_days) if args.valid_days is not None else None
     built = export_run_round(args.run_dir, server_round=args.round, key_path=args.key,
                              out_dir=args.output, make_zip=args.zip, valid_for=valid_for)
-    manifest, metrics = built.manifest, built.manifest["metrics"]
+    manifest = built.manifest
     print(f"bundle: {built.path}" + (f" (+ {built.path.with_suffix('.zip')})" if args.zip else ""))
     print(f"model {manifest['model_id']} version {manifest['version']}, issued {manifest['issued_at']}, "
           f"expires {manifest['expires_at'] or 'never'}")
-    print(f"round {built.manifest['round']}: fp32 accuracy {metrics['fp32_accuracy']:.4f}, int8 "
-          f"{metrics['int8_accuracy']:.4f}, agreement {metrics['int8_top1_agreement']:.4f}")
+    print(f"round {manifest['round']}: {_quality(manifest)}")
     return 0
+
+
+def _quality(manifest: dict[str, Any]) -> str:
+    """``fp32 accuracy 0.9500, int8 0.9472, agreement 0.9900`` (or why there is no int8 model)."""
+    metrics = manifest["metrics"]
+    names = [key[len("fp32_"):] for key in metrics if key.startswith("fp32_")]
+    headline = manifest.get("headline")
+    name = headline if headline in names else (names[0] if names else None)
+    parts = [f"fp32 {name} {_number(metrics[f'fp32_{name}'])}"] if name is not None else []
+    skipped = manifest["variants"]["int8"].get("skipped")
+    if skipped is not None:
+        parts.append(f"no int8 model ({skipped})")
+    elif name is not None and f"int8_{name}" in metrics:
+        parts.append(f"int8 {_number(metrics[f'int8_{name}'])}")
+    if "int8_top1_agreement" in metrics:
+        parts.append(f"agreement {_number(metrics['int8_top1_agreement'])}")
+    parts.append(f"torch/onnx max diff {metrics['torch_onnx_max_abs_diff']:.1e}")
+    return ", ".join(parts)
+
+
+def _number(value: float | None) -> str:
+    """``0.9500``, or ``n/a`` for a metric that was not finite (null in the manifest)."""
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -144,21 +169,57 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    import numpy as np
-
     from fedge.edge.bundle import FreshnessStore
     from fedge.edge.runtime import EdgeModel
 
     if not args.trusted and not args.allow_unsigned:
         raise BundleVerificationError("give --trusted PUBLIC_KEY (or --allow-unsigned in development)")
-    try:
-        inputs = np.load(args.inputs, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read '{args.inputs}' as .npy: {exc}") from None
+    inputs = _read_inputs(args.inputs)
     model = EdgeModel.load(args.bundle, trusted_keys=args.trusted, variant=args.variant,
                            allow_unsigned=args.allow_unsigned, model_id=args.model_id,
                            freshness=FreshnessStore(args.state_dir) if args.state_dir else None)
-    prediction = model.predict(model.preprocess(inputs) if args.raw else inputs)
-    for name, probs in zip(prediction.label_names, prediction.probabilities, strict=True):
-        print(f"{name}\t{float(probs.max()):.4f}")
+    if args.raw:
+        inputs = _preprocessed(model, inputs)
+    if _gives_class_scores(model):
+        prediction = model.predict(inputs)
+        for name, probs in zip(prediction.label_names, prediction.probabilities, strict=True):
+            print(f"{name}\t{float(probs.max()):.4f}")
+        return 0
+    for row in _rows(model.run(inputs)):
+        print(row)
     return 0
+
+
+def _gives_class_scores(model: Any) -> bool:
+    """Whether the bundle's model gives one (batch, classes) output (else its outputs are printed as numbers)."""
+    return bool(model.is_classifier and len(model.outputs) <= 1
+                and (not model.outputs or len(model.outputs[0]["shape"]) == 2))
+
+
+def _preprocessed(model: Any, inputs: Any) -> Any:
+    """The manifest's preprocessing applied to the input (to each float input of a .npz)."""
+    if not isinstance(inputs, dict):
+        return model.preprocess(inputs)
+    floats = {spec.name for spec in model.inputs if spec.dtype.startswith("float")}
+    return {name: model.preprocess(array) if name in floats else array for name, array in inputs.items()}
+
+
+def _read_inputs(path: Path) -> Any:
+    """The array of a .npy file, or ``{name: array}`` of a .npz file."""
+    import numpy as np
+
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read '{path}' as .npy or .npz: {exc}") from None
+    if isinstance(loaded, np.lib.npyio.NpzFile):
+        with loaded:
+            return {name: loaded[name] for name in loaded.files}
+    return loaded
+
+
+def _rows(outputs: list[Any]) -> list[str]:
+    """One line per example: every output's values (flattened), tab-separated, outputs split by ``|``."""
+    count = len(outputs[0]) if outputs and outputs[0].ndim else 0
+    return [" | ".join("\t".join(f"{float(v):.6g}" for v in out[index].reshape(-1)) for out in outputs)
+            for index in range(count)]

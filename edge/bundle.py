@@ -2,11 +2,12 @@
 
 A bundle is a directory (or a ``.zip`` of one) holding:
 
-* ``model.onnx`` and ``model.int8.onnx``: the models;
-* ``manifest.json``: what the models are (inputs, outputs, preprocessing, labels,
-  metrics, versions), which model lineage and version they are (``model_id``,
-  ``version``, ``issued_at``, optional ``expires_at``) and the SHA-256 and size of
-  every other file;
+* ``model.onnx`` and ``model.int8.onnx``: the models (the int8 one only when the graph
+  quantizes; otherwise ``variants.int8`` in the manifest says why it was skipped);
+* ``manifest.json``: what the models are (inputs with named dynamic axes, outputs,
+  preprocessing, labels or null, headline, metrics, versions), which model lineage and
+  version they are (``model_id``, ``version``, ``issued_at``, optional ``expires_at``)
+  and the SHA-256 and size of every other file;
 * ``manifest.sig``: JSON ``{"algorithm": "ed25519", "key_fingerprint":
   "sha256:<hex of the raw public key>", "signature": "<base64>"}``, the Ed25519
   signature over the exact bytes of ``manifest.json``.
@@ -53,6 +54,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from fedge.edge.signing import ensure_private_dir, fingerprint, load_public_key
 from fedge.errors import BundleVerificationError, ConfigError
 from fedge.files import write_bytes_atomic
+from fedge.signature import DTYPES
 
 if sys.platform != "win32":
     import fcntl
@@ -66,7 +68,9 @@ MAX_BUNDLE_BYTES = 2**31
 MAX_MANIFEST_BYTES = 2**20
 MAX_SIGNATURE_BYTES = 2**12
 MAX_VERSION = 2**63 - 1
-MAX_FEATURES = 2**24
+MAX_FEATURES = 2**24  # largest fixed axis size a manifest may declare
+MAX_INPUTS = 64  # most inputs (or outputs) a manifest may declare
+MAX_RANK = 16
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 REEXPORT = "re-export the bundle with `fedge export` (or upgrade fedge on the device)"
 # Everything zipfile and its decompressors raise on a damaged archive.
@@ -326,6 +330,7 @@ def _parse_manifest(data: bytes) -> dict[str, Any]:
     for name, entry in manifest["files"].items():
         _check_file_entry(name, entry)
     _check_inputs(manifest.get("inputs"))
+    _check_outputs(manifest.get("outputs"))
     _check_variants(manifest.get("variants"), manifest["files"])
     _check_optional(manifest)
     return manifest
@@ -354,22 +359,56 @@ def _check_file_entry(name: str, entry: object) -> None:
 
 
 def _check_inputs(inputs: object) -> None:
-    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
-        raise _bad("inputs", "must list exactly one input")
-    spec = inputs[0]
-    if not isinstance(spec.get("name"), str) or not spec["name"]:
-        raise _bad("inputs[0].name", "must be the model's input name")
-    shape = spec.get("shape")
-    if not isinstance(shape, list) or len(shape) != 2 or not _is_int(shape[1], 1, MAX_FEATURES):
-        raise _bad("inputs[0].shape", f"must be [batch, features] with 1 <= features <= {MAX_FEATURES}")
+    if not isinstance(inputs, list) or not 1 <= len(inputs) <= MAX_INPUTS:
+        raise _bad("inputs", f"must list the model's inputs (1 to {MAX_INPUTS})")
+    names = set()
+    for index, entry in enumerate(inputs):
+        field = f"inputs[{index}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"].isidentifier():
+            raise _bad(f"{field}.name", "must be the model's input name (an identifier)")
+        if entry["name"] in names:
+            raise _bad(f"{field}.name", f"repeats input '{entry['name']}'")
+        names.add(entry["name"])
+        if not _is_shape(entry.get("shape")) or not isinstance(entry["shape"][0], str):
+            raise _bad(f"{field}.shape", f"must be [batch, ...]: a named batch axis, then sizes (1 to "
+                                         f"{MAX_FEATURES}) or axis names, at most {MAX_RANK} axes")
+        if entry.get("dtype", "float32") not in DTYPES:
+            raise _bad(f"{field}.dtype", f"must be one of {', '.join(DTYPES)}")
+
+
+def _is_shape(shape: object) -> bool:
+    """A list of 1 to MAX_RANK sizes (ints 1..MAX_FEATURES) or axis names (short printable strings)."""
+    return isinstance(shape, list) and 1 <= len(shape) <= MAX_RANK and all(
+        _is_int(size, 1, MAX_FEATURES) or (isinstance(size, str) and 0 < len(size) <= 64 and size.isprintable())
+        for size in shape)
+
+
+def _check_outputs(outputs: object) -> None:
+    if outputs is None:
+        return
+    if not isinstance(outputs, list) or not 1 <= len(outputs) <= MAX_INPUTS:
+        raise _bad("outputs", f"must list the model's outputs (1 to {MAX_INPUTS})")
+    for index, entry in enumerate(outputs):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"] \
+                or not _is_shape(entry.get("shape")):
+            raise _bad(f"outputs[{index}]", "must be {\"name\": <output name>, \"shape\": [sizes or axis names]}")
+        for key in ("dtype", "meaning"):
+            if key in entry and not isinstance(entry[key], str):
+                raise _bad(f"outputs[{index}].{key}", "must be a string")
 
 
 def _check_variants(variants: object, files: Mapping[str, Any]) -> None:
     if not isinstance(variants, dict) or not variants:
         raise _bad("variants", "must map variant names to their model files")
     for name, entry in variants.items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or entry["file"] not in files:
-            raise _bad(f"variants.{name[:40]}", "must name a file listed in 'files'")
+        skipped = isinstance(entry, dict) and "file" not in entry and name != "fp32" \
+            and isinstance(entry.get("skipped"), str)
+        if not skipped and (not isinstance(entry, dict) or not isinstance(entry.get("file"), str)
+                            or entry["file"] not in files):
+            raise _bad(f"variants.{name[:40]}", "must name a file listed in 'files' (or, except fp32, say why "
+                                                "it was \"skipped\")")
+    if "fp32" not in variants:
+        raise _bad("variants", "must include the fp32 model")
 
 
 def _check_optional(manifest: Mapping[str, Any]) -> None:
@@ -378,9 +417,13 @@ def _check_optional(manifest: Mapping[str, Any]) -> None:
     if not isinstance(preprocessing, dict) or not all(
             _is_number(preprocessing[k]) for k in ("scale", "offset") if k in preprocessing):
         raise _bad("preprocessing", "must be {\"scale\": <number>, \"offset\": <number>}")
+    if not isinstance(preprocessing.get("kind", ""), str):
+        raise _bad("preprocessing.kind", "must be a string (affine, none...)")
     labels = manifest.get("labels")
     if labels is not None and not (isinstance(labels, list) and all(isinstance(x, str) for x in labels)):
-        raise _bad("labels", "must be a list of class names")
+        raise _bad("labels", "must be a list of class names (or null for a model that is not a classifier)")
+    if manifest.get("headline") is not None and not isinstance(manifest["headline"], str):
+        raise _bad("headline", "must be a metric name")
     if "round" in manifest and not _is_int(manifest["round"], 0, MAX_VERSION):
         raise _bad("round", "must be a round number")
     model_id = manifest.get("model_id")

@@ -12,18 +12,18 @@ from fedge.config import resolve_run_config
 from fedge.edge.build import BuiltBundle
 from fedge.edge.signing import load_private_key
 from fedge.errors import ConfigError
-from fedge.profiles import parse_fleet
 from fedge.server.bundles import export_global_model
 from fedge.server.checkpoint import load_checkpoint
-from fedge.task.data import federated_data
-from fedge.task.models import build_model, load_arrays
+from fedge.task.api import seeded_model
+from fedge.task.models import load_arrays
+from fedge.tasks import load_task
 
 
 def export_run_round(
     run_dir: Path, *, server_round: int | None, key_path: Path, out_dir: Path, make_zip: bool,
     valid_for: dt.timedelta | None = None,
 ) -> BuiltBundle:
-    """Rebuild the run's model from ``config.json`` and a checkpoint, then sign a bundle.
+    """Rebuild the run's task and model from ``config.json`` and a checkpoint, then sign a bundle.
 
     The bundle carries the same ``model_id`` as the coordinator's bundles of the run
     and the checkpoint's round as ``version`` (see :func:`export_global_model`).
@@ -33,11 +33,11 @@ def export_run_round(
     config = resolve_run_config(json.loads((run_dir / "config.json").read_text()))
     checkpoint = load_checkpoint(_checkpoint_path(run_dir, server_round))
     private_key = load_private_key(key_path)
-    data = federated_data(config, parse_fleet(config.text("fleet"), config.text("fleet-file")).size)
-    model = build_model(config.text("model"), data.num_features, data.num_classes)
+    task = load_task(config)
+    model = seeded_model(task, config.integer("seed"))
     load_arrays(model, ArrayRecord({k: Array(v) for k, v in checkpoint.arrays.items()}),
                 source=f"checkpoint of round {checkpoint.server_round}")
-    return export_global_model(model, out_dir, config=config, data=data,
+    return export_global_model(model, out_dir, config=config, task=task,
                                server_round=checkpoint.server_round, source_run=run_dir.name,
                                private_key=private_key, make_zip=make_zip, valid_for=valid_for)
 

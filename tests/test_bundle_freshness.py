@@ -144,7 +144,10 @@ REFUSED_NEWER: list[tuple[str, dict[str, object], Callable[[dict[str, bytes]], N
      {"inputs": [{"name": "input", "shape": ["batch", 9], "dtype": "float32"}]}, None,
      "the model's inputs/outputs differ from what manifest.json declares"),
     ("signed labels that do not match the model", {"labels": ["a", "b"]}, None, "names 2 labels for a model of 3"),
-    ("no int8 variant", {"variants": {"fp32": {"file": "model.onnx"}}}, None, "bundle has no 'int8' model"),
+    ("int8 asked of a bundle without one", {"variants": {"fp32": {"file": "model.onnx"}}, "variant": "int8"}, None,
+     "bundle has no 'int8' model"),
+    ("no fp32 variant", {"variants": {"int8": {"file": "model.int8.onnx"}}}, None,
+     "field 'variants' must include the fp32 model"),
 ]
 
 
@@ -156,12 +159,14 @@ def test_a_newer_bundle_that_fails_any_check_does_not_raise_the_record(
     # Prepare: version 5 accepted, then a version 9 that fails one check
     now = dt.datetime(2025, 3, 1, tzinfo=UTC)
     _load(tiny_bundle(key, version=5), key, freshness=store, now=now)
+    overrides = dict(overrides)
+    variant = overrides.pop("variant", None)
     files = tiny_bundle(key, version=9, **overrides)  # type: ignore[arg-type]
     if tamper is not None:
         tamper(files)
     # Execute / Assert
     with pytest.raises(BundleVerificationError, match=reason):
-        _load(files, key, freshness=store, now=now)
+        _load(files, key, freshness=store, now=now, variant=variant)
     assert store.accepted_version(MODEL_ID) == 5
 
 

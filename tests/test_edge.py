@@ -24,9 +24,10 @@ from fedge.edge.build import BuiltBundle, BundleSpec, build_bundle
 from fedge.edge.bundle import MANIFEST, SIGNATURE, parse_time, read_bundle, sign_manifest, verify_bundle
 from fedge.edge.signing import generate_signing_key, load_private_key
 from fedge.errors import BundleVerificationError
-from fedge.task.data import federated_data, label_names, preprocessing_for
-from fedge.task.models import build_model
-from fedge.task.training import as_dataset, train_local
+from fedge.server.bundles import task_score
+from fedge.task.api import Task, TaskData, seeded_model
+from fedge.task.training import train_local
+from fedge.tasks import load_task
 
 
 @pytest.fixture(scope="module")
@@ -34,31 +35,37 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate_signing_key(tmp_path_factory.mktemp("keys"))[0].parent
 
 
-@pytest.fixture(scope="module")
-def digits() -> object:
-    return federated_data(resolve_run_config({}), 10)
+def _digits(model: str) -> Task:
+    return load_task(resolve_run_config({"model": model}))
+
+
+def _test_set(task: Task) -> TaskData:
+    data = task.central_data()
+    assert data is not None
+    return data
 
 
 @pytest.fixture(scope="module", params=["cnn", "mlp"])
-def bundle(request: pytest.FixtureRequest, keys: Path, digits: object,
-           tmp_path_factory: pytest.TempPathFactory) -> BuiltBundle:
+def bundle(request: pytest.FixtureRequest, keys: Path, tmp_path_factory: pytest.TempPathFactory) -> BuiltBundle:
     """A centrally trained model of each kind (conv -> static int8, linear -> dynamic), bundled."""
-    data = digits
-    x = np.concatenate([p[0] for p in data.partitions])  # type: ignore[attr-defined]
-    y = np.concatenate([p[1] for p in data.partitions])  # type: ignore[attr-defined]
-    model = build_model(request.param, 64, 10, seed=0)
-    train_local(model, as_dataset((x, y)), epochs=8, batch_size=32, learning_rate=0.05, momentum=0.9,
+    task = _digits(request.param)
+    model = seeded_model(task, 0)
+    train_local(task, model, task.train_data(), epochs=8, batch_size=32, learning_rate=0.05, momentum=0.9,
                 device=torch.device("cpu"), seed=0)
+    test = _test_set(task)
     spec = BundleSpec(model_name=f"{request.param}-digits", source_run="test", server_round=7,
-                      preprocessing=preprocessing_for("digits"), labels=label_names(10))
+                      preprocessing=dict(task.preprocessing), labels=list(task.labels or ()),
+                      output_meaning=task.output, headline=task.headline)
     out = tmp_path_factory.mktemp("bundles") / request.param
     return build_bundle(model, out, spec=spec, private_key=load_private_key(keys / "signing.key"),
-                        test_set=data.test, calibration=x[:256], make_zip=True)  # type: ignore[attr-defined]
+                        inputs=task.inputs, sample=test.inputs, score=task_score(task, test.targets),
+                        calibration=task.calibration_data(256, 0), make_zip=True)
 
 
 def test_fp32_parity_and_int8_quality(bundle: BuiltBundle) -> None:
     metrics = bundle.manifest["metrics"]
     assert metrics["torch_onnx_max_abs_diff"] <= 1e-4
+    assert {"fp32_loss", "int8_loss", "test_samples"} <= set(metrics)
     assert metrics["fp32_accuracy"] > 0.9
     assert metrics["int8_top1_agreement"] >= 0.99
     expected = "static-qdq" if bundle.manifest["model_name"].startswith("cnn") else "dynamic"
@@ -80,6 +87,18 @@ def test_manifest_names_the_lineage_and_version_for_freshness(bundle: BuiltBundl
         "expires_at": None}
 
 
+def test_manifest_describes_the_digits_signature(bundle: BuiltBundle) -> None:
+    # Prepare
+    manifest = json.loads(read_bundle(bundle.path)[MANIFEST])
+    # Execute
+    outputs = [{k: v for k, v in entry.items() if k != "meaning"} for entry in manifest["outputs"]]
+    # Assert: one float input of 64 pixels, 10 class scores named "0".."9", pixels / 16
+    assert manifest["inputs"] == [{"name": "input", "shape": ["batch", 64], "dtype": "float32"}]
+    assert outputs == [{"name": "logits", "shape": ["batch", 10], "dtype": "float32"}]
+    assert manifest["labels"] == [str(i) for i in range(10)] and manifest["headline"] == "accuracy"
+    assert (manifest["preprocessing"]["kind"], manifest["preprocessing"]["scale"]) == ("affine", 1 / 16)
+
+
 @pytest.mark.parametrize("name", ["model.onnx", "model.int8.onnx"])
 def test_exported_models_pass_the_full_onnx_checker(bundle: BuiltBundle, name: str) -> None:
     onnx.checker.check_model(onnx.load(bundle.path / name), full_check=True)
@@ -87,11 +106,11 @@ def test_exported_models_pass_the_full_onnx_checker(bundle: BuiltBundle, name: s
 
 @pytest.mark.parametrize("as_zip", [False, True])
 @pytest.mark.parametrize("variant", ["int8", "fp32"])
-def test_bundle_verifies_and_runs_end_to_end(bundle: BuiltBundle, keys: Path, digits: object,
-                                             as_zip: bool, variant: str) -> None:
+def test_bundle_verifies_and_runs_end_to_end(bundle: BuiltBundle, keys: Path, as_zip: bool, variant: str) -> None:
     # Prepare
     path = bundle.path.with_suffix(".zip") if as_zip else bundle.path
-    x_test, y_test = digits.test  # type: ignore[attr-defined]
+    test = _test_set(_digits("cnn"))
+    (x_test,), y_test = test.inputs, test.targets
     # Execute
     model = EdgeModel.load(path, trusted_keys=[keys / "signing.pub"], variant=variant)
     batch = model.predict(x_test)

@@ -32,7 +32,7 @@ def test_coordinator_exports_every_n_rounds_and_at_the_end(run: tuple[Path, dict
     assert summary["latest_bundle"] == "bundles/round-0003"
     model = EdgeModel.load(run_dir / summary["latest_bundle"], trusted_keys=[run_dir / "keys/signing.pub"])
     assert model.manifest["round"] == 3 and model.manifest["source_run"] == "run"
-    assert (model.manifest["model_id"], model.manifest["version"]) == ("run/mlp-digits", 3)
+    assert (model.manifest["model_id"], model.manifest["version"]) == ("run/digits-mlp", 3)
     assert summary["edge"]["fp32_accuracy"] == pytest.approx(summary["final_accuracy"])
     assert (run_dir / "model.onnx").read_bytes() == (run_dir / "bundles/round-0003/model.onnx").read_bytes()
 
@@ -44,6 +44,9 @@ def test_export_verify_predict_from_the_command_line(
     assert main(["keys", "signing", "init", str(tmp_path / "k")]) == 0
     assert main(["export", str(run_dir), "--round", "1", "--key", str(tmp_path / "k/signing.key"),
                  "-o", str(tmp_path / "b1"), "--zip", "--valid-days", "2"]) == 0
+    exported = capsys.readouterr().out
+    assert re.search(r"round 1: fp32 accuracy 0\.\d{4}, int8 0\.\d{4}, agreement [01]\.\d{4}, torch/onnx max diff",
+                     exported), exported
     assert main(["verify", str(tmp_path / "b1.zip"), "--trusted", str(tmp_path / "k/signing.pub")]) == 0
     np.save(tmp_path / "x.npy", np.eye(3, 64, dtype=np.float32))
     capsys.readouterr()
@@ -54,7 +57,7 @@ def test_export_verify_predict_from_the_command_line(
     manifest = json.loads((tmp_path / "b1/manifest.json").read_text())
     assert manifest["round"] == 1
     # the same lineage as the coordinator's bundles of the run, version = the round, expiring in 2 days
-    assert (manifest["model_id"], manifest["version"]) == ("run/mlp-digits", 1)
+    assert (manifest["model_id"], manifest["version"]) == ("run/digits-mlp", 1)
     expires, issued = parse_time(manifest["expires_at"], "e"), parse_time(manifest["issued_at"], "i")
     assert expires - issued == dt.timedelta(days=2)
 
@@ -74,7 +77,7 @@ def test_state_dir_refuses_a_rollback_from_the_command_line(
     err = capsys.readouterr().err
     # Assert
     assert (ran, again, replayed) == (0, 0, 2)
-    assert "bundle 'run/mlp-digits' version 2 is older than version 3 this device already accepted" in err
+    assert "bundle 'run/digits-mlp' version 2 is older than version 3 this device already accepted" in err
     assert main(["verify", str(run_dir / "bundles/round-0002"), *trusted]) == 0  # no store: no memory
 
 
@@ -88,10 +91,10 @@ def test_state_dir_refuses_a_rollback_from_the_command_line(
         (["export", "{run}", "--key", "{tmp}/nokey", "-o", "{tmp}/o"], "does not exist"),
         (["keys", "signing", "init", "{keys}"], "already exists; pass --force"),
         (["predict", "{run}/bundles/round-0003", "{tmp}/bad.npy", "--trusted", "{run}/keys/signing.pub"],
-         "the model takes \\(64,\\)"),
+         "input 'input' has shape \\(2, 5\\) float32; .*a single example is \\(64,\\)"),
         (["predict", "{run}/bundles/round-0003", "{tmp}/bad.npy"], "give --trusted"),
         (["verify", "{run}/bundles/round-0003", "--trusted", "{run}/keys/signing.pub", "--model-id", "x"],
-         "bundle is of model 'run/mlp-digits', not 'x' that this device runs"),
+         "bundle is of model 'run/digits-mlp', not 'x' that this device runs"),
         (["export", "{run}", "--key", "{keys}/signing.key", "-o", "{tmp}/o", "--valid-days", "0"],
          "--valid-days 0.0 must be more than 0"),
     ],

@@ -140,7 +140,8 @@ def _full_load(files: dict[str, bytes], key: Ed25519PrivateKey, store: Freshness
     if store is not None:
         store.check(model.manifest)
     with np.errstate(all="ignore"):
-        model.predict(model.preprocess(np.ones((2, model.num_features))))
+        model.run(*(np.ones([2 if isinstance(size, str) else size for size in spec.shape], spec.dtype)
+                    for spec in model.inputs))
     return model
 
 
@@ -278,9 +279,25 @@ SIGNED_BAD_MANIFESTS: list[tuple[str, dict[str, Any], str]] = [
      "field 'files.model.onnx' must be"),
     ("variants a list", {"variants": []}, "field 'variants' must map variant names"),
     ("variant entry a string", {"variants": {"fp32": "model.onnx"}}, "field 'variants.fp32' must name a file"),
-    ("no inputs", {"inputs": []}, "field 'inputs' must list exactly one input"),
+    ("no inputs", {"inputs": []}, "field 'inputs' must list the model's inputs"),
     ("input shape of one dimension", {"inputs": [{"name": "input", "shape": [4]}]}, "field 'inputs\\[0\\].shape'"),
-    ("features a string", {"inputs": [{"name": "input", "shape": ["batch", "four"]}]}, "field 'inputs\\[0\\].shape'"),
+    ("features zero", {"inputs": [{"name": "input", "shape": ["batch", 0]}]}, "field 'inputs\\[0\\].shape'"),
+    ("features a bool", {"inputs": [{"name": "input", "shape": ["batch", True]}]}, "field 'inputs\\[0\\].shape'"),
+    ("features a named axis the model fixes", {"inputs": [{"name": "input", "shape": ["batch", "four"]}]},
+     "axis 1 is fixed at 4 in the model but dynamic \\('four'\\)"),
+    ("input name not an identifier", {"inputs": [{"name": "in put", "shape": ["batch", 4]}]},
+     "field 'inputs\\[0\\].name'"),
+    ("input named twice", {"inputs": [{"name": "input", "shape": ["batch", 4]}] * 2}, "repeats input 'input'"),
+    ("input dtype unknown", {"inputs": [{"name": "input", "shape": ["batch", 4], "dtype": "complex64"}]},
+     "field 'inputs\\[0\\].dtype' must be one of"),
+    ("outputs not a list", {"outputs": {"name": "logits"}}, "field 'outputs' must list"),
+    ("output without a shape", {"outputs": [{"name": "logits"}]}, "field 'outputs\\[0\\]' must be"),
+    ("int8 skipped without a reason", {"variants": {"fp32": {"file": "model.onnx"}, "int8": {"skipped": 1}}},
+     "field 'variants.int8' must name a file"),
+    ("fp32 skipped", {"variants": {"fp32": {"skipped": "no"}, "int8": {"file": "model.int8.onnx"}}},
+     "field 'variants.fp32' must name a file"),
+    ("preprocessing kind a number", {"preprocessing": {"kind": 3}}, "field 'preprocessing.kind'"),
+    ("headline a number", {"headline": 3}, "field 'headline' must be a metric name"),
     ("preprocessing scale a string", {"preprocessing": {"scale": "x"}}, "field 'preprocessing'"),
     ("preprocessing scale 10**400", {"preprocessing": {"scale": 10**400}}, "field 'preprocessing'"),
     ("labels not strings", {"labels": [1, 2, 3]}, "field 'labels'"),
