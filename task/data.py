@@ -1,4 +1,4 @@
-"""Data sets, partitioners and loaders for user data.
+"""Data sets, partitioners and flat-file loaders the built-in tasks (:mod:`fedge.tasks`) use.
 
 * ``digits``: scikit-learn's bundled 8x8 handwritten digits (no download).
 * ``synthetic``: the Synthetic(alpha, beta) benchmark of FedProx
@@ -14,28 +14,16 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 from numpy.typing import NDArray
 
-from fedge.config import RunConfig
 from fedge.errors import ConfigError
 
 Features = NDArray[np.float32]
 Labels = NDArray[np.int64]
-
-
-@dataclass(frozen=True)
-class FederatedData:
-    """Per-device training shards and a held-out test set."""
-
-    partitions: tuple[tuple[Features, Labels], ...]
-    test: tuple[Features, Labels]
-    num_features: int
-    num_classes: int
 
 
 def load_digits_arrays() -> tuple[Features, Labels]:
@@ -195,80 +183,9 @@ def synthetic_fedprox(
     return devices
 
 
-def preprocessing_for(dataset: str) -> dict[str, object]:
-    """What a caller must do to raw inputs before the model sees them (``x * scale + offset``)."""
-    if dataset == "digits":
-        return {"kind": "affine", "scale": 1.0 / 16.0, "offset": 0.0,
-                "description": "8x8 grey-level pixels in 0..16, row-major, times 1/16"}
-    return {"kind": "affine", "scale": 1.0, "offset": 0.0,
-            "description": "features exactly as in the training data"}
-
-
 def label_names(num_classes: int) -> list[str]:
     """Class names: the class indices (digits' classes are the digits themselves)."""
     return [str(index) for index in range(num_classes)]
-
-
-def calibration_sample(data: FederatedData, size: int, seed: int) -> Features:
-    """A seeded sample of the pooled training shards (for int8 calibration)."""
-    pooled = np.concatenate([x for x, _ in data.partitions])
-    pick = np.random.default_rng(seed).permutation(len(pooled))[:size]
-    return pooled[pick]
-
-
-def federated_data(config: RunConfig, num_partitions: int) -> FederatedData:
-    """The data set named by a run config, split into ``num_partitions`` device shards.
-
-    Cached per process: the inline simulator asks once per device.
-    """
-    return _federated_data(
-        config.text("dataset"),
-        config.text("partitioner"),
-        config.number("dirichlet-alpha"),
-        config.number("test-fraction"),
-        config.integer("seed"),
-        config.number("synthetic-alpha"),
-        config.number("synthetic-beta"),
-        config.text("data-path"),
-        num_partitions,
-    )
-
-
-@lru_cache(maxsize=8)
-def _federated_data(
-    dataset: str,
-    partitioner: str,
-    alpha: float,
-    test_fraction: float,
-    seed: int,
-    synthetic_alpha: float,
-    synthetic_beta: float,
-    data_path: str,
-    num_partitions: int,
-) -> FederatedData:
-    if dataset == "synthetic":
-        devices = synthetic_fedprox(synthetic_alpha, synthetic_beta, num_partitions, seed)
-        return _split_per_device(devices, test_fraction, seed, num_classes=10)
-    x, y = _centralised(dataset, data_path)
-    x_train, y_train, test = holdout(x, y, test_fraction, seed)
-    if partitioner == "iid":
-        shards = iid_partition(len(y_train), num_partitions, seed)
-    else:
-        shards = dirichlet_partition(y_train, num_partitions, alpha, seed)
-    return FederatedData(
-        partitions=tuple((x_train[idx], y_train[idx]) for idx in shards),
-        test=test,
-        num_features=x.shape[1],
-        num_classes=int(y.max()) + 1,
-    )
-
-
-def _centralised(dataset: str, data_path: str) -> tuple[Features, Labels]:
-    if dataset == "digits":
-        return load_digits_arrays()
-    if not data_path:
-        raise ConfigError(f"dataset '{dataset}' needs run-config 'data-path' (a .{dataset} file)")
-    return load_npz(data_path) if dataset == "npz" else load_csv(data_path)
 
 
 def holdout(
@@ -283,22 +200,3 @@ def holdout(
     is_test = np.zeros(len(y), dtype=bool)
     is_test[test_idx] = True
     return x[~is_test], y[~is_test], (x[is_test], y[is_test])
-
-
-def _split_per_device(
-    devices: list[tuple[Features, Labels]], test_fraction: float, seed: int, num_classes: int
-) -> FederatedData:
-    rng = np.random.default_rng(seed)
-    partitions, test_x, test_y = [], [], []
-    for x, y in devices:
-        order = rng.permutation(len(y))
-        n_test = max(1, int(round(len(y) * test_fraction)))
-        partitions.append((x[order[n_test:]], y[order[n_test:]]))
-        test_x.append(x[order[:n_test]])
-        test_y.append(y[order[:n_test]])
-    return FederatedData(
-        partitions=tuple(partitions),
-        test=(np.concatenate(test_x), np.concatenate(test_y)),
-        num_features=devices[0][0].shape[1],
-        num_classes=num_classes,
-    )

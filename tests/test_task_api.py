@@ -42,7 +42,8 @@ class GridRegression(Task):
         rng = np.random.default_rng(0)
         x = rng.normal(size=(600, 4, 5)).astype(np.float32)
         y = (x[:, 0].sum(axis=1) - x[:, 3].sum(axis=1) + 0.1 * rng.normal(size=600)).astype(np.float32)
-        self.train, self.test, self.central = TaskData.from_xy(x[:500], y[:500]), TaskData.from_xy(x[500:], y[500:]), central
+        self.train, self.test = TaskData.from_xy(x[:500], y[:500]), TaskData.from_xy(x[500:], y[500:])
+        self.central = central
 
     def build_model(self) -> nn.Module:
         return nn.Sequential(nn.Flatten(), nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 1))
