@@ -143,6 +143,7 @@ def build_bundle(
         report = export_onnx(model, [a[:PARITY_SAMPLE] for a in sample], Path(scratch) / FP32_FILE,
                              inputs=specs, output_name=output_name)
         fp32 = report.path.read_bytes()
+    specs = report.inputs or specs
     _check_graph(fp32)
     int8 = quantize_int8(fp32, calibration, inputs=specs)
     fp32_out = run_model(fp32, specs, sample)
@@ -208,6 +209,7 @@ def _manifest(spec: BundleSpec, specs: tuple[InputSpec, ...], report: ExportRepo
         "versions": {"fedge": fedge.__version__, "onnx": onnx.__version__,
                      "onnxruntime": ort.__version__, "torch": torch.__version__, "opset": report.opset},
         "inputs": [s.manifest() for s in specs],
+        "fixed_axes": report.fixed_axes,
         "outputs": _outputs(specs, report.outputs, sample, fp32_out, spec.output_meaning),
         "preprocessing": spec.preprocessing,
         "labels": spec.labels,

@@ -424,6 +424,9 @@ def _check_optional(manifest: Mapping[str, Any]) -> None:
         raise _bad("labels", "must be a list of class names (or null for a model that is not a classifier)")
     if manifest.get("headline") is not None and not isinstance(manifest["headline"], str):
         raise _bad("headline", "must be a metric name")
+    fixed = manifest.get("fixed_axes", {})
+    if not isinstance(fixed, dict) or not all(_is_int(size, 1, MAX_FEATURES) for size in fixed.values()):
+        raise _bad("fixed_axes", "must map axis names to the sizes the model fixes")
     if "round" in manifest and not _is_int(manifest["round"], 0, MAX_VERSION):
         raise _bad("round", "must be a round number")
     model_id = manifest.get("model_id")

@@ -16,7 +16,7 @@ import re
 import sys
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +51,19 @@ class OutputInfo:
 
 @dataclass(frozen=True)
 class ExportReport:
-    """Where the model went, what it gives, and how closely onnxruntime reproduces torch."""
+    """Where the model went, what it gives, and how closely onnxruntime reproduces torch.
+
+    ``inputs`` is the exported signature: the one asked for, except for ``fixed_axes``,
+    named axes the model cannot vary (an ``nn.LSTM`` under ``torch.export`` fixes the
+    sequence length, say), which the graph takes at their traced size only.
+    """
 
     path: Path
     max_abs_diff: float
     opset: int
     outputs: tuple[OutputInfo, ...] = ()
+    inputs: tuple[InputSpec, ...] = ()
+    fixed_axes: dict[str, int] = field(default_factory=dict)
 
     @property
     def parity_ok(self) -> bool:
@@ -100,7 +107,7 @@ def export_onnx(
     arrays = _checked_sample(inputs, sample_inputs)
     trace = tuple(torch.from_numpy(_trace_batch(array)) for array in arrays)
     output_names = _output_names(model, trace, output_name)
-    program = _traced(model, trace, inputs)
+    program, specs = _traced(model, trace, tuple(inputs))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -113,9 +120,10 @@ def export_onnx(
                           "upgrade torch and onnxscript")
     onnx_program.save(str(path), external_data=False)
     opset = int(onnx_program.model.opset_imports.get("", 0))
-    graph = _name_axes(path, inputs)
-    return ExportReport(path=path, max_abs_diff=parity_diff(model, path, arrays, inputs), opset=opset,
-                        outputs=tuple(_output_info(value) for value in graph.output))
+    graph = _name_axes(path, specs)
+    return ExportReport(path=path, max_abs_diff=parity_diff(model, path, arrays, specs), opset=opset,
+                        outputs=tuple(_output_info(value) for value in graph.output), inputs=specs,
+                        fixed_axes=_fixed_axes(inputs, specs))
 
 
 def _checked_sample(specs: Sequence[InputSpec], sample: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
@@ -167,8 +175,29 @@ def _output_names(model: nn.Module, trace: tuple[torch.Tensor, ...], output_name
     return [output_name] + [f"{output_name}_{index}" for index in range(1, count)]
 
 
-def _traced(model: nn.Module, trace: tuple[torch.Tensor, ...], specs: Sequence[InputSpec]) -> Any:
-    """``torch.export`` of ``model`` with every named axis dynamic."""
+def _traced(model: nn.Module, trace: tuple[torch.Tensor, ...],
+            specs: tuple[InputSpec, ...]) -> tuple[Any, tuple[InputSpec, ...]]:
+    """``torch.export`` of ``model`` with every named axis dynamic, and the signature it was traced with.
+
+    A named axis other than the batch that the model fixes (torch says which) is traced
+    again at its sample size, with a warning: the bundle then takes that size only.
+    """
+    try:
+        return _export_program(model, trace, specs), specs
+    except ExportError as error:
+        fixed = {name: int(size) for name, size in _SPECIALIZED.findall(str(error.__cause__))}
+        batch = {spec.shape[0] for spec in specs}
+        if not fixed or batch & set(fixed):
+            raise
+    log.warning("%s cannot vary axis %s: the bundle takes %s only (torch.export fixes it; an nn.LSTM does)",
+                type(model).__name__, ", ".join(sorted(fixed)),
+                ", ".join(f"{name} = {size}" for name, size in sorted(fixed.items())))
+    fixed_specs = tuple(replace(spec, shape=tuple(fixed.get(size, size) if isinstance(size, str) else size
+                                                  for size in spec.shape)) for spec in specs)
+    return _export_program(model, trace, fixed_specs), fixed_specs
+
+
+def _export_program(model: nn.Module, trace: tuple[torch.Tensor, ...], specs: Sequence[InputSpec]) -> Any:
     dims: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -177,7 +206,13 @@ def _traced(model: nn.Module, trace: tuple[torch.Tensor, ...], specs: Sequence[I
                             for axis, name in spec.dynamic_axes.items()} for spec in specs)
             return torch.export.export(model, trace, dynamic_shapes=_by_parameter(model, shapes), strict=False)
         except Exception as exc:  # noqa: BLE001 - torch.export raises many types
-            raise _trace_error(model, sorted(dims), exc) from exc
+            raise _trace_error(model, specs, sorted(dims), exc) from exc
+
+
+def _fixed_axes(asked: Sequence[InputSpec], got: Sequence[InputSpec]) -> dict[str, int]:
+    """Axis name -> size, for named axes of ``asked`` that ``got`` fixes."""
+    return {name: int(b.shape[axis]) for a, b in zip(asked, got, strict=True)
+            for axis, name in a.dynamic_axes.items() if not isinstance(b.shape[axis], str)}
 
 
 def _by_parameter(model: nn.Module, shapes: tuple[dict[int, Any], ...]) -> tuple[Any, ...]:
@@ -187,13 +222,16 @@ def _by_parameter(model: nn.Module, shapes: tuple[dict[int, Any], ...]) -> tuple
     return shapes if star is None or star >= len(shapes) else (*shapes[:star], shapes[star:])
 
 
-def _trace_error(model: nn.Module, axes: list[str], exc: BaseException) -> ExportError:
+def _trace_error(model: nn.Module, specs: Sequence[InputSpec], axes: list[str], exc: BaseException) -> ExportError:
     """An ExportError saying why torch.export could not trace ``model``, and where when torch says."""
     fixed = _SPECIALIZED.findall(str(exc))
     if fixed:
         found = ", ".join(f"'{name}' to {size}" for name, size in fixed)
-        return ExportError(f"{type(model).__name__} fixes dynamic axis {found}: declare that size instead of the "
-                           "axis name in the task's input signature, or make the model take any size there")
+        batch = {spec.shape[0] for spec in specs} & {name for name, _ in fixed}
+        fix = ("a bundle runs any batch size, so the model must take any number of examples (no batch size "
+               "written into a reshape)" if batch else "declare that size instead of the axis name in the task's "
+               "input signature, or make the model take any size there")
+        return ExportError(f"{type(model).__name__} fixes dynamic axis {found}: {fix}")
     return ExportError(
         f"torch.export cannot trace {type(model).__name__} with dynamic axes {axes}{_user_code(exc)} "
         f"({type(exc).__name__}: {_first_line(exc, 600)}); make forward() free of data-dependent Python "

@@ -93,6 +93,9 @@ def quantize_int8(fp32: bytes, calibration: Sequence[np.ndarray], *, inputs: Seq
         The int8 model and the method, or the method and why no int8 model ships.
     """
     method = quantization_method(onnx.load_from_string(fp32))
+    unfit = [spec.describe() for spec, array in zip(inputs, calibration, strict=True) if not spec.matches(array)]
+    if unfit or not len(calibration[0]):
+        return _skipped(method, f"the calibration sample does not fit the exported inputs {unfit or '(empty)'}")
     failures: list[str] = []
     int8 = None
     for op_types in _op_sets(method):

@@ -553,15 +553,11 @@ class WithOddLayer(nn.Module):
         return self.odd(self.linear(x))  # type: ignore[no-any-return]
 
 
-class FixedPositions(nn.Module):
-    """Adds a learned position table of 5 rows: the sequence cannot be dynamic."""
+class FixedBatch(nn.Module):
+    """Writes the traced batch size into a reshape: no bundle can run it on other batches."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding, self.positions = nn.Embedding(30, 8), nn.Parameter(torch.zeros(5, 8))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embedding(tokens) + self.positions  # type: ignore[no-any-return]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(2, -1)
 
 
 class DataDependent(nn.Module):
@@ -579,8 +575,8 @@ EXPORT_FAILURES: list[tuple[str, nn.Module, tuple[np.ndarray, ...], tuple[InputS
     ("data-dependent control flow", DataDependent(), _prices(4, 0), X3,
      r"torch.export cannot trace DataDependent with dynamic axes \['batch'\] at test_edge_tasks.py:\d+ "
      r"\(`return x if x.sum\(\) > 0 else -x`\)"),
-    ("a dynamic axis the model fixes", FixedPositions(), _sentences(4, 0), TOKENS,
-     r"FixedPositions fixes dynamic axis 'sequence' to 5: declare that size instead"),
+    ("a model that fixes the batch", FixedBatch(), _prices(4, 0), X3,
+     r"FixedBatch fixes dynamic axis 'batch' to 2: a bundle runs any batch size"),
     ("sample of the wrong dtype", WeightedSum(), (np.zeros((4, 3)),), X3,
      r"sample input 'x' has shape \(4, 3\) float64; the signature declares x\[batch, 3\] float32"),
     ("one token on the dynamic axis", Tagger(), _sentences(4, 0, 1), TOKENS,
@@ -599,6 +595,46 @@ def test_export_failures_say_what_and_where(tmp_path: Path, case: str, model: nn
     with pytest.raises(ExportError, match=message):
         export_onnx(model, sample, tmp_path / "m.onnx", inputs=specs)
     assert not (tmp_path / "m.onnx").exists()
+
+
+class LSTMTagger(nn.Module):
+    """Embedding -> LSTM -> linear, classes on axis 1; torch.export fixes an LSTM's sequence length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.lstm, self.head = nn.Embedding(30, 8), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        states, _ = self.lstm(self.embedding(tokens))
+        return self.head(states).transpose(1, 2)  # type: ignore[no-any-return]
+
+
+class LSTMTaggerTask(TaggerTask):
+    name = "lstm-tagger"
+
+    def build_model(self) -> nn.Module:  # noqa: D102
+        return LSTMTagger()
+
+
+def test_a_sequence_the_model_cannot_vary_ships_at_its_traced_length(
+    key_paths: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Prepare: the task declares ("batch", "sequence"); its held-out sentences have 5 tokens
+    task = LSTMTaggerTask()
+    model = seeded_model(task, 0)
+    # Execute
+    with caplog.at_level(logging.WARNING, logger="fedge.edge"):
+        built = export_global_model(model, tmp_path / "b", config=CONFIG, task=task, server_round=1,
+                                    source_run="run", private_key=_key(key_paths))
+    edge = EdgeModel.load(built.path, trusted_keys=[key_paths[1]], variant="fp32")
+    # Assert: the bundle says it takes 5 tokens, runs any batch of them, and refuses 7 by name
+    assert built.manifest["inputs"] == [{"name": "tokens", "shape": ["batch", 5], "dtype": "int64"}]
+    assert built.manifest["fixed_axes"] == {"sequence": 5}
+    assert "LSTMTagger cannot vary axis sequence: the bundle takes sequence = 5 only" in caplog.text
+    tokens = _sentences(7, 1)
+    np.testing.assert_allclose(edge.run(*tokens)[0], _torch(model, tokens), atol=PARITY_TOLERANCE)
+    with pytest.raises(ConfigError, match=r"input 'tokens' has shape \(7, 6\) int64; .*tokens\[batch, 5\] int64"):
+        edge.run(*_sentences(7, 1, 6))
 
 
 def test_a_classifier_spec_must_match_the_models_classes(key_paths: tuple[Path, Path], tmp_path: Path) -> None:
