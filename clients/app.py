@@ -110,7 +110,7 @@ def make_client_app(
         config, chosen, data = setup(context)
         model = seeded_model(chosen, config.integer("seed"))
         load_arrays(model, msg.content[wire.ARRAYS], source="global arrays")
-        scores = evaluate(chosen, model, data, device=pick_device(config.text("device")))
+        scores = evaluate(chosen, model, data, device=pick_device(config.text("device")), summarize=False)
         metrics = MetricRecord({**{wire.EVAL_PREFIX + name: value for name, value in scores.items()},
                                 wire.NUM_EXAMPLES: len(data)})
         return Message(RecordDict({wire.METRICS: metrics}), reply_to=msg)

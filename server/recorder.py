@@ -115,8 +115,9 @@ class RoundRecorder:
         record = self.strategy.evaluated.get(server_round)
         if record is None:
             return {}
-        return {key.removeprefix(EVAL_PREFIX): float(value) for key, value in record.items()  # type: ignore[arg-type]
-                if key.startswith(EVAL_PREFIX)}
+        means = {key.removeprefix(EVAL_PREFIX): float(value) for key, value in record.items()  # type: ignore[arg-type]
+                 if key.startswith(EVAL_PREFIX)}
+        return self.task.summarize(means)  # devices send unsummarised means: derived metrics stay exact
 
     def _log_devices(self, server_round: int, replies: list[dict[str, Any]], report: Any,
                      row: dict[str, Any]) -> None:

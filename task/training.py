@@ -152,8 +152,12 @@ def _proximal(model: nn.Module, anchor: list[torch.Tensor], mu: float) -> torch.
 
 @torch.no_grad()
 def evaluate(task: Task, model: nn.Module, data: TaskData, *, device: torch.device,
-             batch_size: int = 1024) -> dict[str, float]:
+             batch_size: int = 1024, summarize: bool = True) -> dict[str, float]:
     """The task's metrics on ``data``: batch means weighted by batch size, then ``task.summarize``.
+
+    ``summarize=False`` returns the weighted means as they are: what a device sends, so that
+    the coordinator averages them over devices first and summarises once (perplexity and R^2
+    stay exact under federated evaluation).
 
     Batches are tensor slices (no per-example Dataset indexing), so evaluating 100,000
     examples costs a few forward passes.
@@ -169,4 +173,5 @@ def evaluate(task: Task, model: nn.Module, data: TaskData, *, device: torch.devi
         for name, value in task.metrics(task.forward(model, batch), target).items():
             sums[name] = sums.get(name, 0.0) + float(value) * len(target)
     model.cpu()
-    return task.summarize({name: total / len(data) for name, total in sums.items()})
+    means = {name: total / len(data) for name, total in sums.items()}
+    return task.summarize(means) if summarize else means

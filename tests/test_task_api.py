@@ -336,3 +336,19 @@ def test_a_device_that_chose_the_runs_task_loads_it(user_module: str) -> None:
     task = device_task(context, resolve_run_config({"task": "my_fl_task:instance"}))
     # Assert
     assert task.name == "tiny"
+
+
+class RootMean(GridRegression):
+    """GridRegression with a derived metric: rmse = sqrt(mse), computed by summarize()."""
+
+    def summarize(self, metrics: dict[str, float]) -> dict[str, float]:
+        return {**metrics, "rmse": metrics["mse"] ** 0.5}
+
+
+def test_derived_metrics_stay_exact_under_federated_evaluation(tmp_path: Path) -> None:
+    # Execute: no central data, so devices evaluate and the coordinator averages their means
+    rows, _ = _run(RootMean(central=False), tmp_path)
+    # Assert: rmse is the root of the example-weighted mean mse (not a mean of device roots,
+    # which would be smaller by Jensen's inequality)
+    for row in rows[1:]:
+        assert row["rmse"] == pytest.approx(row["mse"] ** 0.5, rel=1e-12)
