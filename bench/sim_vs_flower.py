@@ -67,7 +67,7 @@ def run_once(backend: str, workload: dict[str, object], run_dir: Path) -> dict[s
 
 def measure(repeats: int) -> list[dict[str, object]]:
     """Run every workload on both backends ``repeats`` times; keep medians."""
-    rows = []
+    rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as scratch:
         for workload in WORKLOADS:
             row: dict[str, object] = {"workload": workload["name"]}

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from sim_vs_flower import tree_rss  # bench/ is the script's folder, first on sys.path
 
 HERE = Path(__file__).resolve().parent
 IMAGES = {"task": "images", "fleet": "phone=60,laptop=30,gpu-box=10", "clients": 10,
@@ -33,17 +34,6 @@ IMAGES = {"task": "images", "fleet": "phone=60,laptop=30,gpu-box=10", "clients":
 CHARS = {"task": "chars", "fleet": "phone=12,laptop=6,gpu-box=2", "clients": 5,
          "config": "local-epochs=1 batch-size=32 learning-rate=0.5 momentum=0.9 export-onnx=false "
                    "partitioner='iid'"}
-
-
-def tree_rss(process: psutil.Process) -> int:
-    """Resident memory of ``process`` and all its descendants, in bytes."""
-    total = 0
-    for proc in [process, *process.children(recursive=True)]:
-        try:
-            total += proc.memory_info().rss
-        except psutil.Error:
-            continue
-    return total
 
 
 def run(workload: dict[str, Any], backend: str, rounds: int, run_dir: Path) -> dict[str, Any]:

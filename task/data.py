@@ -104,7 +104,7 @@ def _checked_xy(x: np.ndarray, y: np.ndarray, source: object) -> tuple[Features,
 
 def iid_partition(num_samples: int, num_partitions: int, seed: int) -> list[NDArray[np.int64]]:
     """Shuffle sample indices and deal them into ``num_partitions`` near-equal shards."""
-    _check_partitionable(num_samples, num_partitions)
+    check_partitionable(num_samples, num_partitions)
     order = np.random.default_rng(seed).permutation(num_samples)
     return [np.sort(shard) for shard in np.array_split(order, num_partitions)]
 
@@ -121,7 +121,7 @@ def dirichlet_partition(
     ConfigError
         If there are more shards than samples, or no draw leaves every shard non-empty.
     """
-    _check_partitionable(len(labels), num_partitions)
+    check_partitionable(len(labels), num_partitions)
     rng = np.random.default_rng(seed)
     classes = np.unique(labels)
     for _ in range(max_tries):
@@ -140,7 +140,8 @@ def dirichlet_partition(
     )
 
 
-def _check_partitionable(num_samples: int, num_partitions: int) -> None:
+def check_partitionable(num_samples: int, num_partitions: int) -> None:
+    """Refuse fewer than one partition, or more partitions than examples."""
     if num_partitions < 1:
         raise ConfigError(f"number of devices must be >= 1, got {num_partitions}")
     if num_partitions > num_samples:

@@ -62,6 +62,7 @@ from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.signature import InputSpec
 from fedge.task.api import Task, TaskData
+from fedge.task.data import check_partitionable
 from fedge.task.registry import register_task
 
 MODULES = (
@@ -138,9 +139,7 @@ def by_source(sources: NDArray[np.int64], num_partitions: int, seed: int) -> lis
     ConfigError
         If there are more devices than windows.
     """
-    if not 1 <= num_partitions <= len(sources):
-        raise ConfigError(f"cannot give {num_partitions} devices a share of {len(sources)} text windows; use "
-                          f"between 1 and {len(sources)} devices")
+    check_partitionable(len(sources), num_partitions)
     order = np.random.default_rng(seed).permutation(int(sources.max()) + 1)
     laid_out = np.concatenate([np.flatnonzero(sources == file) for file in order])
     return list(np.array_split(laid_out, num_partitions))

@@ -58,6 +58,7 @@ from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.signature import InputSpec
 from fedge.task.api import Task, TaskData
+from fedge.task.data import check_partitionable
 from fedge.task.registry import register_task
 
 FEATURES = ("age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6")
@@ -116,9 +117,7 @@ def quantile_skew(targets: NDArray[Any], num_partitions: int, alpha: float, seed
     ConfigError
         If there are more devices than examples.
     """
-    if not 1 <= num_partitions <= len(targets):
-        raise ConfigError(f"cannot partition {len(targets)} training examples across {num_partitions} devices; "
-                          f"use between 1 and {len(targets)} devices")
+    check_partitionable(len(targets), num_partitions)
     rng = np.random.default_rng(seed)
     edges = np.quantile(targets, np.linspace(0, 1, bins + 1)[1:-1])
     bin_of = np.searchsorted(edges, targets, side="right")
