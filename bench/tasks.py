@@ -30,7 +30,7 @@ from sim_vs_flower import tree_rss  # bench/ is the script's folder, first on sy
 
 HERE = Path(__file__).resolve().parent
 IMAGES = {"task": "images", "fleet": "phone=60,laptop=30,gpu-box=10", "clients": 10,
-          "config": "local-epochs=1 batch-size=32 learning-rate=0.05 momentum=0.9 export-onnx=false"}
+          "config": "local-epochs=2 batch-size=32 learning-rate=0.05 momentum=0.9 export-onnx=false"}
 CHARS = {"task": "chars", "fleet": "phone=12,laptop=6,gpu-box=2", "clients": 5,
          "config": "local-epochs=1 batch-size=32 learning-rate=0.5 momentum=0.9 export-onnx=false "
                    "partitioner='iid'"}
@@ -112,7 +112,7 @@ def print_tables(images: list[dict[str, Any]], chars: dict[str, Any], params: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of the image task")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of the image task")
     parser.add_argument("--char-rounds", type=int, default=10, help="rounds of the sequence task")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
