@@ -44,22 +44,30 @@ def tree_rss(process: psutil.Process) -> int:
     return total
 
 
-def run_once(backend: str, workload: dict[str, object], run_dir: Path) -> dict[str, float]:
-    """One ``fedge simulate`` in a subprocess: wall time, peak tree RSS, final accuracy."""
-    fedge = Path(sys.executable).with_name("fedge")
-    command = [str(fedge), "simulate", "--backend", backend, "--quiet",
-               "--fleet", str(workload["fleet"]), "--rounds", str(workload["rounds"]),
-               "--clients-per-round", "10", "--run-dir", str(run_dir), "--run-config", COMMON]
+def run_watched(command: list[str]) -> tuple[float, int]:
+    """Run ``command`` (Flower telemetry off), sampling its process tree's memory every 50 ms;
+    return (wall seconds, peak resident bytes). Raises RuntimeError with stderr's tail on failure."""
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
     started = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     watched, peak = psutil.Process(child.pid), 0
     while child.poll() is None:
         peak = max(peak, tree_rss(watched))
         time.sleep(0.05)
     wall = time.perf_counter() - started
     if child.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {child.returncode}")
+        tail = child.stderr.read().decode(errors="replace")[-2000:] if child.stderr else ""
+        raise RuntimeError(f"{' '.join(command)} exited {child.returncode}:\n{tail}")
+    return wall, peak
+
+
+def run_once(backend: str, workload: dict[str, object], run_dir: Path) -> dict[str, float]:
+    """One ``fedge simulate`` in a subprocess: wall time, peak tree RSS, final accuracy."""
+    fedge = Path(sys.executable).with_name("fedge")
+    command = [str(fedge), "simulate", "--backend", backend, "--quiet",
+               "--fleet", str(workload["fleet"]), "--rounds", str(workload["rounds"]),
+               "--clients-per-round", "10", "--run-dir", str(run_dir), "--run-config", COMMON]
+    wall, peak = run_watched(command)
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"wall_s": wall, "run_wall_s": summary["wall_time_s"], "peak_rss_mib": peak / 2**20,
             "final_accuracy": summary["final_accuracy"]}

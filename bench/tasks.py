@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-from sim_vs_flower import tree_rss  # bench/ is the script's folder, first on sys.path
+from sim_vs_flower import run_watched  # bench/ is the script's folder, first on sys.path
 
 HERE = Path(__file__).resolve().parent
 IMAGES = {"task": "images", "fleet": "phone=60,laptop=30,gpu-box=10", "clients": 10,
@@ -42,17 +39,7 @@ def run(workload: dict[str, Any], backend: str, rounds: int, run_dir: Path) -> d
     command = [str(fedge), "simulate", "--backend", backend, "--quiet", "--task", workload["task"],
                "--fleet", workload["fleet"], "--rounds", str(rounds), "--clients-per-round",
                str(workload["clients"]), "--run-dir", str(run_dir), "--run-config", workload["config"]]
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
-    started = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    watched, peak = psutil.Process(child.pid), 0
-    while child.poll() is None:
-        peak = max(peak, tree_rss(watched))
-        time.sleep(0.05)
-    wall = time.perf_counter() - started
-    if child.returncode != 0:
-        tail = child.stderr.read().decode(errors="replace")[-2000:] if child.stderr else ""
-        raise RuntimeError(f"{' '.join(command)} exited {child.returncode}:\n{tail}")
+    wall, peak = run_watched(command)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     per_round = [b["wall_time_s"] - a["wall_time_s"] for a, b in zip(rows, rows[1:], strict=False)]
