@@ -72,8 +72,16 @@ class InputSpec:
         return cls(str(entry["name"]), tuple(entry["shape"]), str(entry.get("dtype", "float32")))
 
 
-def check_inputs(specs: Sequence[InputSpec], arrays: Sequence[np.ndarray], *, source: str) -> None:
+TASK_HINT = "make the data or the task's declared input signature match"
+
+
+def check_inputs(specs: Sequence[InputSpec], arrays: Sequence[np.ndarray], *, source: str,
+                 hint: str = TASK_HINT, declared_by: str = "the task") -> None:
     """Refuse ``arrays`` that do not match ``specs`` (count, rank, fixed sizes, dtype), naming the input.
+
+    ``hint`` says what to do and ``declared_by`` who declared the signature: a task's author
+    (the default) or, on a device, the bundle (``"the model"``, ``"pass arrays shaped as the
+    bundle's manifest says"``).
 
     Raises
     ------
@@ -86,5 +94,4 @@ def check_inputs(specs: Sequence[InputSpec], arrays: Sequence[np.ndarray], *, so
     for spec, array in zip(specs, arrays, strict=True):
         if not spec.matches(array):
             raise ConfigError(f"{source}: input '{spec.name}' has shape {tuple(array.shape)} {array.dtype}; "
-                              f"the task declares {spec.describe()}: make the data or the declared "
-                              "input signature match")
+                              f"{declared_by} declares {spec.describe()}: {hint}")

@@ -245,7 +245,8 @@ class EdgeModel:
         if len(arrays) == 1 and _one_example(self.inputs[0], arrays[0]):
             arrays[0] = arrays[0][None, ...]
         try:
-            check_inputs(self.inputs, arrays, source=f"bundle '{self._name}'")
+            check_inputs(self.inputs, arrays, source=f"bundle '{self._name}'", declared_by="the model",
+                         hint="pass arrays shaped as the bundle's manifest says (EdgeModel.manifest['inputs'])")
         except ConfigError as exc:
             raise ConfigError(f"{exc}{self._example_hint()}") from None
         self._check_shared_axes(arrays)
