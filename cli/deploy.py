@@ -68,11 +68,9 @@ def _run_config(args: argparse.Namespace) -> dict[str, Any]:
     overrides.update({k: v for k, v in flags.items() if v is not None})
     overrides["deployment"] = True
     config = resolve_run_config(overrides)  # refuse bad keys before starting anything
-    from fedge.strategies import strategy_spec
-    from fedge.tasks import check_task, load_task
+    from fedge.server.app import check_deployment
 
-    strategy_spec(config.text("strategy"))  # names nothing registered: refused here, not in the ServerApp
-    check_task(load_task(config), config)  # a task that cannot work is refused before any process starts
+    check_deployment(config, registered=_registered(args))  # refused here, before any Flower process starts
     if not config["run-dir"]:
         from fedge.server.report import run_dir_for
 
@@ -80,13 +78,24 @@ def _run_config(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in resolve_run_config(overrides).items() if k in overrides}
 
 
-def _start(args: argparse.Namespace) -> int:
-    from fedge.server.coordinator import Coordinator
+def _registered(args: argparse.Namespace) -> int | None:
+    """How many device keys the coordinator will register (None in insecure mode: anyone may join)."""
+    if args.insecure:
+        return None
     from fedge.server.pki import CoordinatorKeys
 
+    return len(CoordinatorKeys(args.keys).device_public_keys())
+
+
+def _start(args: argparse.Namespace) -> int:
+    from fedge.server.coordinator import Coordinator, check_coordinator_keys
+    from fedge.server.pki import CoordinatorKeys
+
+    keys = None if args.insecure else CoordinatorKeys(args.keys)
+    if keys is not None:
+        check_coordinator_keys(keys)  # TLS files first, then the run against the registered devices
     run_config = _run_config(args)
-    coordinator = Coordinator(args.state_dir, None if args.insecure else CoordinatorKeys(args.keys),
-                              host=args.host, port=args.port, control_port=args.control_port)
+    coordinator = Coordinator(args.state_dir, keys, host=args.host, port=args.port, control_port=args.control_port)
     try:
         coordinator.start()
         (args.state_dir / "current-run").write_text(str(run_config["run-dir"]) + "\n")

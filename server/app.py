@@ -191,6 +191,35 @@ def with_evaluation(config: RunConfig, task: Task, num_nodes: int | None) -> Run
     return resolve_run_config({**config, "fraction-evaluate": fraction})
 
 
+def check_deployment(config: RunConfig, *, registered: int | None) -> None:
+    """Refuse, before any Flower process starts, a deployment run that cannot work.
+
+    Runs the same builders and checks the coordinator runs at start (task, strategy, secure
+    aggregation's minimum, DP, codecs, deadline) and checks the run against the ``registered``
+    devices (None: unknown, e.g. insecure mode without device registration).
+
+    Raises
+    ------
+    ConfigError
+        One line naming the problem and the fix.
+    """
+    per_round = config.integer("clients-per-round")
+    if registered is not None and per_round > registered:
+        raise ConfigError(f"clients-per-round = {per_round} but only {registered} device(s) are registered; register "
+                          "more with `fedge keys add-device NAME` or lower --clients-per-round")
+    if registered is not None and config.integer("min-train-replies") > registered:
+        raise ConfigError(f"min-train-replies = {config['min-train-replies']} but only {registered} device(s) are "
+                          "registered; lower min-train-replies or register more devices")
+    fleet = parse_fleet(config.text("fleet"), config.text("fleet-file"))
+    task = load_task(config)
+    check_task(task, config)
+    strategy = build_strategy(config, None)
+    build_privacy(strategy, config, registered or per_round)
+    check_codecs(config, fleet)
+    model = seeded_model(task, config.integer("seed"))
+    check_deadline(config, fleet, sum(len(array.data) for array in model_arrays(model).values()))
+
+
 def behaviour_of(config: RunConfig, fleet: Fleet) -> Behaviour:
     """The simulated fleet's behaviour (availability, dropout, jitter) from the run config."""
     return Behaviour.from_fleet(fleet, seed=config.integer("seed"), enabled=config.flag("device-behaviour"),

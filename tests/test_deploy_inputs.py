@@ -143,3 +143,29 @@ def test_coordinator_refuses_bad_run_config_before_starting(tmp_path: Path,
                  "--run-config", "num-round=3"])
     assert code == 2 and "unknown run-config key 'num-round'" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["--clients-per-round", "10"], "clients-per-round = 10 but only 2 device(s) are registered"),
+    (["--clients-per-round", "2", "--run-config", "min-train-replies=3"],
+     "min-train-replies = 3 but only 2 device(s) are registered"),
+    (["--clients-per-round", "2", "--run-config", "secure-aggregation=true"],
+     "secure-aggregation needs at least 3 devices a round"),
+    (["--clients-per-round", "2", "--run-config", "round-policy='deadline' deadline-s=0.001"],
+     "deadline-s = 0.001 is shorter than any device could finish a round"),
+    (["--clients-per-round", "2", "--run-config", "task='no_such_module:Task'"],
+     "cannot import module 'no_such_module'"),
+])
+def test_coordinator_refuses_a_run_that_cannot_work_with_its_devices_before_starting(
+        tmp_path: Path, arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Prepare: keys with two registered devices (the operator's example in issue 17)
+    keys = init_keys(tmp_path / "k")
+    for name in ("phone-1", "phone-2"):
+        add_device(tmp_path / "k", name)
+    # Execute
+    code = main(["coordinator", "start", "--keys", str(keys.directory), "--state-dir", str(tmp_path / "s"),
+                 "--port", str(_free_port()), "--run-dir", str(tmp_path / "run"), *arguments])
+    # Assert: one line, exit 2, nothing written, no Flower process started
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "s" / "current-run").exists()
