@@ -295,12 +295,20 @@ def test_a_broken_task_fails_at_start_naming_the_fix(flaw: str, message: str, tm
     assert not (tmp_path / "run").exists()
 
 
-def test_check_task_accepts_the_built_in_tasks() -> None:
+@pytest.mark.parametrize("name", ["digits", "synthetic"])
+def test_check_task_accepts_the_built_in_tasks(name: str) -> None:
     # Prepare
-    for name in ("digits", "synthetic"):
-        config = resolve_run_config({"task": name, "model": "mlp"})
-        # Execute / Assert: no exception
-        check_task(load_task(config), config)
+    config = resolve_run_config({"task": name, "model": "mlp"})
+    task = load_task(config)
+    # Execute: raises on a broken task
+    check_task(task, config)
+    # Assert: what it checked holds: 10 classes of scores for a batch of the central data
+    from fedge.task.api import seeded_model
+
+    central = task.central_data()
+    assert central is not None
+    inputs, _ = central.take(slice(0, 3)).tensors()
+    assert tuple(seeded_model(task, 0)(*inputs).shape) == (3, 10)
 
 
 # ---------------------------------------------------------------------------- who may name a task
