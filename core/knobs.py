@@ -95,6 +95,9 @@ KNOBS: dict[str, Knob] = {
     "fraction-evaluate": Knob(0.0, "share of devices asked for federated evaluation each round", "strategies",
                               check=within(0, 1)),
     "device": Knob("auto", "torch device for training and evaluation", "task", choices=("auto", "cpu", "cuda", "mps")),
+    "runtime": Knob("profile", "what trains on devices: each profile's runtime (built-ins: torch), or torch / onnx "
+                    "(the signed ONNX training graph, no torch) for every device", "clients",
+                    choices=("profile", "torch", "onnx")),
     # ---- the run directory, checkpoints, bundles
     "runs-root": Knob("runs", "where run directories are made", "server"),
     "run-name": Knob("", "run directory name (empty: strategy-dataset-timestamp)", "server"),

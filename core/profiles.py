@@ -17,6 +17,8 @@ from pathlib import Path
 
 from fedge.errors import ConfigError
 
+RUNTIMES = ("torch", "onnx")  # what trains on a device (see DeviceProfile.runtime)
+
 
 @dataclass(frozen=True)
 class DeviceProfile:
@@ -40,6 +42,9 @@ class DeviceProfile:
         A diurnal trace: the device can be online only within these windows of each
         simulated day (hours 0-24, e.g. ``((0, 7), (19, 24))`` for phones charging at
         night); empty means any time. ``availability`` applies within the windows.
+    runtime : str
+        What trains on the device: ``"torch"`` (Python + torch) or ``"onnx"`` (the task's
+        signed ONNX training graph on onnxruntime + numpy, no torch: phones, browsers).
     """
 
     name: str
@@ -50,6 +55,7 @@ class DeviceProfile:
     availability: float = 1.0
     dropout: float = 0.0
     online_hours: tuple[tuple[float, float], ...] = ()
+    runtime: str = "torch"
 
     def __post_init__(self) -> None:
         for field in ("compute_rate", "uplink_mbps", "downlink_mbps"):
@@ -65,6 +71,9 @@ class DeviceProfile:
         if not isinstance(self.online_hours, tuple):
             raise ConfigError(f"profile '{self.name}': online_hours must be a list of [start, end] windows, "
                               f"got {self.online_hours!r}")
+        if self.runtime not in RUNTIMES:
+            raise ConfigError(f"profile '{self.name}': runtime must be one of {', '.join(RUNTIMES)}, "
+                              f"got {self.runtime!r}")
         for window in self.online_hours:
             if (not isinstance(window, tuple) or len(window) != 2 or not all(map(_is_number, window))
                     or not 0 <= window[0] < window[1] <= 24):
@@ -125,6 +134,7 @@ _TOML_FIELDS = {
     "availability": "availability",
     "dropout": "dropout",
     "online-hours": "online_hours",
+    "runtime": "runtime",
 }
 
 
@@ -199,7 +209,7 @@ def load_profiles_toml(path: str | Path) -> tuple[dict[str, DeviceProfile], dict
 
 def _profile_from_table(name: str, table: dict[str, object]) -> DeviceProfile:
     unknown = set(table) - set(_TOML_FIELDS)
-    missing = set(_TOML_FIELDS) - {"availability", "dropout", "online-hours"} - set(table)
+    missing = set(_TOML_FIELDS) - {"availability", "dropout", "online-hours", "runtime"} - set(table)
     if unknown or missing:
         raise ConfigError(
             f"profile '{name}': unknown keys {sorted(unknown)} / missing keys {sorted(missing)};"

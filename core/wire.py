@@ -30,6 +30,8 @@ SAMPLES_PROCESSED = "samples-processed"
 STEPS = "steps"
 TRAIN_LOSS = "train-loss"
 EVAL_PREFIX = "eval-"  # a device's evaluation reply names each task metric "eval-<metric>"
+# the architecture hash of the run's signed training graph (onnx devices check theirs matches)
+TRAINING_GRAPH = "training-graph"
 
 PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_COUNT = 10**12  # no device processes more samples or steps than this in one round

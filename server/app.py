@@ -103,7 +103,7 @@ def local_step_limit(config: RunConfig) -> Callable[[int], int]:
 
     ``local-epochs * ceil(n / batch-size)`` (one step per batch, the last one partial), or
     with ``local-budget = "time"`` the steps the budget buys on the fleet's fastest profile
-    (what :func:`fedge.clients.app._step_budget` gives a device). Stragglers do fewer.
+    (what :func:`fedge.clients.common.step_budget` gives a device). Stragglers do fewer.
     """
     batch = config.integer("batch-size")
     if config["local-budget"] == "time":

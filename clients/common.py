@@ -1,0 +1,191 @@
+"""What every device runtime shares (torch or onnx): config, profile, seeds, codecs, DP, replies.
+
+Torch-free on purpose: a phone-class device (``runtime = "onnx"``) imports this module and
+:mod:`fedge.clients.onnx_client`, never torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
+from flwr.clientapp.typing import ClientAppCallable
+
+from fedge import wire
+from fedge.codec import Codec, codec_for, decode_update, encode_update, is_encoded
+from fedge.config import RunConfig, resolve_run_config
+from fedge.profiles import parse_fleet, time_budget_steps
+
+RESIDUAL = "codec-residual"
+
+
+@dataclass(frozen=True)
+class LocalWork:
+    """What one round of local training did, whichever runtime did it."""
+
+    loss: float
+    num_examples: int
+    samples_processed: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class TrainOrder:
+    """A train instruction read once: the merged settings and what the device needs from them."""
+
+    setting: dict[str, Any]
+    server_round: int
+    profile: str
+    seed: int
+    proximal_mu: float
+    max_steps: int | None
+
+    @property
+    def epochs(self) -> int:  # noqa: D102
+        return int(self.setting["local-epochs"])
+
+    @property
+    def batch_size(self) -> int:  # noqa: D102
+        return int(self.setting["batch-size"])
+
+    @property
+    def learning_rate(self) -> float:  # noqa: D102
+        return float(self.setting["learning-rate"])
+
+    @property
+    def momentum(self) -> float:  # noqa: D102
+        return float(self.setting["momentum"])
+
+
+def train_order(msg: Message, context: Context, config: RunConfig) -> TrainOrder:
+    """The instruction in ``msg`` merged over the run config (the coordinator's instruction wins)."""
+    instruction = msg.content[wire.CONFIG]
+    setting = {**config, **instruction}
+    server_round = int(setting.get(wire.SERVER_ROUND, 0))
+    return TrainOrder(
+        setting=setting,
+        server_round=server_round,
+        profile=device_profile_name(context, config),
+        seed=training_seed(context, config.integer("seed"), server_round),
+        proximal_mu=float(instruction.get("proximal-mu", 0.0)),  # type: ignore[arg-type]  # only FedProx sends it
+        max_steps=step_budget(context, setting),
+    )
+
+
+def reply_content(msg: Message, context: Context, order: TrainOrder, trained: ArrayRecord,
+                  base: dict[str, np.ndarray], work: LocalWork) -> RecordDict:
+    """The train reply (arrays under the profile's codec, metrics, meta): the same for every runtime."""
+    codec = codec_for(order.profile, order.setting)
+    if codec.lossless and is_encoded(msg.content.array_records[wire.ARRAYS]):
+        codec = Codec(quantiser=None, fraction=None, delta=True)  # trained from a lossy copy: send the change
+    arrays = compressed(trained, base, codec, context, order.seed)
+    meta = ConfigRecord({
+        wire.SERVER_ROUND: order.server_round,
+        wire.PROFILE: order.profile,
+        wire.SAMPLES_PROCESSED: work.samples_processed,
+        wire.STEPS: work.steps,
+    })
+    metrics = MetricRecord({wire.TRAIN_LOSS: work.loss, wire.NUM_EXAMPLES: work.num_examples})
+    return RecordDict({wire.ARRAYS: arrays, wire.METRICS: metrics, wire.REPLY_META: meta})
+
+
+def evaluation_content(scores: Mapping[str, float], num_examples: int) -> RecordDict:
+    """An evaluate reply: each unsummarised metric as ``eval-<name>``, and the example count."""
+    metrics = MetricRecord({**{wire.EVAL_PREFIX + name: float(value) for name, value in scores.items()},
+                            wire.NUM_EXAMPLES: num_examples})
+    return RecordDict({wire.METRICS: metrics})
+
+
+def received_weights(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """The global weights in a train instruction (decoded if the downlink was compressed)."""
+    if is_encoded(record):
+        return decode_update(record, None)
+    return {name: array.numpy() for name, array in record.items()}
+
+
+def compressed(local: ArrayRecord, base: dict[str, np.ndarray], codec: Codec, context: Context,
+               seed: int) -> ArrayRecord:
+    """The reply's arrays under ``codec``: the trained weights as they are (fp32), or the
+    encoded delta from ``base``; top-k's error-feedback residual lives in ``context.state``."""
+    if codec.lossless:
+        return local
+    previous = context.state.array_records.get(RESIDUAL)
+    residual = {name: array.numpy() for name, array in previous.items()} if previous is not None else None
+    weights = {name: array.numpy() for name, array in local.items()}
+    record, kept = encode_update(weights, base, codec, np.random.default_rng(seed), residual)
+    if kept:
+        context.state[RESIDUAL] = ArrayRecord({name: Array(value) for name, value in kept.items()})
+    return record
+
+
+def dp_clipping_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Run Flower's client-side clipping mod the instruction names (DP ``client-fixed`` /
+    ``client-adaptive``); without DP, pass the message through."""
+    config = msg.content.config_records.get(wire.CONFIG)
+    kind = config.get(wire.DP_CLIENT_CLIPPING) if config is not None else None
+    if kind == "fixed":
+        return fixedclipping_mod(msg, context, call_next)
+    if kind == "adaptive":
+        return adaptiveclipping_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+def step_budget(context: Context, setting: Mapping[str, Any]) -> int | None:
+    """With ``local-budget = "time"``: the SGD steps that fit ``time-budget-s`` on this device's profile."""
+    if setting.get("local-budget") != "time":
+        return None
+    fleet = parse_fleet(str(setting["fleet"]), str(setting["fleet-file"]))
+    profile = fleet.profiles.get(device_profile_name(context, setting))
+    rate = profile.compute_rate if profile else 1.0
+    return time_budget_steps(float(setting["time-budget-s"]), rate, int(setting["batch-size"]))
+
+
+def training_seed(context: Context, seed: int, server_round: int) -> int:
+    """Per device and round; from the partition id, so every backend draws the same batches."""
+    device = int(context.node_config.get("partition-id", context.node_id))
+    return (seed * 1_000_003 + server_round * 10_007 + device) % 2**63
+
+
+def effective_config(context: Context, defaults: Mapping[str, Any] | None) -> RunConfig:
+    """The run config as this device sees it: ``defaults`` under the run's own values."""
+    merged = dict(defaults or {})
+    merged.update(context.run_config)
+    return resolve_run_config(merged)
+
+
+def device_profile_name(context: Context, config: Mapping[str, Any]) -> str:
+    """The device's profile: ``node_config["profile"]``, else the fleet's assignment."""
+    if "profile" in context.node_config:
+        return str(context.node_config["profile"])
+    fleet = parse_fleet(str(config["fleet"]), str(config["fleet-file"]))
+    partition_id = int(context.node_config.get("partition-id", 0))
+    assignment = fleet.assignment(int(config["seed"]))
+    return assignment[partition_id] if partition_id < len(assignment) else "unknown"
+
+
+def device_runtime(context: Context, config: RunConfig) -> str:
+    """What trains on this device: ``"torch"`` or ``"onnx"``.
+
+    A deployed device's own choice (``fedge device --runtime``, in its node config) wins;
+    else the run's ``runtime`` knob when it names one for every device; else the device
+    profile's ``runtime`` (built-in profiles: torch).
+    """
+    own = context.node_config.get("runtime")
+    if own:
+        return str(own)
+    if config.text("runtime") != "profile":
+        return config.text("runtime")
+    fleet = parse_fleet(config.text("fleet"), config.text("fleet-file"))
+    profile = fleet.profiles.get(device_profile_name(context, config))
+    return profile.runtime if profile else "torch"
+
+
+def num_partitions(context: Context, config: RunConfig) -> int:
+    """How many shards the data set is split into (the simulated fleet's size)."""
+    if "num-partitions" in context.node_config:
+        return int(context.node_config["num-partitions"])
+    return parse_fleet(config.text("fleet"), config.text("fleet-file")).size

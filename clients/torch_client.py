@@ -1,0 +1,40 @@
+"""The torch device runtime: local training and evaluation of the task's torch model."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message
+
+from fedge import wire
+from fedge.clients.common import LocalWork, TrainOrder, received_weights
+from fedge.config import RunConfig
+from fedge.task.api import Task, TaskData, seeded_model
+from fedge.task.models import load_arrays, model_arrays
+from fedge.task.training import evaluate, pick_device, train_local
+
+
+def torch_local_work(msg: Message, config: RunConfig, order: TrainOrder, task: Task,
+                     data: TaskData) -> tuple[ArrayRecord, dict[str, np.ndarray], LocalWork]:
+    """Train the instruction's weights on ``data`` with torch; the trained arrays and the base weights."""
+    model = seeded_model(task, config.integer("seed"))
+    base = received_weights(msg.content.array_records[wire.ARRAYS])
+    load_arrays(model, ArrayRecord({k: Array(v) for k, v in base.items()}), source="global arrays")
+    stats = train_local(
+        task, model, data, epochs=order.epochs, batch_size=order.batch_size,
+        learning_rate=order.learning_rate, momentum=order.momentum,
+        device=pick_device(config.text("device")), seed=order.seed,
+        proximal_mu=order.proximal_mu, max_steps=order.max_steps,
+    )
+    work = LocalWork(loss=stats.loss, num_examples=stats.num_examples,
+                     samples_processed=stats.samples_processed, steps=stats.steps)
+    return model_arrays(model), base, work
+
+
+def torch_scores(msg: Message, config: RunConfig, task: Task, data: TaskData) -> dict[str, float]:
+    """The task's metrics of the instruction's weights on ``data`` (unsummarised means)."""
+    model = seeded_model(task, config.integer("seed"))
+    load_arrays(model, msg.content[wire.ARRAYS], source="global arrays")
+    return evaluate(task, model, data, device=pick_device(config.text("device")), summarize=False)
+
+
+__all__ = ["torch_local_work", "torch_scores"]
