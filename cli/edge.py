@@ -1,6 +1,6 @@
-"""``fedge keys signing init``, ``fedge export``, ``fedge verify``, ``fedge predict``.
+"""``fedge keys signing init``, ``fedge export``, ``fedge verify``, ``fedge predict``, ``fedge pull``.
 
-``verify`` and ``predict`` import no torch: they run where only onnxruntime is.
+``verify``, ``predict`` and ``pull`` import no torch: they run where only onnxruntime is.
 """
 
 from __future__ import annotations
@@ -56,6 +56,29 @@ def add_parsers(sub: Any) -> None:
                          help="DEVELOPMENT ONLY: accept a bundle without a signature")
     _add_freshness_arguments(predict, "and record its version once it is loaded")
     predict.set_defaults(handler=_predict)
+    _add_pull_parser(sub)
+
+
+def _add_pull_parser(sub: Any) -> None:
+    pull = sub.add_parser("pull", help="fetch the coordinator's latest signed bundles as a device",
+                          description="Fetch, verify and atomically install the coordinator's inference bundle "
+                                      "and training graph (DIR/inference.zip, DIR/training.zip); unchanged "
+                                      "bundles cost no download.")
+    pull.add_argument("--coordinator", required=True, metavar="HOST:PORT",
+                      help="the bundle service (`fedge coordinator start` prints it; default port: device port + 1)")
+    pull.add_argument("--key", type=Path, help="this device's key (`fedge keys add-device`)")
+    pull.add_argument("--ca", type=Path, help="the coordinator's ca.crt")
+    pull.add_argument("--trust", action="append", required=True, type=Path, metavar="SIGNING_PUBLIC_KEY",
+                      help="a trusted bundle signer's public key (repeatable)")
+    pull.add_argument("--kind", choices=["inference", "training", "all"], default="all")
+    pull.add_argument("--dir", type=Path, help="where bundles are kept (default: $FEDGE_DEVICE_HOME/bundles, "
+                                               "else ~/.fedge-device/bundles)")
+    pull.add_argument("--state-dir", type=Path, metavar="DIR",
+                      help="freshness store refusing rollbacks (default: DIR/.freshness)")
+    pull.add_argument("--timeout", type=float, default=60.0, help="seconds a connection or read may stall")
+    pull.add_argument("--insecure", action="store_true",
+                      help="plain HTTP, no device key: only for a coordinator started --insecure")
+    pull.set_defaults(handler=_pull)
 
 
 def _add_freshness_arguments(parser: Any, recording: str) -> None:
@@ -223,3 +246,36 @@ def _rows(outputs: list[Any]) -> list[str]:
     count = len(outputs[0]) if outputs and outputs[0].ndim else 0
     return [" | ".join("\t".join(f"{float(v):.6g}" for v in out[index].reshape(-1)) for out in outputs)
             for index in range(count)]
+
+
+def _pull(args: argparse.Namespace) -> int:
+    import os
+
+    from fedge.edge.delivery import KINDS, NotPublished, pull
+
+    if not args.insecure and (args.key is None or args.ca is None):
+        raise ConfigError("give --key (this device's key from `fedge keys add-device`) and --ca (the coordinator's "
+                          "ca.crt), or --insecure against a coordinator started --insecure")
+    home = Path(os.environ.get("FEDGE_DEVICE_HOME", Path.home() / ".fedge-device"))
+    directory = args.dir or home / "bundles"
+    for kind in KINDS if args.kind == "all" else (args.kind,):
+        try:
+            result = pull(url_or_address=args.coordinator, kind=kind, directory=directory, device_key=args.key,
+                          ca=args.ca, trusted_keys=args.trust, freshness_dir=args.state_dir, timeout=args.timeout,
+                          insecure=args.insecure)
+        except NotPublished:
+            if args.kind != "all":
+                raise
+            print(f"{kind} none published yet", flush=True)
+            continue
+        version = "" if result.version is None else f" v{result.version}"
+        state = "updated" if result.changed else "unchanged"
+        print(f"{kind}{version} {state} ({_size(result.bytes_downloaded)})", flush=True)
+    return 0
+
+
+def _size(count: int) -> str:
+    """``0 bytes``, ``812 bytes``, ``14.2 kB``, ``1.2 MB``."""
+    if count < 1000:
+        return f"{count} bytes"
+    return f"{count / 1e3:.1f} kB" if count < 1e6 else f"{count / 1e6:.1f} MB"

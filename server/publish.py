@@ -1,0 +1,488 @@
+"""Publishing bundles to devices: the published directory and the coordinator's bundle service.
+
+``publish_bundle`` puts the newest signed bundle of a kind (``inference``: the edge bundle
+of the global model; ``training``: the signed training graph, ``training.zip``) into the
+coordinator's published directory, ``STATE_DIR/published/`` (:func:`published_dir`; it is
+under the coordinator's state directory, so it survives runs and restarts and a device
+keeps getting the last model between runs). An inference bundle directory is zipped
+deterministically (sorted entries, fixed timestamps), so the same bundle always has the
+same bytes and the same ETag. The file is replaced atomically (temporary file, fsync,
+rename): the service never reads half of one. A bundle older than the one published for
+the same ``model_id`` is refused (:class:`PublishRefused`).
+
+The ServerApp learns where to publish from the ``FEDGE_PUBLISH_DIR`` environment variable
+that ``fedge coordinator start`` sets for the SuperLink (and so for the ServerApp process
+it starts); ``fedge simulate`` publishes nothing.
+
+:class:`BundleService` serves ``GET /v1/bundles/{inference,training}`` next to the
+SuperLink (default port: the device port + 1): the zip with ``ETag: "<sha256 hex>"``,
+``304`` and no body when ``If-None-Match`` names it, ``404`` with a JSON message when
+nothing is published, ``401`` with a JSON message saying what to do when the device
+authentication fails (logged). The protocol is in :mod:`fedge.edge.delivery`.
+
+Threat model: the bundle bytes need no transport integrity: each bundle is signed
+(Ed25519) and a device verifies the signature against keys it trusts, and refuses older
+versions, whoever served it. Device authentication keeps parties without a registered
+device key (the same ``keys/devices/*.pub`` the coordinator registers with the SuperLink,
+read at start) from fetching the model: each request is signed with the device's ECDSA
+P-384 key over method, path, timestamp and nonce; timestamps more than 300 s off are
+refused, and a nonce seen within the window is refused (replay). The signature is checked
+before a nonce is remembered, so strangers cannot fill the replay cache. TLS with the
+coordinator's certificate hides the model in transit. ``insecure`` (only when the
+coordinator itself was started ``--insecure``) serves plain HTTP to anyone and says so on
+start; devices still verify every bundle's signature.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import datetime as dt
+import io
+import json
+import logging
+import os
+import re
+import sys
+import threading
+import time
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from fedge.edge.bundle import MANIFEST, ZIP_ERRORS, read_bundle, sha256
+from fedge.edge.delivery import (
+    API_PREFIX,
+    HEADER_DEVICE,
+    HEADER_NONCE,
+    HEADER_SIGNATURE,
+    HEADER_TIMESTAMP,
+    KINDS,
+    canonical_request,
+    key_fingerprint,
+)
+from fedge.errors import BundleVerificationError, ConfigError, FedgeError
+from fedge.files import write_bytes_atomic
+from fedge.server.pki import CoordinatorKeys
+
+if sys.platform != "win32":
+    import fcntl
+
+log = logging.getLogger("fedge.server.publish")
+
+PUBLISH_ENV = "FEDGE_PUBLISH_DIR"
+WINDOW_S = 300.0
+MAX_NONCES = 100_000
+_NONCE = re.compile(r"^[A-Za-z0-9_-]{16,64}$")
+_ZIP_TIME = (1980, 1, 1, 0, 0, 0)
+INSECURE_WARNING = (
+    "WARNING: INSECURE MODE. The bundle service speaks plain HTTP and asks no device key: anyone on the "
+    "network can download the model. Devices still verify every bundle's signature. Test networks only."
+)
+
+
+class PublishRefused(FedgeError):
+    """A bundle that may not be published (older than the one published, or not a bundle)."""
+
+
+def published_dir(state_dir: str | Path) -> Path:
+    """Where a coordinator's published bundles live: ``STATE_DIR/published`` (kept across runs)."""
+    return Path(state_dir) / "published"
+
+
+def published_file(published: Path, kind: str) -> Path:
+    """``published/<kind>.zip``."""
+    if kind not in KINDS:
+        raise ConfigError(f"bundle kind '{kind}' is not one of {', '.join(KINDS)}")
+    return published / f"{kind}.zip"
+
+
+# --------------------------------------------------------------------------- publishing
+
+
+def publish_bundle(kind: str, source: Path, published: Path) -> str:
+    """Publish ``source`` as the ``kind`` bundle; return its ETag (SHA-256 hex of the published bytes).
+
+    Parameters
+    ----------
+    kind : str
+        ``inference``: ``source`` is a bundle directory, a bundle ``.zip``, or a folder of bundle
+        directories (``RUN/bundles``: the highest version is taken). ``training``: ``source`` is
+        the signed ``training.zip`` (published as it is).
+    source : Path
+        The bundle.
+    published : Path
+        The published directory (:func:`published_dir`); created.
+
+    Raises
+    ------
+    PublishRefused
+        For a source that is not a bundle, or one older than the published bundle of the same
+        ``model_id`` (a newer run's lineage replaces an older one's).
+    """
+    target = published_file(published, kind)
+    data = _bundle_bytes(kind, Path(source))
+    model_id, version = _lineage(data)
+    published.mkdir(parents=True, exist_ok=True)
+    with _locked(published / ".publish.lock"):
+        current = target.read_bytes() if target.exists() else None
+        if current is not None:
+            if current == data:
+                return sha256(data)
+            held_id, held_version = _lineage(current)
+            if model_id is not None and model_id == held_id and version is not None \
+                    and held_version is not None and version < held_version:
+                raise PublishRefused(f"{kind} bundle '{model_id}' version {version} is older than the published "
+                                     f"version {held_version}; devices would refuse it as a rollback. Publish "
+                                     f"version {held_version} or newer (or delete {target} to start over)")
+        write_bytes_atomic(target, data)
+        os.chmod(target, 0o644)
+    etag = sha256(data)
+    log.info("published %s bundle %s version %s (%d bytes, ETag %s) at %s", kind, model_id, version, len(data),
+             etag[:16], target)
+    return etag
+
+
+def _bundle_bytes(kind: str, source: Path) -> bytes:
+    if kind == "training":
+        if not source.is_file():
+            raise PublishRefused(f"training bundle '{source}' is not a file; publish the signed training.zip")
+        return source.read_bytes()
+    if source.is_dir() and not (source / MANIFEST).exists():
+        source = _newest(source)
+    try:
+        files = read_bundle(source)  # a damaged or ambiguous zip is refused here, not by every device
+    except BundleVerificationError as exc:
+        raise PublishRefused(f"cannot publish '{source}': {exc}") from None
+    return source.read_bytes() if source.is_file() else deterministic_zip(files)
+
+
+def _newest(folder: Path) -> Path:
+    """The bundle directory under ``folder`` with the highest version (then the latest name)."""
+    candidates = []
+    for child in sorted(folder.iterdir()):
+        if (child / MANIFEST).is_file():
+            try:
+                version = json.loads((child / MANIFEST).read_bytes()).get("version", -1)
+            except (ValueError, AttributeError):
+                continue
+            candidates.append((version if isinstance(version, int) else -1, child.name, child))
+    if not candidates:
+        raise PublishRefused(f"'{folder}' holds no bundle ({MANIFEST} missing); export one first")
+    return max(candidates)[2]
+
+
+def deterministic_zip(files: Mapping[str, bytes]) -> bytes:
+    """``files`` as a zip whose bytes depend only on the files (sorted, fixed times, deflate)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name in sorted(files):
+            info = zipfile.ZipInfo(name, date_time=_ZIP_TIME)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            archive.writestr(info, files[name])
+    return buffer.getvalue()
+
+
+def _lineage(data: bytes) -> tuple[str | None, int | None]:
+    """``(model_id, version)`` of a zipped bundle's manifest, or Nones when it names none."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            manifest = json.loads(archive.read(MANIFEST))
+    except (*ZIP_ERRORS, KeyError):
+        return None, None
+    if not isinstance(manifest, dict):
+        return None, None
+    model_id, version = manifest.get("model_id"), manifest.get("version")
+    return (model_id if isinstance(model_id, str) else None,
+            version if isinstance(version, int) and not isinstance(version, bool) else None)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    if sys.platform == "win32":
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def publish_from_environment(kind: str, source: Path) -> str | None:
+    """Publish ``source`` when running under ``fedge coordinator start`` (``FEDGE_PUBLISH_DIR`` set).
+
+    A refusal or an I/O error is logged, never raised: publishing must not stop a run.
+    """
+    where = os.environ.get(PUBLISH_ENV)
+    if not where:
+        return None
+    try:
+        return publish_bundle(kind, source, Path(where))
+    except (FedgeError, OSError) as exc:
+        log.warning("the %s bundle %s was not published to devices: %s", kind, source, exc)
+        return None
+
+
+# --------------------------------------------------------------------------- device authentication
+
+
+def registered_device_keys(keys: CoordinatorKeys) -> dict[str, ec.EllipticCurvePublicKey]:
+    """Every registered device key (``keys/devices/*.pub``) by its name and by its fingerprint."""
+    found: dict[str, ec.EllipticCurvePublicKey] = {}
+    for path in keys.device_public_keys():
+        try:
+            key = serialization.load_ssh_public_key(path.read_bytes())
+        except (ValueError, OSError) as exc:
+            log.warning("device key %s is unreadable (%s); that device cannot pull bundles", path, exc)
+            continue
+        if isinstance(key, ec.EllipticCurvePublicKey):
+            found[path.stem] = key
+            found[key_fingerprint(key)] = key
+    return found
+
+
+class Refused(Exception):
+    """A request that fails authentication (the message says what to do)."""
+
+
+@dataclass
+class DeviceAuthenticator:
+    """Checks a request's device signature, timestamp window and nonce.
+
+    Parameters
+    ----------
+    keys : mapping of device name or fingerprint to its P-384 public key
+    window_s : float
+        Largest accepted difference between the request's timestamp and this clock.
+    clock : callable
+        Seconds since the epoch (tests move it).
+    """
+
+    keys: Mapping[str, ec.EllipticCurvePublicKey]
+    window_s: float = WINDOW_S
+    clock: Callable[[], float] = time.time
+
+    def __post_init__(self) -> None:
+        self._nonces: dict[tuple[str, str], float] = {}
+        self._lock = threading.Lock()
+
+    def check(self, method: str, path: str, headers: Mapping[str, str]) -> str:
+        """The authenticated device's id, or :class:`Refused`."""
+        device, stamp = headers.get(HEADER_DEVICE), headers.get(HEADER_TIMESTAMP)
+        nonce, signature = headers.get(HEADER_NONCE), headers.get(HEADER_SIGNATURE)
+        if not (device and stamp and nonce and signature):
+            raise Refused(f"the request is not signed by a device (headers {HEADER_DEVICE}, {HEADER_TIMESTAMP}, "
+                          f"{HEADER_NONCE}, {HEADER_SIGNATURE} required); use `fedge pull --key DEVICE.key` or "
+                          "fedge.edge.delivery.pull")
+        key = self.keys.get(device)
+        if key is None:
+            raise Refused(f"device key {device[:80]} is not registered with this coordinator; the operator adds it "
+                          "with `fedge keys add-device NAME` and restarts the coordinator")
+        if not stamp.isdigit() or not _NONCE.match(nonce):
+            raise Refused("malformed timestamp or nonce; use fedge's pull client")
+        now = self.clock()
+        if abs(now - int(stamp)) > self.window_s:
+            raise Refused(f"the request's timestamp is {int(stamp) - now:+.0f} s off the coordinator's clock "
+                          f"(at most +-{self.window_s:.0f} s); set this device's clock (NTP)")
+        try:
+            key.verify(base64.b64decode(signature, validate=True),
+                       canonical_request(method, path, stamp, nonce, device), ec.ECDSA(hashes.SHA384()))
+        except (InvalidSignature, binascii.Error, ValueError):
+            raise Refused("the request's signature does not verify with the registered key of "
+                          f"{device[:80]}; sign with that device's own key (NAME.key of `fedge keys add-device`)") \
+                from None
+        with self._lock:
+            self._forget_before(now - self.window_s)
+            if (device, nonce) in self._nonces:
+                raise Refused("this request was already used (replayed nonce); send a new request")
+            if len(self._nonces) >= MAX_NONCES:
+                raise Refused("too many requests in the last few minutes; try again later")
+            self._nonces[(device, nonce)] = float(stamp)
+        return device
+
+    def _forget_before(self, limit: float) -> None:
+        stale = [entry for entry, stamp in self._nonces.items() if stamp < limit]
+        for entry in stale:
+            del self._nonces[entry]
+
+
+# --------------------------------------------------------------------------- the service
+
+
+class _Cache:
+    """The bytes and ETag of each published file, re-read when the file is replaced."""
+
+    def __init__(self, published: Path) -> None:
+        self.published = published
+        self._entries: dict[str, tuple[tuple[int, int, int, int], bytes, str]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, kind: str) -> tuple[bytes, str] | None:
+        path = published_file(self.published, kind)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        with os.fdopen(fd, "rb") as handle:  # bytes and ETag from one open file: a rename cannot mix them
+            info = os.fstat(handle.fileno())
+            identity = (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size)
+            with self._lock:
+                entry = self._entries.get(kind)
+                if entry is not None and entry[0] == identity:
+                    return entry[1], entry[2]
+            data = handle.read()
+        etag = sha256(data)
+        with self._lock:
+            self._entries[kind] = (identity, data, etag)
+        return data, etag
+
+
+def create_app(published: Path, *, authenticator: DeviceAuthenticator | None) -> Any:
+    """The bundle service's Starlette app; ``authenticator=None`` serves anyone (insecure mode only)."""
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    cache = _Cache(published)
+
+    async def bundle(request: Request) -> Response:
+        client = request.client.host if request.client else "?"
+        device = "anyone (insecure)"
+        if authenticator is not None:
+            try:
+                device = authenticator.check(request.method, request.url.path, request.headers)
+            except Refused as exc:
+                log.warning("bundle request %s %s from %s refused: %s", request.method, request.url.path, client,
+                            exc)
+                return JSONResponse({"error": str(exc)}, status_code=401)
+        kind = request.path_params["kind"]
+        if kind not in KINDS:
+            return JSONResponse({"error": f"no bundle kind '{kind}'; ask for {' or '.join(KINDS)}"},
+                                status_code=404)
+        found = await run_in_threadpool(cache.get, kind)
+        if found is None:
+            return JSONResponse({"error": f"no {kind} bundle is published yet; the coordinator publishes one "
+                                          "when its run exports a bundle (every export-every rounds and at "
+                                          "the end)"}, status_code=404)
+        data, etag = found
+        headers = {"ETag": f'"{etag}"', "Cache-Control": "no-cache"}
+        if _matches(request.headers.get("if-none-match", ""), etag):
+            log.debug("%s bundle unchanged for %s", kind, device)
+            return Response(status_code=304, headers=headers)
+        log.info("%s bundle (%d bytes) sent to %s at %s", kind, len(data), device, client)
+        return Response(data, media_type="application/zip", headers=headers)
+
+    return Starlette(routes=[Route(API_PREFIX + "{kind}", bundle, methods=["GET"])])
+
+
+def _matches(header: str, etag: str) -> bool:
+    """Whether an ``If-None-Match`` value names ``etag`` (or is ``*``)."""
+    for tag in header.split(","):
+        tag = tag.strip()
+        if tag == "*" or tag.removeprefix("W/").strip('"') == etag:
+            return True
+    return False
+
+
+class BundleService:
+    """The bundle service in a background thread of the coordinator process.
+
+    Parameters
+    ----------
+    published : Path
+        The published directory.
+    keys : CoordinatorKeys | None
+        TLS certificate and registered device keys; ``None`` is insecure mode (plain HTTP,
+        no device authentication, announced on stderr).
+    host, port : str, int
+        Where to listen (port 0: a free one, see :attr:`port` after :meth:`start`).
+    """
+
+    def __init__(self, published: Path, keys: CoordinatorKeys | None, *, host: str = "127.0.0.1",
+                 port: int = 0, window_s: float = WINDOW_S, clock: Callable[[], float] = time.time) -> None:
+        self.published, self.keys, self.host, self.port = published, keys, host, port
+        self.authenticator = None if keys is None else \
+            DeviceAuthenticator(registered_device_keys(keys), window_s=window_s, clock=clock)
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """``https://HOST:PORT`` (``http://`` in insecure mode)."""
+        scheme = "http" if self.keys is None else "https"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> None:
+        """Bind, start serving, and wait until it accepts connections.
+
+        Raises
+        ------
+        ConfigError
+            If the port cannot be bound (name another with ``--bundle-port``).
+        """
+        import uvicorn
+
+        from fedge.server.superlink import bind
+
+        self.published.mkdir(parents=True, exist_ok=True)
+        if self.keys is None:
+            print(INSECURE_WARNING, file=sys.stderr, flush=True)
+        try:
+            sock = bind(self.host, self.port)
+        except OSError as exc:
+            raise ConfigError(f"the bundle service cannot listen on {self.host}:{self.port} "
+                              f"({exc.strerror or exc}); pass another --bundle-port") from None
+        self.port = int(sock.getsockname()[1])
+        config = uvicorn.Config(create_app(self.published, authenticator=self.authenticator), log_level="warning",
+                                access_log=False, limit_concurrency=256, timeout_keep_alive=5,
+                                ssl_certfile=None if self.keys is None else str(self.keys.cert),
+                                ssl_keyfile=None if self.keys is None else str(self.keys.key))
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="fedge-bundles", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                sock.close()
+                raise FedgeError(f"the bundle service did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        devices = 0 if self.authenticator is None else len({id(k) for k in self.authenticator.keys.values()})
+        log.info("bundle service on %s for %d registered devices, serving %s", self.url, devices, self.published)
+
+    def stop(self) -> None:
+        """Stop serving (waits a few seconds for requests in flight)."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._server = self._thread = None
+
+
+def describe(published: Path) -> list[str]:
+    """One line per published bundle: kind, lineage, version, size, when (for status output)."""
+    lines = []
+    for kind in KINDS:
+        path = published_file(published, kind)
+        if not path.exists():
+            continue
+        data = path.read_bytes()
+        model_id, version = _lineage(data)
+        when = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        lines.append(f"{kind}: {model_id or '?'} version {version if version is not None else '?'}, "
+                     f"{len(data)} bytes, published {when}")
+    return lines
+
