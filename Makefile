@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: the CPU build that lies on this machine's disk (an
 	# unpinned torch would pull a multi-GB CUDA build).
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[all,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
