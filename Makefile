@@ -21,14 +21,25 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/fedge simulate
 
-# The dashboard's browser tests drive Debian's Chromium through its chromedriver.
+# The browser tests drive Debian's Chromium through its chromedriver: the dashboard's, and
+# the training step in onnxruntime-web (pinned, installed with npm into a git-ignored folder).
+ORTWEB_VERSION ?= 1.31.1
+ORTWEB_DIR ?= .cache/ortweb
+ORTWEB_DIST := $(ORTWEB_DIR)/node_modules/onnxruntime-web/dist
+export FEDGE_ORTWEB_DIR := $(ORTWEB_DIR)
+
 browser:
 	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
 	elif command -v apt-get >/dev/null 2>&1; then \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
 		{ apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } || \
-		echo "WARNING: could not install chromium + chromium-driver: the dashboard's browser tests will be SKIPPED"; \
-	else echo "WARNING: no apt-get: the dashboard's browser tests will be SKIPPED"; fi
+		echo "WARNING: could not install chromium + chromium-driver: the browser tests (dashboard, training) will be SKIPPED"; \
+	else echo "WARNING: no apt-get: the browser tests (dashboard, training) will be SKIPPED"; fi
+	@if grep -qs '"version": "$(ORTWEB_VERSION)"' $(ORTWEB_DIR)/node_modules/onnxruntime-web/package.json && \
+		[ -f $(ORTWEB_DIST)/ort.wasm.min.js ] && [ -f $(ORTWEB_DIST)/ort-wasm-simd-threaded.wasm ]; then :; \
+	elif command -v npm >/dev/null 2>&1 && mkdir -p $(ORTWEB_DIR) && \
+		npm install --prefix $(ORTWEB_DIR) onnxruntime-web@$(ORTWEB_VERSION) --save-exact --no-audit --no-fund --silent >/dev/null 2>&1; then :; \
+	else echo "WARNING: could not install onnxruntime-web@$(ORTWEB_VERSION) with npm into $(ORTWEB_DIR): the browser training test will be SKIPPED"; fi
 
 test: $(STAMP) browser
 	$(PY) -m pytest -q
