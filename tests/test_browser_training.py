@@ -14,6 +14,7 @@ Needs Debian's chromium + chromedriver and the pinned onnxruntime-web npm packag
 from __future__ import annotations
 
 import base64
+import copy
 import functools
 import importlib.util
 import json
@@ -140,26 +141,41 @@ def _digits(model: str) -> tuple[Task, torch.nn.Module, np.ndarray, np.ndarray]:
     return task, seeded_model(task, 0), np.ascontiguousarray(data.inputs[0][pick]), data.targets[pick]
 
 
-def _torch_step(task: Task, model: torch.nn.Module, x: np.ndarray,
-                y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
-    """One plain SGD step with torch autograd: (loss before the step, p - lr * grad by name)."""
-    model = model.train()
-    model.zero_grad()
-    loss = task.loss(task.forward(model, [torch.as_tensor(x)]), torch.as_tensor(y))
-    loss.backward()
-    with torch.no_grad():
-        new = {name: (p - LEARNING_RATE * p.grad).numpy().copy() for name, p in model.named_parameters()
-               if p.grad is not None}
-    return float(loss.detach()), new
+def _torch_steps(task: Task, model: torch.nn.Module, x: np.ndarray, y: np.ndarray, *, steps: int = 1,
+                 momentum: float = 0.0) -> tuple[list[float], dict[str, np.ndarray]]:
+    """``steps`` SGD steps with torch autograd on one batch: (the loss before each step, the new weights).
+
+    One step is ``loss.backward(); p - lr * p.grad``; later ones add heavy-ball momentum
+    ``v = momentum * v + grad; p = p - lr * v``, fedge's local optimiser.
+    """
+    model = copy.deepcopy(model).train()
+    params = dict(model.named_parameters())
+    velocity: dict[str, torch.Tensor] = {}
+    losses = []
+    for _ in range(steps):
+        model.zero_grad()
+        loss = task.loss(task.forward(model, [torch.as_tensor(x)]), torch.as_tensor(y))
+        loss.backward()
+        losses.append(float(loss.detach()))
+        with torch.no_grad():
+            for name, p in params.items():
+                assert p.grad is not None, name
+                velocity[name] = momentum * velocity[name] + p.grad if name in velocity else p.grad.clone()
+                p -= LEARNING_RATE * velocity[name]
+    return losses, {name: p.detach().numpy().copy() for name, p in params.items()}
 
 
-def _compare(browser_loss: float, browser_weights: dict[str, np.ndarray], torch_loss: float,
-             torch_weights: dict[str, np.ndarray]) -> tuple[float, float]:
+def _compare(browser: tuple[list[float], dict[str, np.ndarray]],
+             reference: tuple[list[float], dict[str, np.ndarray]]) -> tuple[float, float]:
+    """(max |weight difference|, max |loss difference|), each asserted to be at most 1e-5."""
+    (browser_losses, browser_weights), (torch_losses, torch_weights) = browser, reference
     assert set(browser_weights) == set(torch_weights)
+    assert len(browser_losses) == len(torch_losses)
     weight_diff = max(float(np.max(np.abs(browser_weights[name] - torch_weights[name].reshape(-1))))
                       for name in torch_weights)
-    loss_diff = abs(browser_loss - torch_loss)
-    print(f"max |w_browser - w_torch| = {weight_diff:.3g}, |loss_browser - loss_torch| = {loss_diff:.3g}")
+    loss_diff = max(abs(a - b) for a, b in zip(browser_losses, torch_losses, strict=True))
+    print(f"\n{len(torch_losses)} step(s): max |w_browser - w_torch| = {weight_diff:.3g}, "
+          f"max |loss_browser - loss_torch| = {loss_diff:.3g} (loss {torch_losses[0]:.6f})")
     assert weight_diff <= TOLERANCE, weight_diff
     assert loss_diff <= TOLERANCE, loss_diff
     return weight_diff, loss_diff
@@ -205,16 +221,18 @@ def _softmax_regression_graph(features: int, classes: int, batch: int) -> bytes:
     return model.SerializeToString()
 
 
-def test_the_page_steps_a_hand_written_gradient_graph_like_torch(site: tuple[str, Path], browser: Any) -> None:
+@pytest.mark.parametrize(("steps", "momentum"), [(1, 0.0), (5, 0.9)], ids=["one-step", "five-momentum-steps"])
+def test_the_page_steps_a_hand_written_gradient_graph_like_torch(site: tuple[str, Path], browser: Any, steps: int,
+                                                                 momentum: float) -> None:
     # Prepare: logistic regression on 16 digits examples; the graph's gradients written by hand
     task, model, x, y = _digits("logreg")
     state = {name: value.numpy() for name, value in model.state_dict().items()}
     graph = _softmax_regression_graph(x.shape[1], state["linear.bias"].shape[0], len(x))
     feeds = [*((f"state:{name}", value) for name, value in state.items()), ("x", x), ("targets", y)]
     # Execute
-    losses, weights = _train_in_browser(browser, site, graph, feeds, list(state))
-    # Assert: the browser's step is torch's step
-    _compare(losses[0], weights, *_torch_step(task, model, x, y))
+    got = _train_in_browser(browser, site, graph, feeds, list(state), steps=steps, momentum=momentum)
+    # Assert: the browser's steps are torch's steps
+    _compare(got, _torch_steps(task, model, x, y, steps=steps, momentum=momentum))
 
 
 # --------------------------------------------------------------------------- fedge's exported training graph
@@ -227,9 +245,10 @@ def _exporter() -> Any:
     return export_training_graphs
 
 
-@pytest.mark.parametrize("model_name", ["mlp", "cnn"])
-def test_one_training_step_in_the_browser_matches_torch(site: tuple[str, Path], browser: Any,
-                                                        model_name: str) -> None:
+@pytest.mark.parametrize(("model_name", "steps", "momentum"), [("mlp", 1, 0.0), ("cnn", 1, 0.0), ("mlp", 5, 0.9)],
+                         ids=["mlp-one-step", "cnn-one-step", "mlp-five-momentum-steps"])
+def test_training_steps_in_the_browser_match_torch(site: tuple[str, Path], browser: Any, model_name: str,
+                                                   steps: int, momentum: float) -> None:
     # Prepare: fedge's training graph of the digits model, a fixed batch of 16 examples
     export_training_graphs = _exporter()
     task, model, x, y = _digits(model_name)
@@ -241,6 +260,6 @@ def test_one_training_step_in_the_browser_matches_torch(site: tuple[str, Path], 
              *((spec.name, array) for spec, array in zip(graphs.inputs, [x], strict=True)), ("targets", y)]
     trainable = [entry.name for entry in graphs.state if entry.trainable]
     # Execute: the graph in onnxruntime-web, the step in JavaScript
-    losses, weights = _train_in_browser(browser, site, graphs.train_onnx, feeds, trainable)
-    # Assert: the same new weights and loss as torch autograd's SGD step, within 1e-5
-    _compare(losses[0], weights, *_torch_step(task, model, x, y))
+    got = _train_in_browser(browser, site, graphs.train_onnx, feeds, trainable, steps=steps, momentum=momentum)
+    # Assert: the same new weights and losses as torch autograd's SGD steps, within 1e-5
+    _compare(got, _torch_steps(task, model, x, y, steps=steps, momentum=momentum))
