@@ -161,7 +161,7 @@ def _torch_steps(task: Task, model: torch.nn.Module, x: np.ndarray, y: np.ndarra
             for name, p in params.items():
                 assert p.grad is not None, name
                 velocity[name] = momentum * velocity[name] + p.grad if name in velocity else p.grad.clone()
-                p -= LEARNING_RATE * velocity[name]
+                p.sub_(LEARNING_RATE * velocity[name])
     return losses, {name: p.detach().numpy().copy() for name, p in params.items()}
 
 
