@@ -23,8 +23,11 @@ def add_parsers(sub: Any) -> None:
     start.add_argument("--port", type=int, default=9095, help="port devices connect to (Fleet API only)")
     start.add_argument("--control-port", type=int, default=0,
                        help="loopback port of the operator's Control API (default: a free one)")
+    start.add_argument("--bundle-port", type=int,
+                       help="port devices pull signed bundles from (`fedge pull`; default: --port + 1, "
+                            "0: a free one)")
     start.add_argument("--state-dir", type=Path, default=Path("coordinator-state"),
-                       help="SuperLink database, Flower home and logs (keep it across restarts)")
+                       help="SuperLink database, Flower home, logs and published bundles (keep it across restarts)")
     start.add_argument("--run-dir", type=Path, help="where the run writes (default runs/<name>)")
     start.add_argument("--rounds", type=int)
     start.add_argument("--clients-per-round", type=int)
@@ -95,12 +98,17 @@ def _start(args: argparse.Namespace) -> int:
     if keys is not None:
         check_coordinator_keys(keys)  # TLS files first, then the run against the registered devices
     run_config = _run_config(args)
-    coordinator = Coordinator(args.state_dir, keys, host=args.host, port=args.port, control_port=args.control_port)
+    coordinator = Coordinator(args.state_dir, keys, host=args.host, port=args.port, control_port=args.control_port,
+                              bundle_port=args.bundle_port)
     try:
         coordinator.start()
         (args.state_dir / "current-run").write_text(str(run_config["run-dir"]) + "\n")
         print(f"coordinator listening on {coordinator.address}; run directory {run_config['run-dir']}",
               flush=True)
+        if coordinator.bundles_url is not None:
+            print(f"bundles: {coordinator.bundles_url}/v1/bundles/{{inference,training}} (devices: `fedge pull "
+                  f"--coordinator {coordinator.bundles_url.split('://')[1]}`), published from "
+                  f"{coordinator.published}", flush=True)
         if args.dashboard:
             from fedge.server.dashboard import serve_in_background
 
@@ -121,6 +129,10 @@ def _status(args: argparse.Namespace) -> int:
                           "start one with `fedge coordinator start`")
     for node in Coordinator(args.state_dir, None).devices():
         print(f"device {node.get('node-id', node.get('node_id', '?'))}: {node.get('status', '?')}")
+    from fedge.server.publish import describe, published_dir
+
+    for line in describe(published_dir(args.state_dir)):
+        print(f"published {line}")
     pointer = args.state_dir / "current-run"
     if pointer.exists():
         run_dir = Path(pointer.read_text().strip())

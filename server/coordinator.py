@@ -4,6 +4,9 @@ fedge does not carry messages itself: Flower's SuperLink does. This module start
 (through :mod:`fedge.server.superlink`, which keeps Flower's Control and runtime APIs off
 the address devices use) with TLS and SuperNode authentication on by default, registers
 the known device keys, and starts a run of ``fedge.server.app:app`` with ``flwr run``.
+Beside it, :class:`fedge.server.publish.BundleService` serves the published bundles
+(``STATE_DIR/published``) to authenticated devices, on ``bundle_port`` (default: the device
+port + 1), with the same TLS certificate and the same registered device keys.
 
 Threat model: TLS (certificates from ``fedge keys init``) stops eavesdroppers and
 impostor coordinators; SuperNode authentication admits only devices whose
@@ -92,7 +95,9 @@ class Coordinator:
     host: str = "127.0.0.1"
     port: int = 9095
     control_port: int = 0  # the operator's loopback port; 0: a free one, chosen at start
+    bundle_port: int | None = None  # the bundle service's port; None: port + 1 (skipped if busy); 0: a free one
     superlink: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    bundles: Any = field(default=None, repr=False)  # the running BundleService, if any
 
     @property
     def insecure(self) -> bool:  # noqa: D102
@@ -108,9 +113,22 @@ class Coordinator:
         """Where the operator's ``flwr`` CLI connects (loopback, token required)."""
         return f"127.0.0.1:{self.control_port}"
 
+    @property
+    def published(self) -> Path:
+        """Where this coordinator's published bundles live (``STATE_DIR/published``, kept across runs)."""
+        from fedge.server.publish import published_dir
+
+        return published_dir(self.state_dir)
+
     def env(self) -> dict[str, str]:
-        """Environment of every Flower process this coordinator starts."""
-        return flower_env(self.state_dir / "flwr-home")
+        """Environment of every Flower process this coordinator starts.
+
+        ``FEDGE_PUBLISH_DIR`` tells the ServerApp (a process the SuperLink starts, which
+        inherits this environment) where to publish the bundles it signs.
+        """
+        from fedge.server.publish import PUBLISH_ENV
+
+        return {**flower_env(self.state_dir / "flwr-home"), PUBLISH_ENV: str(self.published.resolve())}
 
     def start(self) -> None:
         """Start the SuperLink and wait until it answers; register device keys."""
@@ -120,17 +138,43 @@ class Coordinator:
         else:
             assert self.keys is not None
             check_coordinator_keys(self.keys)
+        bundle_port = self.port + 1 if self.bundle_port is None else self.bundle_port
         if not self.control_port:
             self.control_port = _free_loopback_port()
+            while self.control_port == bundle_port:
+                self.control_port = _free_loopback_port()
         if self.control_port == self.port:
             raise ConfigError(f"--control-port {self.control_port} is the device port; give the operator's "
                               "Control API a port of its own (or 0 for a free one)")
+        if bundle_port and bundle_port in (self.port, self.control_port):
+            raise ConfigError(f"--bundle-port {bundle_port} is taken by the coordinator's device or control port; "
+                              "give the bundle service a port of its own (or 0 for a free one)")
         self._write_flower_config()
         logs = (self.state_dir / "superlink.log").open("ab")
         self.superlink = subprocess.Popen(self._superlink_command(), env=self.env(),
                                           stdout=logs, stderr=subprocess.STDOUT)
         self._wait_healthy(timeout=60)
         self.register_devices()
+        self._start_bundles(bundle_port)
+
+    def _start_bundles(self, port: int) -> None:
+        """Serve ``STATE_DIR/published`` to registered devices (a busy default port only warns)."""
+        from fedge.server.publish import BundleService
+
+        service = BundleService(self.published, self.keys, host=self.host, port=port)
+        try:
+            service.start()
+        except ConfigError as exc:
+            if self.bundle_port is not None:
+                raise
+            print(f"WARNING: bundles are not served: {exc}", file=sys.stderr, flush=True)
+            return
+        self.bundles = service
+
+    @property
+    def bundles_url(self) -> str | None:
+        """Where devices pull bundles (``https://HOST:PORT``), or None when not served."""
+        return None if self.bundles is None else str(self.bundles.url)
 
     def _superlink_command(self) -> list[str]:
         command = [sys.executable, "-m", "fedge.server.superlink", "--operator-port", str(self.control_port),
@@ -247,7 +291,10 @@ class Coordinator:
                               text=True, timeout=120, check=False)
 
     def stop(self) -> None:
-        """Stop the SuperLink (and the Flower processes it started)."""
+        """Stop the bundle service and the SuperLink (and the Flower processes it started)."""
+        if self.bundles is not None:
+            self.bundles.stop()
+            self.bundles = None
         if self.superlink is None or self.superlink.poll() is not None:
             return
         self.superlink.send_signal(signal.SIGTERM)

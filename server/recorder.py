@@ -174,6 +174,10 @@ class RoundRecorder:
             task=self.task, server_round=server_round, source_run=self.run_dir.name,
             private_key=run_signing_key(self.config, self.run_dir))
         self.bundles.append(built)
+        if self.config["deployment"]:  # under `fedge coordinator start`: hand it to the devices' bundle service
+            from fedge.server.publish import publish_from_environment
+
+            publish_from_environment("inference", built.path)
         return built
 
     def _final_export(self, final_round: int) -> dict[str, Any]:
