@@ -315,6 +315,19 @@ def test_training_bundles_are_verified_by_their_verifier(
     assert FreshnessStore(device / ".freshness" / "training").accepted_version("run/train") == 2
 
 
+def test_training_bundles_default_to_the_training_bundle_reader(
+        service: BundleService, pki: CoordinatorKeys, signer: tuple[Ed25519PrivateKey, Path], tmp_path: Path) -> None:
+    # Prepare: where fedge has the training bundle format, an inference bundle passed off as training.zip
+    pytest.importorskip("fedge.edge.training_bundle")
+    fake = tmp_path / "training.zip"
+    fake.write_bytes(deterministic_zip(tiny_bundle(signer[0], version=3)))
+    publish_bundle("training", fake, service.published)
+    # Execute / Assert: the reader refuses it, nothing is installed
+    with pytest.raises(BundleVerificationError, match="training bundle from .* refused: .*nothing was installed"):
+        _pull(service, pki, signer, tmp_path / "device", kind="training")
+    assert not (tmp_path / "device" / "training.zip").exists()
+
+
 # --------------------------------------------------------------------------- publishing
 
 
