@@ -17,6 +17,7 @@ import base64
 import copy
 import functools
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -46,6 +47,7 @@ CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver"
 TOLERANCE = 1e-5
 LEARNING_RATE = 0.05
 BATCH = 16
+_RUNS = itertools.count()
 
 
 # --------------------------------------------------------------------------- serving and driving the page
@@ -54,6 +56,10 @@ class _Handler(SimpleHTTPRequestHandler):
     extensions_map = {**SimpleHTTPRequestHandler.extensions_map, ".wasm": "application/wasm",
                       ".mjs": "text/javascript", ".js": "text/javascript", ".json": "application/json",
                       ".onnx": "application/octet-stream"}
+
+    def end_headers(self) -> None:
+        self.send_header("Cache-Control", "no-store")  # each case is new: never a cached graph or batch
+        super().end_headers()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass
@@ -112,12 +118,13 @@ def _train_in_browser(driver: Any, site: tuple[str, Path], graph: bytes, feeds: 
                       timeout: float = 120.0) -> tuple[list[float], dict[str, np.ndarray]]:
     """Run ``steps`` training steps of ``graph`` in the page: (losses, new float32 weights by name)."""
     url, folder = site
-    (folder / "train.onnx").write_bytes(graph)
-    case = {"graph": "train.onnx", "learning_rate": LEARNING_RATE, "momentum": momentum, "steps": steps,
+    run = next(_RUNS)
+    (folder / f"train-{run}.onnx").write_bytes(graph)
+    case = {"graph": f"train-{run}.onnx", "learning_rate": LEARNING_RATE, "momentum": momentum, "steps": steps,
             "loss": "loss", "feeds": [_feed(name, array) for name, array in feeds],
             "params": [{"name": name, "input": f"state:{name}", "grad": f"grad:{name}"} for name in params]}
-    (folder / "case.json").write_text(json.dumps(case))
-    driver.get(f"{url}?t={time.monotonic_ns()}")  # a fresh page each time
+    (folder / f"case-{run}.json").write_text(json.dumps(case))
+    driver.get(f"{url}?case=case-{run}.json")  # a fresh page, graph and batch each time
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         result, error = driver.execute_script("return [window.__result || null, window.__error || null];")

@@ -1,6 +1,6 @@
 // One (or more) training steps of a fedge training graph in onnxruntime-web.
 //
-// case.json says what to feed and how to step:
+// case.json (or the file named by ?case=) says what to feed and how to step:
 //   {"graph": "train.onnx", "learning_rate": 0.05, "momentum": 0.9, "steps": 1,
 //    "loss": "loss",
 //    "feeds": [{"name": "state:net.0.weight", "dtype": "float32", "dims": [64, 64], "data": "<base64>"}, ...],
@@ -38,8 +38,10 @@
     ort.env.wasm.numThreads = 1;  // no SharedArrayBuffer, so no cross-origin isolation needed
     ort.env.wasm.proxy = false;
     ort.env.wasm.wasmPaths = base;  // ort-wasm-simd-threaded.{mjs,wasm} from this same loopback folder
-    const spec = await (await fetch("case.json")).json();
-    const graph = new Uint8Array(await (await fetch(spec.graph)).arrayBuffer());
+    // case.json, or the file ?case= names; never from the HTTP cache (the test rewrites them)
+    const caseFile = new URLSearchParams(window.location.search).get("case") || "case.json";
+    const spec = await (await fetch(caseFile, {cache: "no-store"})).json();
+    const graph = new Uint8Array(await (await fetch(spec.graph, {cache: "no-store"})).arrayBuffer());
     const session = await ort.InferenceSession.create(graph, {executionProviders: ["wasm"]});
 
     const feeds = {};
