@@ -46,7 +46,7 @@ from fedge.edge.export import PARITY_TOLERANCE as INFERENCE_TOLERANCE
 from fedge.edge.export import _checked_sample, _first_line
 from fedge.edge.trainer import GRAD_PREFIX, LOSS, OUTPUT, STATE_PREFIX, TARGETS, MomentumUpdate
 from fedge.errors import ExportError
-from fedge.signature import InputSpec
+from fedge.signature import DTYPES, InputSpec
 
 log = logging.getLogger("fedge.edge")
 
@@ -270,7 +270,7 @@ def _state(module: nn.Module) -> tuple[list[str], tuple[StateEntry, ...]]:
         name.startswith("model.") for name in state) else ""
     entries = []
     for name, tensor in state.items():
-        if tensor.dtype not in (torch.float32, torch.float64, torch.int64, torch.int32, torch.bool, torch.float16):
+        if str(tensor.dtype).removeprefix("torch.") not in DTYPES:
             raise ExportError(f"state entry '{name}' is {tensor.dtype}; on-device training takes float32 weights")
         entries.append(StateEntry(name.removeprefix(prefix), tuple(tensor.shape), str(tensor.dtype).removeprefix(
             "torch."), id(tensor) in parameters))
@@ -401,11 +401,13 @@ class _Traced:
             try:
                 fakes = _symbolic_inputs(example, len(self.names), specs or self.specs,
                                          _target_shape(targets, specs or self.specs, arrays))
-                graph = make_fx(function, tracing_mode="symbolic", decomposition_table=decompositions())(*fakes)
+                tracker = _Recorder()  # its hooks say which layer's forward was running when tracing failed
+                with _hooked(self.module, tracker):
+                    graph = make_fx(function, tracing_mode="symbolic", decomposition_table=decompositions())(*fakes)
             except ExportError:
                 raise
             except Exception as exc:  # noqa: BLE001 - tracing raises many types
-                raise self._error("cannot be traced for training", exc) from exc
+                raise self._error("cannot be traced for training", exc, tracker.path[-1:]) from exc
             program, specs = self._program(graph, example, specs or self.specs, targets)
             outputs = [LOSS, *(GRAD_PREFIX + _strip_name(n, self) for n in self.trainable)] if train else [LOSS, OUTPUT]
             input_names = [*(STATE_PREFIX + e.name for e in self.state), *(s.name for s in specs), TARGETS]
@@ -417,6 +419,7 @@ class _Traced:
         if onnx_program is None:
             raise ExportError("torch.onnx.export returned no program; upgrade torch and onnxscript")
         proto = onnx_program.model_proto
+        _name_axes(proto, specs, _target_shape(targets, specs, arrays))
         _strip_metadata(proto)
         _check_no_weights(proto, self.state)
         return proto.SerializeToString(), specs, int(onnx_program.model.opset_imports.get("", 0))
@@ -459,18 +462,29 @@ class _Traced:
             raise ExportError(f"torch.export cannot take {type(self.module).__name__}'s traced training step "
                               f"({type(exc).__name__}: {_first_line(exc, 400)})") from exc
 
-    def _error(self, what: str, exc: BaseException) -> ExportError:
+    def _error(self, what: str, exc: BaseException, running: Sequence[str] = ()) -> ExportError:
         text = "\n".join(_chain(exc))
         found = _FAILED_TARGET.search(text)
         op = None
         if found:
             op = found.group(1) or found.group(2) or f"{found.group(3)}.{found.group(4)}"
         layer = _layer_of(op, self.ops) if op else None
-        where = f"layer '{layer}'" if layer else f"{type(self.module).__name__}"
+        layer = layer or (running[-1] if running else None)
+        if layer and not op:  # name the layer's own ops (a custom op, say), else its type
+            op = next((name for name, path in self.ops if path == layer), None)
+            op = op.removesuffix(".default") if op else None
+        where = f"layer '{layer}' ({type(self.module.get_submodule(_unstrip(layer, self.module))).__name__})" \
+            if layer else f"{type(self.module).__name__}"
         detail = f"op {op}" if op else "an op"
         return ExportError(f"{where}: the backward of {detail} {what} ({type(exc).__name__}: "
                            f"{_first_line(exc, 300)}); replace that layer with standard torch layers (Linear, "
                            "Conv, GroupNorm, LSTM...) for on-device training, or export without training")
+
+
+def _unstrip(path: str, module: nn.Module) -> str:
+    """The module path ``_strip`` shortened, as ``module.get_submodule`` takes it."""
+    names = dict(module.named_modules())
+    return path if path in names else f"model.{path}"
 
 
 def _strip_name(name: str, traced: _Traced) -> str:
@@ -519,6 +533,21 @@ def _repeat(array: np.ndarray, size: int) -> np.ndarray:
     """``size`` examples of ``array`` (repeated as needed)."""
     reps = -(-size // len(array))
     return np.ascontiguousarray(np.concatenate([array] * reps)[:size])
+
+
+def _name_axes(proto: onnx.ModelProto, specs: Sequence[InputSpec], target_shape: tuple[int | str, ...]) -> None:
+    """Rename the exporter's axis symbols (``s40``) to the signature's axis names (``batch``), in place."""
+    declared = {spec.name: spec.shape for spec in specs} | {TARGETS: target_shape}
+    names: dict[str, str] = {}
+    for value in proto.graph.input:
+        shape = declared.get(value.name, ())
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.dim_param and axis < len(shape) and isinstance(shape[axis], str):
+                names[dim.dim_param] = str(shape[axis])
+    for value in (*proto.graph.input, *proto.graph.output, *proto.graph.value_info):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in names:
+                dim.dim_param = names[dim.dim_param]
 
 
 def _strip_metadata(proto: onnx.ModelProto) -> None:
