@@ -51,6 +51,13 @@ def add_parsers(sub: Any) -> None:
     device.add_argument("--fleet-file", default="", help="TOML defining custom profiles")
     device.add_argument("--task", default="", help="the task this device runs (a registered name or "
                         "package.module:object); it refuses runs of other tasks (default: the run's built-in)")
+    device.add_argument("--runtime", default="torch", choices=("torch", "onnx"),
+                        help="what trains: torch, or onnx (the coordinator's signed training graph on "
+                             "onnxruntime; needs no torch)")
+    device.add_argument("--trust", type=Path, help="the coordinator's bundle signing public key "
+                        "(KEYS/bundle-signing/signing.pub; needed with --runtime onnx)")
+    device.add_argument("--bundles", default="", help="HOST:PORT of the coordinator's bundle service "
+                        "(default: the coordinator's host, port + 1)")
     device.add_argument("--insecure", action="store_true", help="NO TLS (a throwaway test network only)")
     device.add_argument("--max-wait", type=float, help="give up if the coordinator is unreachable this long")
     device.add_argument("--state-dir", type=Path, help="Flower's working files for this device")
@@ -70,6 +77,8 @@ def _run_config(args: argparse.Namespace) -> dict[str, Any]:
              "run-dir": str(args.run_dir.resolve()) if args.run_dir else None}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     overrides["deployment"] = True
+    if not overrides.get("signing-key"):
+        overrides["signing-key"] = str(_bundle_signing_key(args))
     config = resolve_run_config(overrides)  # refuse bad keys before starting anything
     from fedge.server.app import check_deployment
 
@@ -79,6 +88,22 @@ def _run_config(args: argparse.Namespace) -> dict[str, Any]:
 
         overrides["run-dir"] = str(run_dir_for(config).resolve())
     return {k: v for k, v in resolve_run_config(overrides).items() if k in overrides}
+
+
+def _bundle_signing_key(args: argparse.Namespace) -> Path:
+    """The coordinator's Ed25519 bundle signing key, made once and kept (``KEYS/bundle-signing/``).
+
+    Devices trust bundles (inference and training) by this key's public half,
+    ``signing.pub``, given to them with ``ca.crt``: a per-run key would change every run.
+    """
+    from fedge.edge.signing import PRIVATE_NAME, generate_signing_key
+
+    directory = (args.state_dir if args.insecure else args.keys) / "bundle-signing"
+    if not (directory / PRIVATE_NAME).exists():
+        generate_signing_key(directory)
+        print(f"bundle signing key made: {directory / PRIVATE_NAME}; give devices {directory / 'signing.pub'} "
+              "(`fedge pull --trust`, `fedge device --runtime onnx --trust`)", flush=True)
+    return (directory / PRIVATE_NAME).resolve()
 
 
 def _registered(args: argparse.Namespace) -> int | None:
@@ -153,4 +178,5 @@ def _device(args: argparse.Namespace) -> int:
     return run_device(DeviceOptions(coordinator=args.coordinator, profile=args.profile, data=args.data,
                                     key=args.key, ca=args.ca, insecure=args.insecure,
                                     fleet_file=args.fleet_file, max_wait_s=args.max_wait,
-                                    state_dir=args.state_dir, task=args.task))
+                                    state_dir=args.state_dir, task=args.task, runtime=args.runtime,
+                                    trust=args.trust, bundles=args.bundles))

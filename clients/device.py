@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
 from fedge.errors import ConfigError, FedgeError
-from fedge.profiles import parse_fleet
+from fedge.profiles import RUNTIMES, parse_fleet
 from fedge.task.data import load_local_file
 
 log = logging.getLogger("fedge.clients.device")
@@ -51,6 +51,9 @@ class DeviceOptions:
     max_wait_s: float | None = None
     state_dir: Path | None = None
     task: str = ""  # the task this device runs (a registered name or package.module:object); "" = the run's built-in
+    runtime: str = "torch"  # "onnx": train with the coordinator's signed training graph, no torch
+    trust: Path | None = None  # the coordinator's bundle signing public key (runtime onnx)
+    bundles: str = ""  # the coordinator's bundle service HOST:PORT (default: the coordinator's host, port + 1)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -68,15 +71,18 @@ def check_device(options: DeviceOptions) -> None:
         raise ConfigError(f"data file '{options.data}' does not exist")
     if options.task and not TASK_REFERENCE.match(options.task):
         raise ConfigError(f"--task {options.task!r} is not a task name or package.module:object")
-    if options.task:  # the device's own task reads its own data: checked now, not at the first round
+    if options.runtime not in RUNTIMES:
+        raise ConfigError(f"--runtime {options.runtime!r}: use one of {', '.join(RUNTIMES)}")
+    if options.runtime == "onnx":
+        _check_onnx_options(options)  # its data is checked against the training graph once pulled
+    elif options.task:  # the device's own task reads its own data: checked now, not at the first round
         from fedge.config import resolve_run_config  # noqa: PLC0415 - torch only when a task is named
         from fedge.tasks import load_task  # noqa: PLC0415
 
-        count = len(load_task(resolve_run_config({"task": options.task})).device_data(str(options.data.resolve())))
+        task = load_task(resolve_run_config({"task": options.task}))
+        _check_count(options, len(task.device_data(str(options.data.resolve()))))
     else:
-        count = len(load_local_file(str(options.data.resolve()))[1])
-    if count == 0:
-        raise ConfigError(f"data file '{options.data}' has no samples")
+        _check_count(options, len(load_local_file(str(options.data.resolve()))[1]))
     if options.insecure:
         return
     if options.key is None or options.ca is None:
@@ -92,6 +98,51 @@ def check_device(options: DeviceOptions) -> None:
                           "`fedge keys add-device NAME`") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ConfigError(f"'{options.key}' is a {type(key).__name__}; device keys are EC (NIST P-384)")
+
+
+def _check_count(options: DeviceOptions, count: int) -> None:
+    if count == 0:
+        raise ConfigError(f"data file '{options.data}' has no samples")
+
+
+def _check_onnx_options(options: DeviceOptions) -> None:
+    """An onnx device trains the run's signed graph on its own file: it needs the key that signs it."""
+    if options.task:
+        raise ConfigError("--task loads a Python task, which needs torch; an onnx device trains the "
+                          "coordinator's signed training graph: drop --task (or use --runtime torch)")
+    if options.trust is None:
+        raise ConfigError("--runtime onnx needs --trust KEY.pub: the coordinator's bundle signing public key "
+                          "(the operator's `signing-key`), which the training graph must be signed with")
+    if not options.trust.is_file():
+        raise ConfigError(f"signing public key '{options.trust}' does not exist")
+    if options.data.suffix not in (".npz", ".csv"):
+        raise ConfigError(f"data file '{options.data}': an onnx device reads .npz (one array per input and "
+                          "'y') or .csv")
+
+
+def pull_training_graph(options: DeviceOptions, state: Path) -> Path:
+    """Fetch (or keep) the coordinator's signed training graph and check this device's data against it."""
+    from fedge.clients.onnx_client import device_arrays  # noqa: PLC0415
+    from fedge.edge.delivery import pull  # noqa: PLC0415
+    from fedge.edge.training_bundle import read_training_bundle  # noqa: PLC0415
+
+    assert options.trust is not None
+    result = pull(url_or_address=options.bundles or _bundle_service(options.coordinator), kind="training",
+                  directory=state / "bundles", device_key=options.key, ca=options.ca,
+                  trusted_keys=[options.trust], freshness_dir=state / "freshness", insecure=options.insecure)
+    bundle = read_training_bundle(result.path, trusted_keys=[options.trust])
+    _, targets = device_arrays(options.data.resolve(), bundle.manifest)
+    _check_count(options, len(targets))
+    state_word = "updated" if result.changed else "unchanged"
+    print(f"training graph {state_word}: task {bundle.manifest['task']}, architecture "
+          f"{bundle.architecture[:12]} ({result.bytes_downloaded} bytes downloaded); {len(targets)} examples",
+          flush=True)
+    return result.path
+
+
+def _bundle_service(coordinator: str) -> str:
+    host, port = split_address(coordinator)
+    return f"{host}:{port + 1}"
 
 
 def wait_reachable(host: str, port: int, max_wait_s: float | None) -> None:
@@ -137,13 +188,16 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def supernode_command(options: DeviceOptions) -> list[str]:
+def supernode_command(options: DeviceOptions, training_bundle: Path | None = None) -> list[str]:
     """The ``flower-supernode`` command line for ``options``."""
     from fedge.process import flower_bin
 
     node_config = f'profile="{options.profile}" data-path="{options.data.resolve()}"'
     if options.task:
         node_config += f' task="{options.task}"'
+    if options.runtime == "onnx" and training_bundle is not None and options.trust is not None:
+        node_config += (f' runtime="onnx" training-bundle="{training_bundle.resolve()}" '
+                        f'trusted-key="{options.trust.resolve()}"')
     command = [flower_bin("flower-supernode"), "--superlink", options.coordinator,
                "--node-config", node_config, "--port", str(_free_port())]
     if options.insecure:
@@ -174,10 +228,11 @@ def run_device(options: DeviceOptions) -> int:
         check_tls(host, port, options.ca)
     state = options.state_dir or Path(os.environ.get("FEDGE_DEVICE_HOME", Path.home() / ".fedge-device"))
     state.mkdir(parents=True, exist_ok=True)
+    training_bundle = pull_training_graph(options, state) if options.runtime == "onnx" else None
     deadline = time.monotonic() + (options.max_wait_s if options.max_wait_s is not None else 60.0)
     delay = 1.0
     while True:
-        code, refusal = _run_supernode(options, state)
+        code, refusal = _run_supernode(options, state, training_bundle)
         if refusal is None or code == 0:
             return code
         if time.monotonic() + delay > deadline:
@@ -188,11 +243,11 @@ def run_device(options: DeviceOptions) -> int:
         delay = min(delay * 2, 15.0)
 
 
-def _run_supernode(options: DeviceOptions, state: Path) -> tuple[int, str | None]:
+def _run_supernode(options: DeviceOptions, state: Path, training_bundle: Path | None) -> tuple[int, str | None]:
     """Run the SuperNode, echoing its output; return its status and any key refusal seen."""
     from fedge.process import flower_env
 
-    process = subprocess.Popen(supernode_command(options), env=flower_env(state / "flwr-home"),
+    process = subprocess.Popen(supernode_command(options, training_bundle), env=flower_env(state / "flwr-home"),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     refusals: list[str] = []
 

@@ -19,9 +19,10 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedge import wire
 from fedge.behaviour import Behaviour
 from fedge.config import RunConfig, codec_policy, config_fingerprint, model_keys, resolve_run_config
-from fedge.errors import CheckpointMismatch, ConfigError
+from fedge.errors import CheckpointMismatch, ConfigError, ExportError
 from fedge.profiles import Fleet, parse_fleet, time_budget_steps
 from fedge.secagg import bits_needed
 from fedge.server.checkpoint import load_checkpoint
@@ -220,6 +221,36 @@ def check_deployment(config: RunConfig, *, registered: int | None) -> None:
     check_deadline(config, fleet, sum(len(array.data) for array in model_arrays(model).values()))
 
 
+def training_graph_for(task: Task, model: torch.nn.Module, config: RunConfig, fleet: Fleet, *,
+                       simulated: bool) -> tuple[Any, list[str]] | None:
+    """The training graph for onnx devices when the run may have some (exported before anything is written)."""
+    from fedge.server.training import export_training_graph, refuse_or_warn, wants_training_graph  # noqa: PLC0415
+
+    if not wants_training_graph(config, fleet, simulated=simulated):
+        return None
+    try:
+        return export_training_graph(task, model, config)
+    except ExportError as exc:
+        refuse_or_warn(exc, simulated=simulated)
+        return None
+
+
+def publish_training_graph(training: tuple[Any, list[str]], task: Task, config: RunConfig, run_dir: Path) -> str:
+    """Sign and write the run's training bundle; its architecture hash (what train instructions name)."""
+    from fedge.server.bundles import run_signing_key  # noqa: PLC0415
+    from fedge.server.training import write_run_training_bundle  # noqa: PLC0415
+
+    graphs, metrics = training
+    manifest = write_run_training_bundle(graphs, metrics, task, run_dir,
+                                         private_key=run_signing_key(config, run_dir))
+    if config["deployment"]:  # devices fetch it from the coordinator's bundle service (`fedge pull`)
+        from fedge.server.publish import publish_from_environment  # noqa: PLC0415
+        from fedge.server.training import TRAINING_BUNDLE  # noqa: PLC0415
+
+        publish_from_environment("training", run_dir / TRAINING_BUNDLE)
+    return str(manifest["architecture"])
+
+
 def behaviour_of(config: RunConfig, fleet: Fleet) -> Behaviour:
     """The simulated fleet's behaviour (availability, dropout, jitter) from the run config."""
     return Behaviour.from_fleet(fleet, seed=config.integer("seed"), enabled=config.flag("device-behaviour"),
@@ -255,6 +286,7 @@ def run_coordinator(
     downlink = DownlinkEncoder(config, seed=config.integer("seed"))
     strategy.downlink = downlink if downlink.active else None
     check_deadline(config, fleet, sum(len(array.data) for array in model_arrays(model).values()))
+    training = training_graph_for(task, model, config, fleet, simulated=simulated)
     run_dir = run_dir_for(config)
     history = _resume_into(model, strategy, run_dir, config) if config["resume"] else None
     if history is None and (run_dir / "checkpoint.npz").exists():
@@ -274,6 +306,8 @@ def run_coordinator(
     train_config = ConfigRecord({**{key: config[key] for key in TRAIN_KEYS}, **codec_policy(config)})
     if strategy.privacy is not None and strategy.privacy.client_side:
         train_config[CLIENT_CLIPPING] = config.text("dp").removeprefix("client-")
+    if training is not None:
+        train_config[wire.TRAINING_GRAPH] = publish_training_graph(training, task, config, run_dir)
     with recorder.progress:
         strategy.start(metered, model_arrays(model), config.integer("num-rounds"),
                        timeout=config.number("round-timeout"), train_config=train_config,

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from fedge.batching import batch_order
 from fedge.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -89,19 +89,18 @@ def train_local(
     (Li et al., MLSys 2020), ``w_start`` being the weights the call began with.
     With ``max_steps`` the device does exactly that many steps (cycling through its
     data as often as needed) instead of ``epochs`` passes: partial work that fits a
-    time budget. Batches are drawn as ``DataLoader(shuffle=True, generator=seed)`` draws
-    them (same order, same random stream) but sliced from tensors, not indexed example
-    by example.
+    time budget. Batches come from :func:`fedge.batching.batch_order` (numpy, seeded), the
+    order an onnx device draws too, sliced from tensors rather than indexed example by example.
     """
     if len(data) == 0:
         raise ConfigError(f"task '{task.name}': this device has no training examples")
-    generator = torch.Generator().manual_seed(seed)
     inputs, targets = data.tensors()
     model.to(device).train()
     optimizer = task.optimizer(list(model.parameters()), lr=learning_rate, momentum=momentum)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
     total_loss, seen, steps = 0.0, 0, 0
-    for index in _batches(len(data), batch_size, generator, epochs, max_steps):
+    for order in batch_order(len(data), batch_size, seed, epochs, max_steps):
+        index = torch.from_numpy(order)
         batch = [tensor[index].to(device) for tensor in inputs]
         target = targets[index].to(device)
         model.zero_grad(set_to_none=True)
@@ -114,36 +113,6 @@ def train_local(
         steps += 1
     model.cpu()
     return TrainStats(loss=total_loss / max(seen, 1), num_examples=len(data), samples_processed=seen, steps=steps)
-
-
-def _batches(size: int, batch_size: int, generator: torch.Generator, epochs: int,
-             max_steps: int | None) -> Iterator[torch.Tensor]:
-    """Index batches: ``epochs`` passes, or exactly ``max_steps`` batches when given."""
-    if max_steps is None:
-        for _ in range(epochs):
-            yield from _epoch(size, batch_size, generator)
-        return
-    done = 0
-    while done < max_steps:
-        for batch in _epoch(size, batch_size, generator):
-            yield batch
-            done += 1
-            if done == max_steps:
-                return
-
-
-def _epoch(size: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
-    """One shuffled pass, drawing from ``generator`` exactly as ``DataLoader``'s ``RandomSampler``
-    does (a base-seed draw when the pass starts, a permutation, a zero-length tail permutation
-    when it ends), so runs are reproducible across fedge versions that used ``DataLoader``."""
-    torch.empty((), dtype=torch.int64).random_(generator=generator)
-    order = torch.randperm(size, generator=generator)
-    full = size // batch_size
-    for start in range(0, full * batch_size, batch_size):
-        yield order[start:start + batch_size]
-    torch.randperm(size, generator=generator)
-    if size % batch_size:
-        yield order[full * batch_size:]
 
 
 def _proximal(model: nn.Module, anchor: list[torch.Tensor], mu: float) -> torch.Tensor:

@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from fedge.batching import batch_order
 from fedge.errors import ConfigError
 from fedge.signature import InputSpec
 from fedge.task.api import Task, TaskData
 from fedge.task.models import build_model
-from fedge.task.training import MomentumSGD, _batches, evaluate, pick_device, train_local
+from fedge.task.training import MomentumSGD, evaluate, pick_device, train_local
 
 
 class TwoClass(Task):
@@ -61,22 +62,32 @@ def test_train_local_counts_work_and_lowers_loss() -> None:
     assert after["loss"] < before["loss"] and after["accuracy"] > 0.8
 
 
-@pytest.mark.parametrize(("size", "batch", "epochs", "max_steps"), [
-    (64, 16, 3, None), (70, 16, 2, None), (13, 16, 4, None), (70, 16, 1, 11), (5, 2, 1, 7)])
-def test_batches_come_in_dataloaders_order_from_the_same_random_stream(size: int, batch: int, epochs: int,
-                                                                        max_steps: int | None) -> None:
-    # Prepare: what DataLoader(shuffle=True) with a seeded generator yields, pass by pass
-    from torch.utils.data import DataLoader
-
-    loader = DataLoader(range(size), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(3))
-    expected: list[list[int]] = []
-    while len(expected) < (max_steps or epochs * -(-size // batch)):
-        expected.extend(b.tolist() for b in loader)
-    expected = expected[:max_steps or len(expected)]
+@pytest.mark.parametrize(("size", "batch", "epochs", "max_steps"),
+                         [(64, 16, 2, None), (70, 16, 1, None), (13, 4, 1, 7)])
+def test_train_local_draws_the_batches_every_runtime_draws(size: int, batch: int, epochs: int,
+                                                          max_steps: int | None) -> None:
+    # Prepare: the same model twice; one trained by train_local, one by hand over fedge.batching.batch_order
+    torch.manual_seed(2)
+    x = torch.randn(size, 8)
+    data, task = TaskData.from_xy(x.numpy(), (x[:, 0] > 0).long().numpy()), TwoClass()
+    ours, by_hand = build_model("logreg", 8, 2, seed=0), build_model("logreg", 8, 2, seed=0)
+    features, labels = data.tensors()
     # Execute
-    ours = [b.tolist() for b in _batches(size, batch, torch.Generator().manual_seed(3), epochs, max_steps)]
-    # Assert
-    assert ours == expected
+    stats = train_local(task, ours, data, epochs=epochs, batch_size=batch, learning_rate=0.3, momentum=0.0,
+                        device=torch.device("cpu"), seed=5, max_steps=max_steps)
+    steps = 0
+    for order in batch_order(size, batch, 5, epochs, max_steps):
+        index = torch.from_numpy(order)
+        by_hand.zero_grad()
+        task.loss(by_hand(features[0][index]), labels[index]).backward()
+        with torch.no_grad():
+            for param in by_hand.parameters():
+                param -= 0.3 * param.grad  # type: ignore[operator]
+        steps += 1
+    # Assert: the same steps in the same order give the same weights
+    assert stats.steps == steps
+    for a, b in zip(ours.parameters(), by_hand.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
 
 
 def test_evaluation_weights_each_batch_by_its_size() -> None:

@@ -1,0 +1,161 @@
+"""The torch-free device runtime: local training on the run's signed ONNX training graph.
+
+A phone, a browser or any device without Python torch trains with the task's training
+graph (:mod:`fedge.edge.training_graph` exports it on the coordinator) run by stock
+onnxruntime, and numpy for the optimiser step (:class:`fedge.edge.trainer.OnnxTrainer`).
+The replies are the torch device's (same codecs, secure aggregation, DP clipping,
+FedProx term, time budgets): :mod:`fedge.clients.common` packs both.
+
+Where the graph comes from: a deployed device pulls the coordinator's published
+training bundle (``fedge pull``; ``fedge device --runtime onnx`` does it before joining)
+and names it with its public signing key in its node config (``training-bundle``,
+``trusted-key``); a simulated device reads the run directory's
+``bundles/training.zip``, signed by the run's key ``keys/signing.pub``.
+
+Threat model: the graph is code the device runs, so it is verified (Ed25519 signature by
+a key the device trusts, every file's hash) each time it is loaded, and the train
+instruction names the architecture hash the coordinator expects: a device holding
+another graph refuses the round instead of training the wrong model.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
+
+from fedge import wire
+from fedge.clients.common import LocalWork, TrainOrder, evaluation_content, received_weights, reply_content
+from fedge.config import RunConfig
+from fedge.edge.trainer import OnnxTrainer
+from fedge.edge.training_bundle import TrainingBundle, read_training_bundle
+from fedge.errors import ConfigError
+
+TRAINING_BUNDLE = Path("bundles") / "training.zip"  # in a run directory
+SIGNING_PUBLIC_KEY = Path("keys") / "signing.pub"  # in a run directory
+
+DeviceArrays = tuple[tuple[np.ndarray, ...], np.ndarray]
+
+_loaded: dict[tuple[str, int, int, str], tuple[TrainingBundle, OnnxTrainer]] = {}
+_lock = threading.Lock()
+
+
+def bundle_location(context: Context, config: RunConfig) -> tuple[Path, Path]:
+    """The training bundle this device uses and the public key it trusts for it."""
+    node = context.node_config
+    if "training-bundle" in node:
+        return Path(str(node["training-bundle"])), Path(str(node.get("trusted-key", "")))
+    run_dir = Path(config.text("run-dir"))
+    return run_dir / TRAINING_BUNDLE, run_dir / SIGNING_PUBLIC_KEY
+
+
+def load_trainer(context: Context, config: RunConfig, expected: str | None) -> tuple[TrainingBundle, OnnxTrainer]:
+    """The verified training bundle and its trainer (verified once per file version and process).
+
+    Raises
+    ------
+    ConfigError
+        No bundle, no trusted key, or a bundle of another architecture than ``expected``.
+    BundleVerificationError
+        The bundle is not signed by the trusted key or was altered.
+    """
+    path, key = bundle_location(context, config)
+    if not path.is_file():
+        raise ConfigError(f"this device trains with onnx (runtime = onnx) but has no training graph at '{path}'; "
+                          "fetch it with `fedge pull --kind training` (or run torch devices)")
+    if not key.is_file():
+        raise ConfigError(f"no trusted signing key at '{key}' to verify the training graph; pass the "
+                          "coordinator's bundle signing public key (`fedge device --trust KEY.pub`)")
+    stat = path.stat()
+    cache_key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, str(key.resolve()))
+    with _lock:
+        if cache_key not in _loaded:
+            bundle = read_training_bundle(path, trusted_keys=[key])
+            _loaded[cache_key] = (bundle, OnnxTrainer(bundle.train_onnx, bundle.eval_onnx, bundle.manifest))
+        bundle, trainer = _loaded[cache_key]
+    if expected and bundle.architecture != expected:
+        raise ConfigError(f"this device's training graph '{path}' is architecture {bundle.architecture[:12]}, the "
+                          f"run trains {expected[:12]}; fetch the current one with `fedge pull --kind training`")
+    return bundle, trainer
+
+
+def onnx_local_work(msg: Message, context: Context, config: RunConfig, order: TrainOrder,
+                    data: DeviceArrays) -> tuple[ArrayRecord, dict[str, np.ndarray], LocalWork]:
+    """Train the instruction's weights on ``data`` with the training graph; the trained arrays."""
+    instruction = msg.content[wire.CONFIG]
+    expected = instruction.get(wire.TRAINING_GRAPH)
+    _, trainer = load_trainer(context, config, str(expected) if expected else None)
+    base = received_weights(msg.content.array_records[wire.ARRAYS])
+    inputs, targets = data
+    if len(targets) == 0:
+        raise ConfigError("this device has no training examples")
+    weights, stats = trainer.train(
+        base, inputs, targets, epochs=order.epochs, batch_size=order.batch_size,
+        learning_rate=order.learning_rate, momentum=order.momentum, seed=order.seed,
+        proximal_mu=order.proximal_mu, max_steps=order.max_steps)
+    trained = ArrayRecord({name: Array(np.ascontiguousarray(weights[name])) for name in base})
+    work = LocalWork(loss=stats.loss, num_examples=stats.num_examples,
+                     samples_processed=stats.samples_processed, steps=stats.steps)
+    return trained, base, work
+
+
+def onnx_train_content(msg: Message, context: Context, config: RunConfig, order: TrainOrder,
+                       data: DeviceArrays) -> RecordDict:
+    """The train reply of an onnx device (the same content a torch device sends)."""
+    trained, base, work = onnx_local_work(msg, context, config, order, data)
+    return reply_content(msg, context, order, trained, base, work)
+
+
+def onnx_evaluate_content(msg: Message, context: Context, config: RunConfig, data: DeviceArrays) -> RecordDict:
+    """The evaluate reply of an onnx device: the graph's metrics as unsummarised means."""
+    _, trainer = load_trainer(context, config, None)
+    weights = received_weights(msg.content.array_records[wire.ARRAYS])
+    inputs, targets = data
+    scores = trainer.evaluate(weights, inputs, targets)
+    return evaluation_content(scores, len(targets))
+
+
+def device_arrays(path: str | Path, manifest: Mapping[str, Any]) -> DeviceArrays:
+    """A real device's own examples for the graph's inputs, without torch.
+
+    ``.npz``: one array per input name (or ``x`` for a single input) and ``y``;
+    ``.csv``: a header, a ``label`` column (else the last) and the features of a single input.
+    Arrays are cast to the dtypes the graph declares.
+    """
+    specs: Sequence[Mapping[str, Any]] = manifest["inputs"]
+    target_dtype = str(manifest["targets"]["dtype"])
+    path = Path(path)
+    if path.suffix == ".npz":
+        inputs, targets = _npz_arrays(path, [str(spec["name"]) for spec in specs])
+    elif path.suffix == ".csv" and len(specs) == 1:
+        from fedge.task.data import load_csv_table  # noqa: PLC0415 - numpy only
+
+        features, labels = load_csv_table(path)
+        inputs, targets = (features,), labels
+    else:
+        raise ConfigError(f"device data '{path}' must be a .npz (one array per input and 'y') or, for a "
+                          "single-input task, a .csv with a header and a label column")
+    cast = tuple(np.ascontiguousarray(array, dtype=str(spec["dtype"]))
+                 for array, spec in zip(inputs, specs, strict=True))
+    if any(len(array) != len(targets) for array in cast):
+        raise ConfigError(f"'{path}': inputs and 'y' hold different numbers of examples "
+                          f"({[len(a) for a in cast]} vs {len(targets)})")
+    return cast, np.ascontiguousarray(targets, dtype=target_dtype)
+
+
+def _npz_arrays(path: Path, names: list[str]) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            files = set(data.files)
+            wanted = names if len(names) != 1 or names[0] in files else ["x" if "x" in files else "X"]
+            missing = [name for name in [*wanted, "y"] if name not in files]
+            if missing:
+                raise ConfigError(f"'{path}' holds arrays {sorted(files)}; it needs {missing} (one array per "
+                                  f"input {names}, and 'y')")
+            return tuple(data[name] for name in wanted), data["y"]
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read '{path}' as .npz: {exc}") from None
