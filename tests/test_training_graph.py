@@ -40,7 +40,11 @@ MODELS: dict[str, dict[str, Any]] = {
     "chars": {"task": "chars"},
     "diabetes": {"task": "diabetes"},
 }
-FAST = {"digits-cnn"}  # the others take 10 s (and images/chars minutes) each on a 2-core machine
+FAST = {"digits-cnn"}
+# The images ResNet's single-step gradients match torch within 1e-6, but 20 steps of momentum SGD amplify
+# float32 rounding ~3x a step (torch against itself, 1 vs 2 threads, differs by 4e-5 on a 2-stage version):
+# the export refuses it on parity, and nothing is signed.
+REFUSED_ON_PARITY = {"images"}  # the others take 10 s (and images/chars minutes) each on a 2-core machine
 
 
 def task_of(name: str) -> Task:
@@ -92,6 +96,10 @@ def _params(name: str) -> Any:
 @pytest.mark.parametrize("name", [_params(name) for name in MODELS])
 def test_every_built_in_model_trains_on_onnxruntime_as_on_torch(name: str) -> None:
     # Prepare: the model's graphs, and the same weights and data for both trainers
+    if name in REFUSED_ON_PARITY:
+        with pytest.raises(ExportError, match=r"after 20 SGD steps .* nothing is signed"):
+            exported(name)
+        return
     graphs, seconds = exported(name)
     task = task_of(name)
     data = sample_of(task)
