@@ -22,16 +22,19 @@ task modules): ``tests/test_trainer.py`` checks it in a process where torch is b
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from fedge.batching import batch_order
 from fedge.errors import ConfigError
 from fedge.signature import InputSpec, check_inputs
 
 log = logging.getLogger("fedge.edge")
+__all__ = ["LocalTrainStats", "MomentumUpdate", "NUMPY_METRICS", "OnnxTrainer", "batch_order"]
+# batch_order is fedge.batching's: torch's train_local draws the same batches, so both runtimes send one update.
 
 STATE_PREFIX = "state:"
 GRAD_PREFIX = "grad:"
@@ -84,39 +87,6 @@ NUMPY_METRICS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
     "mae": _mae,
 }
 """Metrics a device computes without torch, by the name a manifest lists; ``loss`` comes from the graph."""
-
-
-def batch_order(size: int, batch_size: int, seed: int, epochs: int,
-                max_steps: int | None = None) -> Iterator[np.ndarray]:
-    """Index batches: a fresh ``default_rng(seed)`` permutation per epoch, cut into ``batch_size`` pieces.
-
-    The last partial batch of an epoch is kept (``DataLoader(drop_last=False)``). With
-    ``max_steps`` exactly that many batches come, cycling through as many epochs as needed;
-    otherwise ``epochs`` passes.
-
-    Raises
-    ------
-    ConfigError
-        For an empty data set or a batch size, epoch count or step count below 1.
-    """
-    if size < 1:
-        raise ConfigError("no training examples: a device needs at least one")
-    if batch_size < 1:
-        raise ConfigError(f"batch_size {batch_size} must be at least 1")
-    if max_steps is None and epochs < 1:
-        raise ConfigError(f"epochs {epochs} must be at least 1 (or give max_steps)")
-    if max_steps is not None and max_steps < 1:
-        raise ConfigError(f"max_steps {max_steps} must be at least 1")
-    rng = np.random.default_rng(seed)
-    done, epoch = 0, 0
-    while (max_steps is None and epoch < epochs) or (max_steps is not None and done < max_steps):
-        order = rng.permutation(size)
-        for start in range(0, size, batch_size):
-            yield order[start:start + batch_size]
-            done += 1
-            if max_steps is not None and done == max_steps:
-                return
-        epoch += 1
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,7 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
         aten.native_group_norm, aten.native_group_norm_backward,
         aten.native_layer_norm_backward, aten.embedding_dense_backward,
         aten._log_softmax_backward_data, aten._softmax_backward_data, aten.mse_loss_backward,
+        aten.lstm,  # else CPU tracing picks mkldnn_rnn_layer, whose backward has no translation
     ])
     table[aten.convolution_backward.default] = _convolution_backward
     return table
@@ -402,7 +403,8 @@ class _Traced:
                 fakes = _symbolic_inputs(example, len(self.names), specs or self.specs,
                                          _target_shape(targets, specs or self.specs, arrays))
                 tracker = _Recorder()  # its hooks say which layer's forward was running when tracing failed
-                with _hooked(self.module, tracker):
+                # mkldnn off: on CPU an LSTM would trace to mkldnn_rnn_layer, which has no ONNX translation
+                with _hooked(self.module, tracker), torch.backends.mkldnn.flags(enabled=False):
                     graph = make_fx(function, tracing_mode="symbolic", decomposition_table=decompositions())(*fakes)
             except ExportError:
                 raise

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from fedge.batching import batch_order as torch_batches
 from fedge.config import resolve_run_config
 from fedge.edge.trainer import OnnxTrainer, batch_order
 from fedge.edge.training_graph import TrainingGraphs, export_training_graphs
 from fedge.errors import ConfigError
 from fedge.task.api import Task, seeded_model
 from fedge.task.models import model_arrays
-from fedge.task.training import _batches, evaluate, train_local
+from fedge.task.training import evaluate, train_local
 from fedge.tasks import load_task
 
 CPU = torch.device("cpu")
@@ -61,7 +62,7 @@ def test_onnx_trainer_matches_train_local(momentum: float, mu: float, epochs: in
     data = task.train_data().take(slice(200, 300))
     model = seeded_model(task, 1)
     start = weights_of(model)
-    order = [i.numpy() for i in _batches(len(data), 16, torch.Generator().manual_seed(5), epochs, max_steps)]
+    order = list(torch_batches(len(data), 16, 5, epochs, max_steps))
     trainer = OnnxTrainer(graphs.train_onnx, graphs.eval_onnx, manifest_of(graphs))
     # Execute
     expected = train_local(task, model, data, epochs=epochs, batch_size=16, learning_rate=0.05, momentum=momentum,

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from fedge.batching import batch_order as torch_batches
 from fedge.config import resolve_run_config
 from fedge.edge.trainer import OnnxTrainer
 from fedge.edge.training_graph import PARITY_TOLERANCE, TrainingGraphs, export_training_graphs
@@ -25,7 +26,7 @@ from fedge.errors import ExportError
 from fedge.signature import InputSpec
 from fedge.task.api import Task, TaskData, seeded_model
 from fedge.task.models import model_arrays
-from fedge.task.training import _batches, train_local
+from fedge.task.training import train_local
 from fedge.tasks import load_task
 
 CPU = torch.device("cpu")
@@ -72,9 +73,8 @@ def manifest_of(graphs: TrainingGraphs, metrics: tuple[str, ...] = ("loss", "acc
 
 
 def torch_order(size: int, batch_size: int, seed: int, epochs: int, max_steps: int | None) -> list[np.ndarray]:
-    """The batches ``train_local`` draws (its own generator), as index arrays."""
-    generator = torch.Generator().manual_seed(seed)
-    return [index.numpy() for index in _batches(size, batch_size, generator, epochs, max_steps)]
+    """The batches ``train_local`` draws, as index arrays."""
+    return list(torch_batches(size, batch_size, seed, epochs, max_steps))
 
 
 def weights_of(model: nn.Module) -> dict[str, np.ndarray]:
