@@ -123,13 +123,28 @@ def _check_onnx_options(options: DeviceOptions) -> None:
 def pull_training_graph(options: DeviceOptions, state: Path) -> Path:
     """Fetch (or keep) the coordinator's signed training graph and check this device's data against it."""
     from fedge.clients.onnx_client import device_arrays  # noqa: PLC0415
-    from fedge.edge.delivery import pull  # noqa: PLC0415
+    from fedge.edge.delivery import DeliveryError, NotPublished, pull  # noqa: PLC0415
     from fedge.edge.training_bundle import read_training_bundle  # noqa: PLC0415
 
     assert options.trust is not None
-    result = pull(url_or_address=options.bundles or _bundle_service(options.coordinator), kind="training",
-                  directory=state / "bundles", device_key=options.key, ca=options.ca,
-                  trusted_keys=[options.trust], freshness_dir=state / "freshness", insecure=options.insecure)
+    deadline = time.monotonic() + (options.max_wait_s if options.max_wait_s is not None else 60.0)
+    delay = 1.0
+    while True:  # a coordinator publishes the graph when its run starts, a few seconds after it listens
+        try:
+            result = pull(url_or_address=options.bundles or _bundle_service(options.coordinator), kind="training",
+                          directory=state / "bundles", device_key=options.key, ca=options.ca,
+                          trusted_keys=[options.trust], freshness_dir=state / "freshness",
+                          insecure=options.insecure)
+            break
+        except DeliveryError as exc:  # not published yet, or the bundle service not listening yet
+            if time.monotonic() + delay > deadline:
+                if isinstance(exc, NotPublished):
+                    raise FedgeError("the coordinator has published no training graph; is its run started, and "
+                                     "does its log say why it could not export one?") from None
+                raise
+            print(f"{exc}; retrying in {delay:.0f} s", file=sys.stderr, flush=True)
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
     bundle = read_training_bundle(result.path, trusted_keys=[options.trust])
     _, targets = device_arrays(options.data.resolve(), bundle.manifest)
     _check_count(options, len(targets))

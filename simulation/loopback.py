@@ -62,10 +62,14 @@ class LoopbackFederation:
         self.devices: dict[int, subprocess.Popen[bytes]] = {}
         self.run_dir = root / "run"
 
-    def spawn(self, argv: list[str], log: str) -> subprocess.Popen[bytes]:
+    def spawn(self, argv: list[str], log: str, fedge: str = FEDGE) -> subprocess.Popen[bytes]:
+        """Run ``fedge`` (this environment's, unless another install's is given) with ``argv``."""
         env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", **self.extra_env}
+        if fedge != FEDGE:  # another virtualenv: its own bin first, nothing of this one's
+            env["PATH"] = f"{Path(fedge).parent}{os.pathsep}{env.get('PATH', '')}"
+            env.pop("VIRTUAL_ENV", None)
         with (self.root / log).open("ab") as out:
-            return subprocess.Popen([FEDGE, *argv], stdout=out, stderr=subprocess.STDOUT, env=env,
+            return subprocess.Popen([fedge, *argv], stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
 
     def start_coordinator(self, *extra: str, resume: bool = False) -> None:
@@ -76,14 +80,20 @@ class LoopbackFederation:
              "--state-dir", str(self.root / "state"), "--port", str(self.port), *where, *extra],
             "coordinator.log")
 
-    def start_device(self, index: int, key: Path | None = None, *extra: str) -> subprocess.Popen[bytes]:
-        """``fedge device`` number ``index`` (its own key unless ``key`` is given)."""
+    @property
+    def bundle_signing_key(self) -> Path:
+        """The public key the coordinator signs bundles with (made at its first start)."""
+        return self.keys.directory / "bundle-signing" / "signing.pub"
+
+    def start_device(self, index: int, key: Path | None = None, *extra: str,
+                     fedge: str = FEDGE) -> subprocess.Popen[bytes]:
+        """``fedge device`` number ``index`` (its own key unless ``key`` is given; ``fedge``: which install)."""
         self.devices[index] = self.spawn(
             ["device", "--coordinator", f"127.0.0.1:{self.port}", "--profile", "laptop",
              "--data", str(self.root / f"dev{index}.npz"),
              "--key", str(key or self.root / "keys" / "devices" / f"dev{index}.key"),
              "--ca", str(self.keys.ca_cert), "--state-dir", str(self.root / f"device{index}"), *extra],
-            f"device{index}.log")
+            f"device{index}.log", fedge)
         return self.devices[index]
 
     def rows(self) -> list[dict[str, Any]]:
