@@ -72,3 +72,21 @@ def test_a_task_outside_fedge_runs_on_ray(fast_config: dict[str, Any], tmp_path:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["task"] == "wave" and summary["headline"] == "mse"
     assert [row["participants"] for row in rows[1:]] == [4, 4] and rows[-1]["mse"] < rows[0]["mse"]
+
+
+@pytest.mark.slow
+def test_ray_backend_runs_a_fleet_of_torch_and_onnx_devices(tmp_path: Any) -> None:
+    # Prepare: 3 onnx phones and 3 torch laptops, every device every round, on Ray's workers
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text('[profiles.phone-onnx]\ncompute-rate = 200.0\nuplink-mbps = 2.0\ndownlink-mbps = 10.0\n'
+                     'memory-mb = 2048\nruntime = "onnx"\n\n[fleet]\nphone-onnx = 3\nlaptop = 3\n')
+    overrides = {"fleet-file": str(fleet), "clients-per-round": 6, "num-rounds": 2, "model": "mlp",
+                 "local-epochs": 1, "export-onnx": False, "run-dir": str(tmp_path / "run")}
+    # Execute
+    run_dir, summary = simulate(overrides, backend="ray", progress=False)
+    # Assert: both runtimes' updates accepted each round
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["rounds"] == 2 and summary["failed"] == 0
+    for row in rows[1:]:
+        assert row["participants_by_profile"] == {"phone-onnx": 3, "laptop": 3}
+    assert rows[-1]["accuracy"] > rows[0]["accuracy"]
