@@ -78,7 +78,7 @@ def _run_config(args: argparse.Namespace) -> dict[str, Any]:
     overrides.update({k: v for k, v in flags.items() if v is not None})
     overrides["deployment"] = True
     if not overrides.get("signing-key"):
-        overrides["signing-key"] = str(_bundle_signing_key(args))
+        overrides["signing-key"] = str(_bundle_signing_key_path(args))  # made in _start, after the checks
     config = resolve_run_config(overrides)  # refuse bad keys before starting anything
     from fedge.server.app import check_deployment
 
@@ -90,20 +90,25 @@ def _run_config(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in resolve_run_config(overrides).items() if k in overrides}
 
 
-def _bundle_signing_key(args: argparse.Namespace) -> Path:
-    """The coordinator's Ed25519 bundle signing key, made once and kept (``KEYS/bundle-signing/``).
+def _bundle_signing_key_path(args: argparse.Namespace) -> Path:
+    """Where the coordinator's Ed25519 bundle signing key lives (``KEYS/bundle-signing/signing.key``).
 
     Devices trust bundles (inference and training) by this key's public half,
     ``signing.pub``, given to them with ``ca.crt``: a per-run key would change every run.
     """
-    from fedge.edge.signing import PRIVATE_NAME, generate_signing_key
+    from fedge.edge.signing import PRIVATE_NAME
 
-    directory = (args.state_dir if args.insecure else args.keys) / "bundle-signing"
-    if not (directory / PRIVATE_NAME).exists():
-        generate_signing_key(directory)
-        print(f"bundle signing key made: {directory / PRIVATE_NAME}; give devices {directory / 'signing.pub'} "
+    return ((args.state_dir if args.insecure else args.keys) / "bundle-signing" / PRIVATE_NAME).resolve()
+
+
+def _ensure_bundle_signing_key(path: Path) -> None:
+    """Make the bundle signing key at ``path`` once (kept across runs and restarts)."""
+    from fedge.edge.signing import generate_signing_key
+
+    if not path.exists():
+        generate_signing_key(path.parent)
+        print(f"bundle signing key made: {path}; give devices {path.with_name('signing.pub')} "
               "(`fedge pull --trust`, `fedge device --runtime onnx --trust`)", flush=True)
-    return (directory / PRIVATE_NAME).resolve()
 
 
 def _registered(args: argparse.Namespace) -> int | None:
@@ -123,6 +128,8 @@ def _start(args: argparse.Namespace) -> int:
     if keys is not None:
         check_coordinator_keys(keys)  # TLS files first, then the run against the registered devices
     run_config = _run_config(args)
+    if Path(str(run_config["signing-key"])) == _bundle_signing_key_path(args):
+        _ensure_bundle_signing_key(_bundle_signing_key_path(args))
     coordinator = Coordinator(args.state_dir, keys, host=args.host, port=args.port, control_port=args.control_port,
                               bundle_port=args.bundle_port)
     try:

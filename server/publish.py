@@ -251,7 +251,7 @@ def registered_device_keys(keys: CoordinatorKeys) -> dict[str, ec.EllipticCurveP
     return found
 
 
-class Refused(Exception):
+class Refused(FedgeError):
     """A request that fails authentication (the message says what to do)."""
 
 

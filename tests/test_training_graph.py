@@ -37,15 +37,18 @@ MODELS: dict[str, dict[str, Any]] = {
     "digits-mlp": {"dataset": "digits", "model": "mlp"},
     "digits-logreg": {"dataset": "digits", "model": "logreg"},
     "synthetic": {"dataset": "synthetic", "model": "mlp"},
-    "images": {"task": "images"},
     "chars": {"task": "chars"},
     "diabetes": {"task": "diabetes"},
 }
-FAST = {"digits-cnn"}
-# The images ResNet's single-step gradients match torch within 1e-6, but 20 steps of momentum SGD amplify
-# float32 rounding ~3x a step (torch against itself, 1 vs 2 threads, differs by 4e-5 on a 2-stage version):
-# the export refuses it on parity, and nothing is signed.
-REFUSED_ON_PARITY = {"images"}  # the others take 10 s (and images/chars minutes) each on a 2-core machine
+FAST = {"digits-cnn"}  # the others take 10-30 s each on a 2-core machine
+# The images ResNet is not here: its single-step gradients match torch within 1e-6, but 20 steps of
+# momentum SGD amplify float32 rounding ~3x a step (9e-3 after 20; torch against itself, 1 vs 2 threads,
+# differs by 4e-5 on a 2-stage version), so the export refuses it on parity and nothing is signed; the
+# export takes minutes, so bench/ondevice.py records that refusal instead of the suite.
+REFUSED_ON_PARITY: set[str] = set()
+# The LSTM is unrolled over the sequence: the full 64-character export takes minutes on 2 cores
+# (bench/ondevice.py measures it); here the same model trains on windows of 8 characters.
+SEQUENCE = {"chars": 8}
 
 
 def task_of(name: str) -> Task:
@@ -53,7 +56,11 @@ def task_of(name: str) -> Task:
 
 
 def sample_of(task: Task, size: int = SAMPLE) -> TaskData:
-    return task.train_data().take(slice(0, size))
+    data = task.train_data().take(slice(0, size))
+    length = SEQUENCE.get(task.name)
+    if length is None:
+        return data
+    return TaskData(tuple(array[:, :length] for array in data.inputs), data.targets[:, :length])
 
 
 @functools.cache
