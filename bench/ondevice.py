@@ -65,13 +65,15 @@ DEPLOY_ENV = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}
 
 # =========================================================================== workers
 # Each worker runs in a fresh interpreter (``python bench/ondevice.py --worker KIND SPEC OUT``),
-# reads a JSON spec and writes a JSON result; its peak RSS is its own ``ru_maxrss``.
+# reads a JSON spec and writes a JSON result; its peak RSS is its own ``VmHWM``.
 
 
 def _peak_rss_mib() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    """This process's peak RSS (``VmHWM``: unlike ``ru_maxrss``, not inherited from the forking parent)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
 def _median_ms(step: Callable[[], object], warmup: int, steps: int) -> dict[str, float]:
@@ -381,28 +383,29 @@ def print_steps(result: dict[str, Any]) -> None:
 # =========================================================================== 2. start-up
 
 
-def demo_shard(folder: Path) -> dict[str, Any]:
-    """The demo's device 0 shard, its initial global weights and a signed training bundle, in ``folder``."""
+SHARDS = {"demo device 0": {}, "IID half (section 4's device)": {"partitioner": "iid"}}
+
+
+def demo_shard(folder: Path, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Device 0's shard (the demo's 100-device split, or 2 devices when ``overrides`` is IID as in section 4),
+    the initial global weights and a signed training bundle, in ``folder``."""
     import numpy as np
-    from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from fedge.profiles import parse_fleet
     from fedge.server.training import export_training_graph, write_run_training_bundle
 
-    task, run_config, model = load_setup({})
-    shard = task.partition(0, parse_fleet(run_config.text("fleet"), "").size, run_config)
+    task, run_config, model = load_setup(overrides)
+    devices = 2 if overrides else parse_fleet(run_config.text("fleet"), "").size
+    shard = task.partition(0, devices, run_config)
+    folder.mkdir(parents=True, exist_ok=True)
     np.savez(folder / "shard.npz", x=shard.inputs[0], y=shard.targets)
     np.savez(folder / "weights.npz", **{k: v.detach().cpu().numpy() for k, v in model.state_dict().items()})
     graphs, metrics = export_training_graph(task, model, run_config)
-    key = Ed25519PrivateKey.generate()
-    write_run_training_bundle(graphs, metrics, task, folder, private_key=key)
-    (folder / "signing.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                           serialization.PrivateFormat.PKCS8,
-                                                           serialization.NoEncryption()))
-    return {"config": {}, "data": str(folder / "shard.npz"), "weights": str(folder / "weights.npz"),
+    write_run_training_bundle(graphs, metrics, task, folder, private_key=Ed25519PrivateKey.generate())
+    return {"config": overrides, "data": str(folder / "shard.npz"), "weights": str(folder / "weights.npz"),
             "bundle": str(folder / "bundles" / "training.zip"), "trust": str(folder / "keys" / "signing.pub"),
-            "round": DEMO_ROUND, "examples": len(shard)}
+            "round": DEMO_ROUND, "examples": len(shard), "devices": devices}
 
 
 def section_startup(args: argparse.Namespace) -> dict[str, Any]:
@@ -412,34 +415,40 @@ def section_startup(args: argparse.Namespace) -> dict[str, Any]:
         runs.append(("onnx (device venv)", "round-onnx", str(venv_python("device"))))
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp, progress_bar() as progress:
-        spec = demo_shard(Path(tmp))
-        bar = progress.add_task("device start-up", total=len(runs) * args.repeats)
-        for label, kind, python in runs:
-            samples = []
-            for _ in range(args.repeats):
-                samples.append(run_worker(kind, spec, Path(tmp), python))
-                progress.advance(bar)
-            keys = ("imported_s", "first_step_s", "total_s", "wall_s", "peak_rss_mib")
-            rows.append({"runtime": label, "python": python, "torch_loaded": samples[0]["torch_loaded"],
-                         "steps": samples[0]["steps"], "loss": samples[0]["loss"],
-                         **{key: statistics.median(s[key] for s in samples) for key in keys},
-                         "samples": samples})
-    base = rows[0]
-    for row in rows:
-        row["ratio_vs_torch"] = {key: row[key] / base[key] for key in ("first_step_s", "wall_s", "peak_rss_mib")}
-    return {"settings": {"model": "digits cnn (the demo)", "shard": "demo device 0 (Dirichlet 0.5 of 100)",
-                         "examples": spec["examples"], **DEMO_ROUND, "repeats": args.repeats,
-                         "statistic": "median"}, "rows": rows}
+        bar = progress.add_task("device start-up", total=len(SHARDS) * len(runs) * args.repeats)
+        for index, (shard_name, overrides) in enumerate(SHARDS.items()):
+            folder = Path(tmp) / f"shard{index}"
+            spec = demo_shard(folder, overrides)
+            shard_rows = []
+            for label, kind, python in runs:
+                samples = []
+                for _ in range(args.repeats):
+                    samples.append(run_worker(kind, spec, folder, python))
+                    progress.advance(bar)
+                keys = ("imported_s", "first_step_s", "total_s", "wall_s", "peak_rss_mib")
+                shard_rows.append({"shard": shard_name, "examples": spec["examples"], "runtime": label,
+                                   "python": python, "torch_loaded": samples[0]["torch_loaded"],
+                                   "steps": samples[0]["steps"], "loss": samples[0]["loss"],
+                                   **{key: statistics.median(s[key] for s in samples) for key in keys},
+                                   "samples": samples})
+            for row in shard_rows:
+                row["ratio_vs_torch"] = {key: row[key] / shard_rows[0][key]
+                                         for key in ("first_step_s", "wall_s", "peak_rss_mib")}
+            rows.extend(shard_rows)
+    return {"settings": {"model": "digits cnn (the demo)", "shards": SHARDS, **DEMO_ROUND, "repeats": args.repeats,
+                         "statistic": "median", "threads": "torch 1 / onnxruntime 1",
+                         "timed_from": "just before the subprocess is spawned"}, "rows": rows}
 
 
 def print_startup(result: dict[str, Any]) -> None:
-    rows = [[row["runtime"], f"{row['imported_s']:.2f}", f"{row['first_step_s']:.2f}",
+    rows = [[f"{row['shard']} ({row['examples']} ex.)", row["runtime"], f"{row['imported_s']:.2f}",
+             f"{row['first_step_s']:.2f}",
              f"{row['wall_s']:.2f}", f"{row['peak_rss_mib']:.0f}", str(row["steps"]), f"{row['loss']:.4f}",
              "yes" if row["torch_loaded"] else "no",
              f"{row['ratio_vs_torch']['first_step_s']:.2f}x / {row['ratio_vs_torch']['wall_s']:.2f}x / "
              f"{row['ratio_vs_torch']['peak_rss_mib']:.2f}x"] for row in result["rows"]]
-    print_table("2. device process: imports + one local round (demo CNN, 5 epochs, batch 16), cold start",
-                ["runtime", "imports s", "first step s", "total s", "peak MiB", "steps", "round loss", "torch",
+    print_table("2. device process, cold: imports + one local round (demo CNN, 5 epochs, batch 16)",
+                ["shard", "runtime", "imports s", "first step s", "total s", "peak MiB", "steps", "round loss", "torch",
                  "vs torch: first / total / MiB"], rows)
 
 
