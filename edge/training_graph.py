@@ -188,6 +188,8 @@ def export_training_graphs(module: nn.Module, loss: Callable[[torch.Tensor, torc
         random ops), a backward that cannot be traced or translated (naming the layer), or
         parity worse than :data:`PARITY_TOLERANCE`.
     """
+    # torch's exporter warns four times per export that torchvision (not a dependency) is absent
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     module = module.cpu()
     was_training = module.training
     arrays = _checked_sample(inputs, sample_inputs)

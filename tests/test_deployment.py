@@ -17,7 +17,8 @@ from fedge.simulation.loopback import FEDGE, LoopbackFederation
 
 pytestmark = pytest.mark.slow
 
-FAST = "model='mlp' local-epochs=2 export-onnx=false round-timeout=60.0"
+# runtime=torch: these devices all train with torch, so the coordinator skips the training graph export
+FAST = "model='mlp' local-epochs=2 export-onnx=false round-timeout=60.0 runtime='torch'"
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def federation(tmp_path: Path) -> Iterator[LoopbackFederation]:
 def test_two_rounds_with_tls_and_auth(federation: LoopbackFederation) -> None:
     # Prepare / Execute: coordinator + 3 devices, 2 rounds
     federation.start_coordinator("--rounds", "2", "--clients-per-round", "3",
-                                 "--run-config", "model='mlp' local-epochs=2 export-every=0")
+                                 "--run-config", "model='mlp' local-epochs=2 export-every=0 runtime='torch'")
     for index in range(3):
         federation.start_device(index)
     federation.wait_for(lambda: len(federation.rows()) >= 2, 180, "round 1")
@@ -71,7 +72,7 @@ def test_unregistered_device_is_refused_and_the_round_goes_on(federation: Loopba
 def test_a_dead_device_is_left_out_when_the_round_times_out(federation: LoopbackFederation) -> None:
     # Prepare: 3 devices; after round 1 one of them dies (still listed online by the SuperLink)
     federation.start_coordinator("--rounds", "2", "--clients-per-round", "3", "--run-config",
-                                 "model='mlp' local-epochs=2 export-onnx=false round-timeout=20.0 "
+                                 "model='mlp' local-epochs=2 export-onnx=false round-timeout=20.0 runtime='torch' "
                                  "min-train-replies=2")
     for index in range(3):
         federation.start_device(index)
@@ -87,7 +88,7 @@ def test_a_dead_device_is_left_out_when_the_round_times_out(federation: Loopback
 
 def test_coordinator_killed_mid_run_resumes_to_the_same_round_count(federation: LoopbackFederation) -> None:
     # Prepare: a 4-round run with slow local training, killed with SIGKILL after round 1
-    config = "model='mlp' local-epochs=30 export-onnx=false round-timeout=120.0"
+    config = "model='mlp' local-epochs=30 export-onnx=false round-timeout=120.0 runtime='torch'"
     federation.start_coordinator("--rounds", "4", "--clients-per-round", "3", "--run-config", config)
     for index in range(3):
         federation.start_device(index)
@@ -128,7 +129,7 @@ def test_fedbuff_runs_asynchronously_in_deployment(federation: LoopbackFederatio
     # 3 devices, 2 training at a time, every 2 arrivals applied: 3 buffer flushes
     federation.start_coordinator("--rounds", "3", "--clients-per-round", "2", "--run-config",
                                  "model='mlp' local-epochs=2 export-onnx=false strategy='fedbuff' concurrency=2 "
-                                 "buffer-size=2 round-timeout=60.0")
+                                 "buffer-size=2 round-timeout=60.0 runtime='torch'")
     for index in range(3):
         federation.start_device(index)
     federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 240, "the summary")
@@ -141,7 +142,7 @@ def test_fedbuff_runs_asynchronously_in_deployment(federation: LoopbackFederatio
 def test_deadline_with_over_selection_in_deployment(federation: LoopbackFederation) -> None:
     # K = 2 with over-selection 1.5: 3 devices asked, the first 2 replies within 60 s kept
     federation.start_coordinator("--rounds", "2", "--clients-per-round", "2", "--run-config",
-                                 "model='mlp' local-epochs=2 export-onnx=false round-policy='deadline' "
+                                 "model='mlp' local-epochs=2 export-onnx=false round-policy='deadline' runtime='torch' "
                                  "deadline-s=60.0 over-selection=1.5")
     for index in range(3):
         federation.start_device(index)
@@ -170,7 +171,7 @@ def test_secure_aggregation_in_deployment(federation: LoopbackFederation) -> Non
         port = probe.getsockname()[1]
     federation.start_coordinator("--rounds", "1", "--clients-per-round", "3", "--dashboard", "--dashboard-port",
                                  str(port), "--run-config",
-                                 "model='mlp' local-epochs=2 export-onnx=false secure-aggregation=true")
+                                 "model='mlp' local-epochs=2 export-onnx=false secure-aggregation=true runtime='torch'")
     federation.wait_for(lambda: _dashboard_status(port) == "starting", 120, "the dashboard")
     for index in range(3):
         federation.start_device(index)
