@@ -114,8 +114,12 @@ class MeteredGrid(Grid):
         down = {m.metadata.dst_node_id: wire.payload_bytes(m.content) for m in messages}
         timed = []
         self.last_durations = {}
-        for reply in self._exchange(messages, timeout):
+        replies = self._exchange(messages, timeout)
+        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}  # ids are set once pushed
+        for reply in replies:
             node = reply.metadata.src_node_id
+            if reply.has_error():  # the SuperLink answers for a node it could not reach (as node 1)
+                node = sent_to.get(reply.metadata.reply_to_message_id, node)
             self.current.bytes_down += down.get(node, 0)
             seconds = 0.0 if reply.has_error() else self._charge(reply.content, down.get(node, 0), node)
             if self.behaviour is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 from collections import Counter
@@ -123,13 +124,24 @@ class RoundRecorder:
                      row: dict[str, Any]) -> None:
         """Append this round's device replies to ``devices.jsonl`` (rejected ones marked)."""
         rejected = {r.node_id: r.reason for r in report.rejected} if report else {}
+        names = self.device_names()
         with (self.run_dir / "devices.jsonl").open("a") as stream:
             for reply in replies:
                 event = {"round": server_round, "sim_time_s": row["sim_time_s"], "wall_time_s": row["wall_time_s"],
-                         **reply}
+                         **reply, "node_id": str(reply["node"])}  # ids as strings too: JSON readers lose digits
+                if str(reply["node"]) in names:
+                    event["name"] = names[str(reply["node"])]
                 if reply["node"] in rejected:
                     event.update(status="rejected", reason=rejected[reply["node"]])
                 stream.write(json.dumps(event, sort_keys=True) + "\n")
+
+    @staticmethod
+    def device_names() -> dict[str, str]:
+        """``{node id: device name}`` from the coordinator's registered keys ({} in simulation)."""
+        from fedge.server.coordinator import NAMES_ENV, read_names
+
+        path = os.environ.get(NAMES_ENV)
+        return read_names(Path(path)) if path else {}
 
     def finish(self) -> dict[str, Any]:
         """Export the final model, plot, and write ``summary.json``."""
