@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+if sys.platform != "win32":
+    import fcntl
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
@@ -39,3 +43,22 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """:func:`write_atomic` of ``data``."""
     write_atomic(path, lambda handle: handle.write(data))
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an advisory exclusive lock on the file ``path`` (created 0600) while the block runs.
+
+    For writers that read, decide and replace (freshness records, published bundles, pulls):
+    two of them at once could otherwise both pass a check and the older land last. Windows
+    has no ``flock``: there the block runs unlocked (one process at a time is assumed).
+    """
+    if sys.platform == "win32":
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

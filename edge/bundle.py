@@ -37,7 +37,6 @@ import json
 import logging
 import lzma
 import math
-import os
 import re
 import struct
 import sys
@@ -53,11 +52,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from fedge.edge.signing import ensure_private_dir, fingerprint, load_public_key
 from fedge.errors import BundleVerificationError, ConfigError
-from fedge.files import write_bytes_atomic
+from fedge.files import exclusive_lock, write_bytes_atomic
 from fedge.signature import DTYPES
-
-if sys.platform != "win32":
-    import fcntl
 
 log = logging.getLogger("fedge.edge")
 
@@ -587,15 +583,8 @@ class FreshnessStore:
 
     @contextmanager
     def _locked(self, model_id: str) -> Iterator[None]:
-        if sys.platform == "win32":  # no advisory locks: one loader at a time on Windows
+        with exclusive_lock(self.record_path(model_id).with_suffix(".lock")):
             yield
-            return
-        fd = os.open(self.record_path(model_id).with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
 
     @staticmethod
     def _corrupt(path: Path, problem: str) -> BundleVerificationError:
@@ -603,3 +592,22 @@ class FreshnessStore:
             f"freshness record '{path}' {problem}; every bundle of this model is refused until it is "
             "restored from a backup (or deleted, which accepts the next bundle at any version)"
         )
+
+
+def zip_lineage(data: bytes | Path) -> tuple[str | None, int | None]:
+    """``(model_id, version)`` a zipped bundle's manifest names, or Nones (unreadable, or none named).
+
+    Unverified: for reporting and for refusing to publish an older version, never for trust.
+    """
+    import io  # noqa: PLC0415
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data) if isinstance(data, bytes) else data) as archive:
+            manifest = json.loads(archive.read(MANIFEST))
+    except (*ZIP_ERRORS, KeyError):
+        return None, None
+    if not isinstance(manifest, dict):
+        return None, None
+    model_id, version = manifest.get("model_id"), manifest.get("version")
+    return (model_id if isinstance(model_id, str) else None,
+            version if isinstance(version, int) and not isinstance(version, bool) else None)

@@ -37,7 +37,6 @@ needed for integrity. ``insecure=True`` (plain HTTP, only against a coordinator 
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import http.client
 import importlib
@@ -49,8 +48,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
-import zipfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,18 +59,18 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
 from fedge.edge.bundle import (
-    MANIFEST,
     MAX_BUNDLE_BYTES,
-    ZIP_ERRORS,
     FreshnessStore,
     TrustedKey,
     read_bundle,
     verify_bundle,
+    zip_lineage,
 )
 from fedge.errors import BundleVerificationError, FedgeError
+from fedge.files import exclusive_lock
 
 if sys.platform != "win32":
-    import fcntl
+    pass
 
 KINDS = ("inference", "training")
 API_PREFIX = "/v1/bundles/"
@@ -239,7 +237,7 @@ def pull(
     store = FreshnessStore(base_store if kind == "inference" else base_store / "training")
     check = verifier or _default_verifier(kind)
     target = folder / f"{kind}.zip"
-    with _locked(folder / f".{kind}.lock"):
+    with exclusive_lock(folder / f".{kind}.lock"):
         held = _file_sha256(target)
         path = prefix + API_PREFIX + kind
         headers = signed_headers(key, "GET", path) if key is not None else {}
@@ -253,7 +251,7 @@ def pull(
                 if held is None:
                     raise DeliveryError("the coordinator answered 304 (not modified) to a device that holds no "
                                         "bundle; try again")
-                model_id, version = _local_lineage(target)
+                model_id, version = zip_lineage(target)
                 return PullResult(kind, False, target, version, held, 0, model_id)
             _raise_for_status(response, kind, url_or_address)
             scratch, digest, size = _download(response, folder, target.name)
@@ -265,7 +263,7 @@ def pull(
                 raise DeliveryError(f"the {kind} bundle arrived damaged (its SHA-256 is not the coordinator's "
                                     "ETag); pull again")
             if digest == held:  # the same bytes again (the coordinator ignored If-None-Match)
-                model_id, version = _local_lineage(target)
+                model_id, version = zip_lineage(target)
                 return PullResult(kind, False, target, version, digest, size, model_id)
             try:
                 manifest = dict(check(scratch, trusted_keys, store))
@@ -431,29 +429,3 @@ def _file_sha256(path: Path) -> str | None:
         return None
 
 
-def _local_lineage(path: Path) -> tuple[str | None, int | None]:
-    """``(model_id, version)`` the held bundle's manifest names (for reporting; it verified when installed)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            manifest = json.loads(archive.read(MANIFEST))
-    except (*ZIP_ERRORS, KeyError):
-        return None, None
-    if not isinstance(manifest, dict):
-        return None, None
-    model_id, version = manifest.get("model_id"), manifest.get("version")
-    return (model_id if isinstance(model_id, str) else None,
-            version if isinstance(version, int) and not isinstance(version, bool) else None)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """One pull of a kind at a time in a directory (so a slower, older download cannot land last)."""
-    if sys.platform == "win32":
-        yield
-        return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)

@@ -250,7 +250,7 @@ def _user_code(exc: BaseException) -> str:
 
 def _translation_error(model: nn.Module, program: Any, exc: BaseException) -> ExportError:
     """An ExportError naming the layer and op the ONNX translation failed on."""
-    messages = _messages(exc)
+    messages = exception_messages(exc)
     node = _failed_node(program, messages)
     detail = _first_line(exc.__cause__ or exc, 300) if node is None else _root_line(exc)
     where = "an op" if node is None else _describe_node(node)
@@ -261,7 +261,7 @@ def _translation_error(model: nn.Module, program: Any, exc: BaseException) -> Ex
     )
 
 
-def _messages(exc: BaseException) -> list[str]:
+def exception_messages(exc: BaseException) -> list[str]:
     """The texts of ``exc`` and its causes."""
     texts: list[str] = []
     current: BaseException | None = exc

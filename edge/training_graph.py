@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedge.edge.export import PARITY_TOLERANCE as INFERENCE_TOLERANCE
-from fedge.edge.export import _checked_sample, _first_line
+from fedge.edge.export import _checked_sample, _first_line, exception_messages
 from fedge.edge.trainer import GRAD_PREFIX, LOSS, OUTPUT, STATE_PREFIX, TARGETS, MomentumUpdate
 from fedge.errors import ExportError
 from fedge.signature import DTYPES, InputSpec
@@ -467,7 +467,7 @@ class _Traced:
                               f"({type(exc).__name__}: {_first_line(exc, 400)})") from exc
 
     def _error(self, what: str, exc: BaseException, running: Sequence[str] = ()) -> ExportError:
-        text = "\n".join(_chain(exc))
+        text = "\n".join(exception_messages(exc))
         found = _FAILED_TARGET.search(text)
         op = None
         if found:
@@ -495,13 +495,6 @@ def _strip_name(name: str, traced: _Traced) -> str:
     return traced.state[traced.names.index(name)].name
 
 
-def _chain(exc: BaseException) -> list[str]:
-    texts: list[str] = []
-    current: BaseException | None = exc
-    while current is not None and len(texts) < 10:
-        texts.append(str(current))
-        current = current.__cause__ or current.__context__
-    return texts
 
 
 def _symbolic_inputs(example: tuple[torch.Tensor, ...], count: int, specs: Sequence[InputSpec],

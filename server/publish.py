@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import datetime as dt
 import io
 import json
@@ -48,7 +47,7 @@ import sys
 import threading
 import time
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from fedge.edge.bundle import MANIFEST, ZIP_ERRORS, read_bundle, sha256
+from fedge.edge.bundle import MANIFEST, read_bundle, sha256, zip_lineage
 from fedge.edge.delivery import (
     API_PREFIX,
     HEADER_DEVICE,
@@ -69,11 +68,11 @@ from fedge.edge.delivery import (
     key_fingerprint,
 )
 from fedge.errors import BundleVerificationError, ConfigError, FedgeError
-from fedge.files import write_bytes_atomic
+from fedge.files import exclusive_lock, write_bytes_atomic
 from fedge.server.pki import CoordinatorKeys
 
 if sys.platform != "win32":
-    import fcntl
+    pass
 
 log = logging.getLogger("fedge.server.publish")
 
@@ -129,14 +128,14 @@ def publish_bundle(kind: str, source: Path, published: Path) -> str:
     """
     target = published_file(published, kind)
     data = _bundle_bytes(kind, Path(source))
-    model_id, version = _lineage(data)
+    model_id, version = zip_lineage(data)
     published.mkdir(parents=True, exist_ok=True)
-    with _locked(published / ".publish.lock"):
+    with exclusive_lock(published / ".publish.lock"):
         current = target.read_bytes() if target.exists() else None
         if current is not None:
             if current == data:
                 return sha256(data)
-            held_id, held_version = _lineage(current)
+            held_id, held_version = zip_lineage(current)
             if model_id is not None and model_id == held_id and version is not None \
                     and held_version is not None and version < held_version:
                 raise PublishRefused(f"{kind} bundle '{model_id}' version {version} is older than the published "
@@ -191,31 +190,6 @@ def deterministic_zip(files: Mapping[str, bytes]) -> bytes:
     return buffer.getvalue()
 
 
-def _lineage(data: bytes) -> tuple[str | None, int | None]:
-    """``(model_id, version)`` of a zipped bundle's manifest, or Nones when it names none."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            manifest = json.loads(archive.read(MANIFEST))
-    except (*ZIP_ERRORS, KeyError):
-        return None, None
-    if not isinstance(manifest, dict):
-        return None, None
-    model_id, version = manifest.get("model_id"), manifest.get("version")
-    return (model_id if isinstance(model_id, str) else None,
-            version if isinstance(version, int) and not isinstance(version, bool) else None)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    if sys.platform == "win32":
-        yield
-        return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def publish_from_environment(kind: str, source: Path) -> str | None:
@@ -480,7 +454,7 @@ def describe(published: Path) -> list[str]:
         if not path.exists():
             continue
         data = path.read_bytes()
-        model_id, version = _lineage(data)
+        model_id, version = zip_lineage(data)
         when = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         lines.append(f"{kind}: {model_id or '?'} version {version if version is not None else '?'}, "
                      f"{len(data)} bytes, published {when}")
