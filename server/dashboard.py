@@ -29,7 +29,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -81,8 +81,16 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 class RunView:
     """What the API serves, read fresh from ``run_dir`` on every request."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
+    def __init__(self, run_dir: Path, state_dir: Path | None = None) -> None:
+        self.run_dir, self.state_dir = run_dir, state_dir
+
+    def names(self) -> dict[str, str]:
+        """``{node id: device name}`` from the coordinator's registered keys (``STATE_DIR/device-names.json``)."""
+        if self.state_dir is None:
+            return {}
+        from fedge.server.coordinator import read_names
+
+        return read_names(self.state_dir / "device-names.json")
 
     def rounds(self) -> dict[str, Any]:
         rows, bad = read_lines(self.run_dir / "metrics.jsonl")
@@ -111,13 +119,16 @@ class RunView:
 
     def devices(self) -> dict[str, Any]:
         events, bad = read_lines(self.run_dir / "devices.jsonl")
-        devices: dict[int, dict[str, Any]] = {}
+        devices: dict[str, dict[str, Any]] = {}
+        names = self.names()
         for event in events:
-            node = event.get("node")
-            if not isinstance(node, int):
+            raw = event.get("node_id", event.get("node"))
+            if not isinstance(raw, int | str) or isinstance(raw, bool) or not str(raw).isdigit():
                 continue
-            device = devices.setdefault(node, {"node": node, "profile": "", "rounds_joined": 0, "rejected": 0,
-                                                "errors": 0, "last_round": 0, "last_reply_s": None})
+            node = str(raw)  # a string: browsers' numbers lose the last digits of 19-digit ids
+            device = devices.setdefault(node, {"node": node, "name": event.get("name") or names.get(node, ""),
+                                               "profile": "", "rounds_joined": 0, "rejected": 0,
+                                               "errors": 0, "last_round": 0, "last_reply_s": None})
             device["profile"] = event.get("profile") or device["profile"]
             device["last_round"] = max(device["last_round"], int(event.get("round", 0)))
             device["last_seen_sim_s"] = event.get("sim_time_s")
@@ -130,13 +141,69 @@ class RunView:
                 device["rejected"] += 1
             else:
                 device["errors"] += 1
-        ordered = sorted(devices.values(), key=lambda d: (-d["last_round"], d["node"]))
+        ordered = sorted(devices.values(), key=lambda d: (-d["last_round"], d["name"], int(d["node"])))
         return {"devices": ordered, "skipped_lines": bad}
 
     def rejections(self) -> dict[str, Any]:
         rows = self.rounds()["rounds"]
-        return {"rejections": [{"round": row["round"], **rejection} for row in rows
-                               for rejection in row.get("rejections", []) if isinstance(rejection, dict)]}
+        names = self.names()
+        found = []
+        for row in rows:
+            for rejection in row.get("rejections", []):
+                if isinstance(rejection, dict):
+                    item = {"round": row["round"], **rejection}
+                    if "node_id" in item:
+                        item["node_id"] = str(item["node_id"])
+                        item["name"] = names.get(item["node_id"], "")
+                    found.append(item)
+        return {"rejections": found}
+
+    def health(self) -> dict[str, Any]:
+        """Liveness for a supervisor or load balancer: the run's status and last completed round."""
+        summary = self.summary()
+        return {"ok": True, "status": summary["status"], "rounds_done": summary["rounds_done"]}
+
+    def metrics(self) -> str:
+        """Prometheus text format: rounds, participants, rejected and failed replies by reason, bytes,
+        round latency, devices seen in the last round."""
+        rows = [row for row in self.rounds()["rounds"] if int(row.get("round", 0)) > 0]
+        summary = self.summary()
+        events, _ = read_lines(self.run_dir / "devices.jsonl")
+        last = rows[-1] if rows else {}
+        lines = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP fedge_{name} {help_text}", f"# TYPE fedge_{name} {kind}"])
+            lines.extend(f"fedge_{name}{labels} {value:g}" for labels, value in samples)
+
+        metric("rounds_completed", "gauge", "Rounds completed by the current run.", [("", len(rows))])
+        metric("rounds_total", "gauge", "Rounds the current run was asked for.", [("", summary["rounds_total"])])
+        metric("run_finished", "gauge", "1 once the run wrote its summary.", [("", summary["status"] == "finished")])
+        metric("participants", "gauge", "Devices whose update the last round kept.",
+               [("", last.get("participants", 0))])
+        metric("participants_total", "counter", "Updates kept over the run.",
+               [("", sum(r.get("participants", 0) for r in rows))])
+        by_reason: dict[tuple[str, str], int] = {}
+        for event in events:
+            if event.get("status") in ("rejected", "error"):
+                key = (str(event["status"]), _label(str(event.get("reason", ""))[:80]))
+                by_reason[key] = by_reason.get(key, 0) + 1
+        metric("replies_failed_total", "counter", "Device replies rejected or failed, by reason.",
+               [(f'{{status="{status}",reason="{reason}"}}', count)
+                for (status, reason), count in sorted(by_reason.items())])
+        metric("bytes_total", "counter", "Model bytes moved over the run.",
+               [('{direction="up"}', sum(r.get("bytes_up", 0) for r in rows)),
+                ('{direction="down"}', sum(r.get("bytes_down", 0) for r in rows))])
+        walls = [float(r.get("wall_time_s") or 0.0) for r in self.rounds()["rounds"]]
+        latency = walls[-1] - walls[-2] if len(walls) >= 2 else 0.0
+        metric("round_latency_seconds", "gauge", "Wall-clock seconds of the last round.", [("", latency)])
+        devices = {str(e.get("node_id", e.get("node"))) for e in events if e.get("round") == last.get("round")}
+        metric("devices_online", "gauge", "Devices that replied (any status) in the last round.", [("", len(devices))])
+        if last.get("headline") is not None:
+            metric("headline", "gauge", f"The task's headline metric ({last.get('metric', 'accuracy')}).",
+                   [("", float(last["headline"]))])
+        return "\n".join(lines) + "\n"
+
 
     def bundle(self) -> dict[str, Any]:
         manifests = sorted((self.run_dir / "bundles").glob("*/manifest.json"))
@@ -147,7 +214,13 @@ class RunView:
                 "has_signature": (latest.parent / "manifest.sig").exists()}
 
 
-def create_app(run_dir: Path, *, host: str = "127.0.0.1", token: str | None = None) -> Starlette:
+def _label(value: str) -> str:
+    """A Prometheus label value (backslashes, quotes and newlines escaped)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+
+
+def create_app(run_dir: Path, *, host: str = "127.0.0.1", token: str | None = None,
+               state_dir: Path | None = None) -> Starlette:
     """The dashboard for ``run_dir``; ``token`` is required unless ``host`` is loopback.
 
     Raises
@@ -157,7 +230,7 @@ def create_app(run_dir: Path, *, host: str = "127.0.0.1", token: str | None = No
     """
     if not is_loopback(host) and not token:
         raise ConfigError(f"the dashboard on {host} (not loopback) needs a token: pass --token, or bind 127.0.0.1")
-    view = RunView(run_dir)
+    view = RunView(run_dir, state_dir)
 
     def api(method: Any) -> Any:
         async def endpoint(request: Request) -> Response:
@@ -170,8 +243,13 @@ def create_app(run_dir: Path, *, host: str = "127.0.0.1", token: str | None = No
     async def openapi(request: Request) -> Response:
         return JSONResponse(OPENAPI)
 
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(view.metrics(), media_type="text/plain; version=0.0.4")
+
     routes = [
         Route("/", index),
+        Route("/health", api(view.health)),
+        Route("/metrics", metrics),
         Route("/api/summary", api(view.summary)),
         Route("/api/rounds", api(view.rounds)),
         Route("/api/devices", api(view.devices)),
@@ -223,7 +301,7 @@ def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 8765, token: st
 
 
 def serve_in_background(run_dir: Path, *, host: str = "127.0.0.1", port: int = 8765,
-                        token: str | None = None) -> Any:
+                        token: str | None = None, state_dir: Path | None = None) -> Any:
     """Start the dashboard in a daemon thread (for ``fedge coordinator start --dashboard``);
     returns the uvicorn server (set ``should_exit`` to stop it)."""
     import threading
@@ -232,10 +310,11 @@ def serve_in_background(run_dir: Path, *, host: str = "127.0.0.1", port: int = 8
 
     if not is_loopback(host) and not token:
         token = new_token()
-    server = uvicorn.Server(uvicorn.Config(create_app(run_dir, host=host, token=token), host=host, port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(run_dir, host=host, token=token, state_dir=state_dir),
+                                           host=host, port=port, log_level="warning"))
     threading.Thread(target=server.run, name="fedge-dashboard", daemon=True).start()
-    print(f"dashboard: http://{host}:{port}/" + (f"?token={token}" if token else ""), flush=True)
+    print(f"dashboard: http://{host}:{port}/" + (f"?token={token}" if token else "")
+          + f"; health http://{host}:{port}/health, Prometheus metrics http://{host}:{port}/metrics", flush=True)
     return server
 
 
@@ -284,14 +363,17 @@ OPENAPI: dict[str, Any] = {
                                      "skipped_lines": {"type": "integer"}})),
         "/api/devices": _get("Devices seen: profile, rounds joined, rejected, errors, last round, last reply time",
                              _schema({"devices": {"type": "array", "items": _schema({
-                                 "node": {"type": "integer"}, "profile": {"type": "string"},
+                                 "node": {"type": "string", "description": "node id (a string: 19 digits)"},
+                                 "name": {"type": "string", "description": "the registered device name"},
+                                 "profile": {"type": "string"},
                                  "rounds_joined": {"type": "integer"}, "rejected": {"type": "integer"},
                                  "errors": {"type": "integer"}, "last_round": {"type": "integer"},
                                  "last_reply_s": {"type": ["number", "null"]}})},
                                  "skipped_lines": {"type": "integer"}})),
         "/api/rejections": _get("Rejected updates with their reasons",
                                 _schema({"rejections": {"type": "array", "items": _schema({
-                                    "round": {"type": "integer"}, "node_id": {"type": "integer"},
+                                    "round": {"type": "integer"}, "node_id": {"type": "string"},
+                                    "name": {"type": "string"},
                                     "reason": {"type": "string"}})}})),
         "/api/bundle": _get("The latest signed edge bundle and its manifest",
                             _schema({"bundle": {"type": ["string", "null"]}, "manifest": {"type": "object"},

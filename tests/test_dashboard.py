@@ -66,7 +66,7 @@ def test_rejected_updates_are_listed_with_their_reasons(finished_run: Path, tmp_
     # Execute
     rejections = _client(run).get("/api/rejections").json()["rejections"]
     # Assert
-    assert rejections == [{"round": 2, "node_id": 10004, "reason": "array 'w' contains NaN or Inf"}]
+    assert rejections == [{"round": 2, "node_id": "10004", "name": "", "reason": "array 'w' contains NaN or Inf"}]
 
 
 def test_partial_and_garbled_lines_do_not_break_the_api(finished_run: Path, tmp_path: Path) -> None:

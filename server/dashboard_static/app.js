@@ -164,12 +164,12 @@ function fillTable(id, rows, cells) {
 
 function renderDevices(data) {
   document.getElementById("device-count").textContent = `(${data.devices.length})`;
-  fillTable("devices", data.devices.slice(0, 500), (d) => [d.node, d.profile, d.rounds_joined, d.last_round,
+  fillTable("devices", data.devices.slice(0, 500), (d) => [d.name ? `${d.name} (${d.node})` : d.node, d.profile, d.rounds_joined, d.last_round,
     d.last_reply_s === null ? "-" : fmt(d.last_reply_s, 2), d.rejected, d.errors]);
 }
 
 function renderRejections(data) {
-  fillTable("rejections", data.rejections.slice(-200).reverse(), (r) => [r.round, r.node_id, r.reason]);
+  fillTable("rejections", data.rejections.slice(-200).reverse(), (r) => [r.round, r.name ? `${r.name} (${r.node_id})` : r.node_id, r.reason]);
 }
 
 function renderBundle(data) {
