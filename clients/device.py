@@ -8,9 +8,11 @@ certificate verifies against the CA. Then Flower's SuperNode takes over.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import signal
 import socket
 import ssl
 import subprocess
@@ -222,17 +224,47 @@ def supernode_command(options: DeviceOptions, training_bundle: Path | None = Non
             "--auth-supernode-private-key", str(options.key.resolve())]
 
 
-REFUSED = {"[code: 2004]": "the coordinator does not know this device's key (not registered)",
+# The SuperLink answers both "key not registered" and "still online" (a previous session of this device
+# that crashed, listed online until its heartbeat lapses, up to a minute) with the same code.
+REFUSED = {"[code: 2004]": "the coordinator did not activate this device: either it does not know this device's key "
+                           "(not registered) or a previous session of this device is still listed online (up to a "
+                           "minute after a crash)",
            "[code: 2001]": "the coordinator requires device authentication; pass --key"}
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT arrived: stop the SuperNode and its helpers, then exit 0."""
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped(signal.Signals(signum).name)
 
 
 def run_device(options: DeviceOptions) -> int:
     """Check everything, then run the SuperNode in the foreground; its exit status is ours.
 
     A coordinator that has just started may not have registered this device's key yet,
-    so a refused key is retried with backoff for up to ``max_wait_s`` (default 60 s)
-    before giving up with a one-line error.
+    and one that saw this device crash lists it online for up to a minute, so a refused
+    activation is retried with backoff for up to ``max_wait_s`` (default 90 s) before giving
+    up with a one-line error. SIGTERM and SIGINT
+    stop the SuperNode and every Flower process it started, print one line and exit 0.
     """
+    previous = {signum: signal.signal(signum, _raise_stopped) for signum in (signal.SIGTERM, signal.SIGINT)}
+    state = options.state_dir or Path(os.environ.get("FEDGE_DEVICE_HOME", Path.home() / ".fedge-device"))
+    try:
+        return _run_device(options, state)
+    except Stopped as stop:
+        for signum in previous:
+            signal.signal(signum, signal.SIG_IGN)
+        _stop_supernode(state)
+        print(f"device stopped ({stop}): the SuperNode and its helpers are stopped", flush=True)
+        return 0
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _run_device(options: DeviceOptions, state: Path) -> int:
     check_device(options)
     host, port = split_address(options.coordinator)
     if options.insecure:
@@ -241,29 +273,37 @@ def run_device(options: DeviceOptions) -> int:
     if not options.insecure:
         assert options.ca is not None
         check_tls(host, port, options.ca)
-    state = options.state_dir or Path(os.environ.get("FEDGE_DEVICE_HOME", Path.home() / ".fedge-device"))
     state.mkdir(parents=True, exist_ok=True)
     training_bundle = pull_training_graph(options, state) if options.runtime == "onnx" else None
-    deadline = time.monotonic() + (options.max_wait_s if options.max_wait_s is not None else 60.0)
+    started = time.monotonic()
+    wait = options.max_wait_s if options.max_wait_s is not None else 90.0
     delay = 1.0
     while True:
         code, refusal = _run_supernode(options, state, training_bundle)
         if refusal is None or code == 0:
             return code
-        if time.monotonic() + delay > deadline:
-            raise FedgeError(f"{refusal}; the operator must run `fedge keys add-device` for this device "
-                             "and restart the coordinator (which registers keys at start)")
+        if time.monotonic() + delay > started + wait:
+            raise FedgeError(f"{refusal}; if no other `fedge device` runs with this key, the operator must run "
+                             "`fedge keys add-device` for this device and restart the coordinator (which "
+                             "registers keys at start)")
         print(f"{refusal}; retrying in {delay:.0f} s", file=sys.stderr, flush=True)
         time.sleep(delay)
         delay = min(delay * 2, 15.0)
+
+
+_SUPERNODE: list[subprocess.Popen[str]] = []  # the running SuperNode, for a signal's clean stop
 
 
 def _run_supernode(options: DeviceOptions, state: Path, training_bundle: Path | None) -> tuple[int, str | None]:
     """Run the SuperNode, echoing its output; return its status and any key refusal seen."""
     from fedge.process import flower_env
 
-    process = subprocess.Popen(supernode_command(options, training_bundle), env=flower_env(state / "flwr-home"),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    # A session of its own: a terminal's Ctrl-C reaches fedge only, which stops everything in order
+    process = subprocess.Popen(supernode_command(options, training_bundle),
+                               env=flower_env((state / "flwr-home").resolve()),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                               start_new_session=True)
+    _SUPERNODE[:] = [process]
     refusals: list[str] = []
 
     def echo(stream: IO[str]) -> None:
@@ -276,10 +316,45 @@ def _run_supernode(options: DeviceOptions, state: Path, training_bundle: Path | 
 
     assert process.stdout is not None
     threading.Thread(target=echo, args=(process.stdout,), daemon=True).start()
-    try:
-        code = process.wait()
-    except KeyboardInterrupt:
-        process.terminate()
-        return process.wait(), None
+    code = process.wait()
     time.sleep(0.2)  # let the last lines through
+    if code != 0:
+        _stop_supernode(state)  # a SuperNode that gave up leaves no helper behind
     return code, refusals[0] if refusals else None
+
+
+def _stop_supernode(state: Path, grace_s: float = 10.0) -> None:
+    """SIGTERM the SuperNode and every Flower process of this device's ``FLWR_HOME``; SIGKILL after ``grace_s``."""
+    home = str((state / "flwr-home").resolve())
+    for process in _SUPERNODE:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in _SUPERNODE:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        for pid in _processes_of(home):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+        while _processes_of(home) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        deadline = time.monotonic() + 5.0
+
+
+def _processes_of(flwr_home: str) -> list[int]:
+    """Live processes whose ``FLWR_HOME`` is ``flwr_home`` (Flower starts helpers in sessions of their own).
+
+    Linux only (``/proc``); elsewhere only the SuperNode itself is stopped.
+    """
+    found, wanted = [], f"FLWR_HOME={flwr_home}".encode()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if wanted in (entry / "environ").read_bytes().split(b"\0") and int(entry.name) != os.getpid():
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
