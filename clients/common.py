@@ -19,18 +19,9 @@ from fedge import wire
 from fedge.codec import Codec, codec_for, decode_update, encode_update, is_encoded
 from fedge.config import RunConfig, resolve_run_config
 from fedge.profiles import parse_fleet, time_budget_steps
+from fedge.wire import LocalWork
 
 RESIDUAL = "codec-residual"
-
-
-@dataclass(frozen=True)
-class LocalWork:
-    """What one round of local training did, whichever runtime did it."""
-
-    loss: float
-    num_examples: int
-    samples_processed: int
-    steps: int
 
 
 @dataclass(frozen=True)

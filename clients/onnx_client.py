@@ -98,9 +98,7 @@ def onnx_local_work(msg: Message, context: Context, config: RunConfig, order: Tr
         learning_rate=order.learning_rate, momentum=order.momentum, seed=order.seed,
         proximal_mu=order.proximal_mu, max_steps=order.max_steps)
     trained = ArrayRecord({name: Array(np.ascontiguousarray(weights[name])) for name in base})
-    work = LocalWork(loss=stats.loss, num_examples=stats.num_examples,
-                     samples_processed=stats.samples_processed, steps=stats.steps)
-    return trained, base, work
+    return trained, base, stats
 
 
 def onnx_train_content(msg: Message, context: Context, config: RunConfig, order: TrainOrder,

@@ -25,9 +25,7 @@ def torch_local_work(msg: Message, config: RunConfig, order: TrainOrder, task: T
         device=pick_device(config.text("device")), seed=order.seed,
         proximal_mu=order.proximal_mu, max_steps=order.max_steps,
     )
-    work = LocalWork(loss=stats.loss, num_examples=stats.num_examples,
-                     samples_processed=stats.samples_processed, steps=stats.steps)
-    return model_arrays(model), base, work
+    return model_arrays(model), base, stats
 
 
 def torch_scores(msg: Message, config: RunConfig, task: Task, data: TaskData) -> dict[str, float]:

@@ -33,6 +33,16 @@ EVAL_PREFIX = "eval-"  # a device's evaluation reply names each task metric "eva
 # the architecture hash of the run's signed training graph (onnx devices check theirs matches)
 TRAINING_GRAPH = "training-graph"
 
+@dataclass(frozen=True)
+class LocalWork:
+    """What one local training job did, whichever runtime did it (what a train reply reports)."""
+
+    loss: float
+    num_examples: int
+    samples_processed: int
+    steps: int
+
+
 PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_COUNT = 10**12  # no device processes more samples or steps than this in one round
 

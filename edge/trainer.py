@@ -31,6 +31,7 @@ import numpy as np
 from fedge.batching import batch_order
 from fedge.errors import ConfigError
 from fedge.signature import InputSpec, check_inputs
+from fedge.wire import LocalWork as LocalTrainStats  # what a train reply reports
 
 log = logging.getLogger("fedge.edge")
 __all__ = ["LocalTrainStats", "MomentumUpdate", "NUMPY_METRICS", "OnnxTrainer", "batch_order"]
@@ -42,16 +43,6 @@ TARGETS = "targets"
 LOSS = "loss"
 OUTPUT = "output"
 DEVICE_HINT = "pass arrays shaped as the training bundle's manifest says"
-
-
-@dataclass(frozen=True)
-class LocalTrainStats:
-    """What one local training job did (as :class:`fedge.task.training.TrainStats`)."""
-
-    loss: float
-    num_examples: int
-    samples_processed: int
-    steps: int
 
 
 # --------------------------------------------------------------------------- metrics

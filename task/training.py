@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,19 +9,10 @@ from torch import nn
 
 from fedge.batching import batch_order
 from fedge.errors import ConfigError
+from fedge.wire import LocalWork as TrainStats  # what a train reply reports
 
 if TYPE_CHECKING:
     from fedge.task.api import Task, TaskData
-
-
-@dataclass(frozen=True)
-class TrainStats:
-    """What one local training job did."""
-
-    loss: float
-    num_examples: int
-    samples_processed: int
-    steps: int
 
 
 class MomentumSGD:
