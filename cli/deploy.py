@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +125,35 @@ def _registered(args: argparse.Namespace) -> int | None:
     return len(CoordinatorKeys(args.keys).device_public_keys())
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGINT arrived: stop everything started, then exit 0."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Turn SIGTERM and SIGINT into :class:`Stopped` (no traceback); restore the handlers after."""
+    previous = {signum: signal.signal(signum, _raise_stopped) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _ignore_signals() -> None:
+    """While stopping, a second Ctrl-C or SIGTERM does not interrupt the clean-up."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def _start(args: argparse.Namespace) -> int:
     from fedge.server.coordinator import Coordinator, check_coordinator_keys
     from fedge.server.pki import CoordinatorKeys
@@ -132,24 +166,77 @@ def _start(args: argparse.Namespace) -> int:
         _ensure_bundle_signing_key(_bundle_signing_key_path(args))
     coordinator = Coordinator(args.state_dir, keys, host=args.host, port=args.port, control_port=args.control_port,
                               bundle_port=args.bundle_port)
-    try:
-        coordinator.start()
-        (args.state_dir / "current-run").write_text(str(run_config["run-dir"]) + "\n")
-        print(f"coordinator listening on {coordinator.address}; run directory {run_config['run-dir']}",
-              flush=True)
-        if coordinator.bundles_url is not None:
-            print(f"bundles: {coordinator.bundles_url}/v1/bundles/{{inference,training}} (devices: `fedge pull "
-                  f"--coordinator {coordinator.bundles_url.split('://')[1]}`), published from "
-                  f"{coordinator.published}", flush=True)
-        if args.dashboard:
-            from fedge.server.dashboard import serve_in_background
+    run_dir = Path(str(run_config["run-dir"]))
+    feed = None
+    with stop_on_signals():
+        try:
+            coordinator.start()
+            (args.state_dir / "current-run").write_text(f"{run_dir}\n")
+            print(f"coordinator listening on {coordinator.address}; run directory {run_dir}", flush=True)
+            if coordinator.bundles_url is not None:
+                print(f"bundles: {coordinator.bundles_url}/v1/bundles/{{inference,training}} (devices: `fedge pull "
+                      f"--coordinator {coordinator.bundles_url.split('://')[1]}`), published from "
+                      f"{coordinator.published}", flush=True)
+            dashboard = _start_dashboard(args, run_dir) if args.dashboard else None
+            from fedge.server.progress import RunFeed
 
-            Path(str(run_config["run-dir"])).mkdir(parents=True, exist_ok=True)
-            serve_in_background(Path(str(run_config["run-dir"])), host=args.dashboard_host,
-                                port=args.dashboard_port, token=args.dashboard_token)
-        return coordinator.run(run_config)
-    finally:
-        coordinator.stop()
+            feed = RunFeed(run_dir, coordinator.names).start()
+            output = coordinator.run(run_config)
+            feed.stop()
+            coordinator.stop()  # the run is over: Flower's processes go; the dashboard may stay
+            code = _run_outcome(run_dir, output, args.state_dir, feed)
+            if dashboard is not None:
+                print("the run is over; the dashboard keeps serving it until stopped (Ctrl-C or SIGTERM)",
+                      flush=True)
+                while True:
+                    time.sleep(3600)
+            return code
+        except Stopped as stop:
+            _ignore_signals()
+            if feed is not None:
+                feed.stop()
+            coordinator.stop()
+            rounds = feed.rounds_seen if feed is not None else 0
+            finished = (run_dir / "summary.json").exists()
+            print(f"coordinator stopped ({stop}): every Flower process it started is stopped; "
+                  + ("the run had finished" if finished else
+                     f"{rounds} round(s) checkpointed in {run_dir}; continue with "
+                     f"`fedge coordinator start --resume {run_dir}`" if rounds else "no round was completed"),
+                  flush=True)
+            return 0
+        finally:
+            coordinator.stop()
+
+
+def _start_dashboard(args: argparse.Namespace, run_dir: Path) -> Any:
+    from fedge.server.dashboard import serve_in_background
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return serve_in_background(run_dir, host=args.dashboard_host, port=args.dashboard_port,
+                               token=args.dashboard_token, state_dir=args.state_dir)
+
+
+def _run_outcome(run_dir: Path, output: Any, state_dir: Path, feed: Any) -> int:
+    """Print the run's final lines and return 0, or one line saying why it failed and return 1.
+
+    A run refused at start exits 2 (before any Flower process starts); a run that fails
+    later, inside the ServerApp, exits 1; a coordinator stopped by SIGTERM or SIGINT exits 0.
+    """
+    if (run_dir / "summary.json").exists():
+        for line in feed.final_lines():
+            print(line, flush=True)
+        return 0
+    log = state_dir / "run.log"
+    for line in feed.final_lines():  # device failure reasons, if any, help explain a failed run
+        print(line, file=sys.stderr, flush=True)
+    if output.error:
+        why = output.error
+    elif output.exit_code is not None:
+        why = f"Flower reported exit code {output.exit_code}"
+    else:
+        why = f"`flwr run` exited {output.returncode} before the run wrote {run_dir / 'summary.json'}"
+    print(f"fedge: error: the run failed: {why} (full log: {log})", file=sys.stderr, flush=True)
+    return 1
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -159,8 +246,12 @@ def _status(args: argparse.Namespace) -> int:
     if not (args.state_dir / "flwr-home" / "config.toml").exists():
         raise ConfigError(f"'{args.state_dir}' holds no coordinator state; "
                           "start one with `fedge coordinator start`")
-    for node in Coordinator(args.state_dir, None).devices():
-        print(f"device {node.get('node-id', node.get('node_id', '?'))}: {node.get('status', '?')}")
+    coordinator = Coordinator(args.state_dir, None)
+    names = coordinator.names()
+    for node in coordinator.devices():
+        node_id = str(node.get("node-id", node.get("node_id", "?")))
+        shown = f"{names[node_id]} (node {node_id})" if node_id in names else f"node {node_id}"
+        print(f"device {shown}: {node.get('status', '?')}")
     from fedge.server.publish import describe, published_dir
 
     for line in describe(published_dir(args.state_dir)):

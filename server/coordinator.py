@@ -20,10 +20,12 @@ dependency installation is off) and Flower's telemetry and update checks are off
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -35,7 +37,7 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -48,11 +50,32 @@ from fedge.server.pki import CoordinatorKeys
 
 log = logging.getLogger("fedge.server.coordinator")
 
+NAMES_ENV = "FEDGE_DEVICE_NAMES"  # the ServerApp finds the node id -> device name map here
+# Lists the SuperLink's nodes with their public keys (Control API) and names each by the
+# registered key file it matches: names derive from the operator's keys, never from the device.
+_NODE_NAMES = """
+import json, sys
+from pathlib import Path
+from flwr.cli.flower_config import read_superlink_connection
+from flwr.cli.supernode.register import try_load_public_key
+from flwr.cli.utils import init_http_client_from_connection
+from flwr.proto.control_pb2 import ListNodesRequest
+keys = {try_load_public_key(Path(p)): Path(p).stem for p in sys.argv[2:]}
+client = init_http_client_from_connection(read_superlink_connection(sys.argv[1]))
+try:
+    nodes = client.ListNodes(ListNodesRequest()).nodes_info
+finally:
+    client.close()
+print(json.dumps({str(n.node_id): keys[n.public_key] for n in nodes if n.public_key in keys}))
+"""
+
 CONNECTION = "fedge"
 INSECURE_WARNING = (
     "WARNING: INSECURE MODE. TLS and device authentication are OFF: anyone on the network can read "
     "model updates, impersonate this coordinator, and join as a device. Use only on a trusted test network."
 )
+
+
 def check_coordinator_keys(keys: CoordinatorKeys) -> None:
     """Refuse missing, expired, not-yet-valid or mismatched TLS files, naming the fix."""
     for path in (keys.ca_cert, keys.cert, keys.key):
@@ -97,6 +120,7 @@ class Coordinator:
     control_port: int = 0  # the operator's loopback port; 0: a free one, chosen at start
     bundle_port: int | None = None  # the bundle service's port; None: port + 1 (skipped if busy); 0: a free one
     superlink: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    runner: subprocess.Popen[str] | None = field(default=None, repr=False)  # `flwr run --stream`
     bundles: Any = field(default=None, repr=False)  # the running BundleService, if any
 
     @property
@@ -128,7 +152,18 @@ class Coordinator:
         """
         from fedge.server.publish import PUBLISH_ENV
 
-        return {**flower_env(self.state_dir / "flwr-home"), PUBLISH_ENV: str(self.published.resolve())}
+        return {**flower_env(self.flwr_home), PUBLISH_ENV: str(self.published.resolve()),
+                NAMES_ENV: str(self.names_file.resolve())}
+
+    @property
+    def names_file(self) -> Path:
+        """``{node id: device name}`` of the registered devices (``STATE_DIR/device-names.json``)."""
+        return self.state_dir / "device-names.json"
+
+    @property
+    def flwr_home(self) -> Path:
+        """Flower's home for this coordinator (absolute: every Flower process it starts is found by it)."""
+        return (self.state_dir / "flwr-home").resolve()
 
     def start(self) -> None:
         """Start the SuperLink and wait until it answers; register device keys."""
@@ -151,8 +186,9 @@ class Coordinator:
                               "give the bundle service a port of its own (or 0 for a free one)")
         self._write_flower_config()
         logs = (self.state_dir / "superlink.log").open("ab")
+        # A session of its own: a terminal's Ctrl-C reaches fedge only, which stops everything in order
         self.superlink = subprocess.Popen(self._superlink_command(), env=self.env(),
-                                          stdout=logs, stderr=subprocess.STDOUT)
+                                          stdout=logs, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_healthy(timeout=60)
         self.register_devices()
         self._start_bundles(bundle_port)
@@ -207,7 +243,7 @@ class Coordinator:
 
         from fedge.server.superlink import AUTHN_TYPE
 
-        home = self.state_dir / "flwr-home"
+        home = self.flwr_home
         home.mkdir(parents=True, exist_ok=True)
         os.chmod(home, 0o700)
         entry = [f'[superlink.{CONNECTION}]', f'address = "{self.control_address}"']
@@ -250,14 +286,47 @@ class Coordinator:
                 raise FedgeError(f"registering device key {public} failed: "
                                  f"{(done.stdout + done.stderr).strip()[-300:]}")
         log.info("registered devices: %s", ", ".join(registered) or "none")
+        self._write_names()
         return registered
 
-    def run(self, run_config: Mapping[str, Scalar]) -> int:
-        """Start fedge's ServerApp on the SuperLink with ``run_config``; stream until it ends."""
+    def _write_names(self) -> None:
+        """Write ``device-names.json`` (node id -> the name of the key file it was registered with)."""
+        assert self.keys is not None
+        publics = [str(p.resolve()) for p in self.keys.device_public_keys()]
+        done = subprocess.run([sys.executable, "-c", _NODE_NAMES, CONNECTION, *publics], env=self.env(),
+                              capture_output=True, text=True, timeout=60, check=False)
+        try:
+            names = json.loads(done.stdout.strip().splitlines()[-1])
+        except (json.JSONDecodeError, IndexError):
+            log.warning("device names unavailable (devices are shown by node id): %s", done.stderr.strip()[-300:])
+            return
+        from fedge.files import write_bytes_atomic
+
+        write_bytes_atomic(self.names_file, (json.dumps(names, indent=2, sort_keys=True) + "\n").encode())
+
+    def names(self) -> dict[str, str]:
+        """``{node id (a string): device name}`` as written at start ({} in insecure mode)."""
+        return read_names(self.names_file)
+
+    def run(self, run_config: Mapping[str, Scalar], console: IO[str] | None = None) -> RunOutput:
+        """Start fedge's ServerApp on the SuperLink with ``run_config``; stream its log until it ends.
+
+        The log goes whole to ``STATE_DIR/run.log``; the console gets it without tracebacks and
+        Flower's exit banners (the error they report is kept in the returned :class:`RunOutput`).
+        """
         app_dir = self._app_description()
         overrides = " ".join(f"{key}={_toml(value)}" for key, value in run_config.items())
         command = [flower_bin("flwr"), "run", str(app_dir), CONNECTION, "--run-config", overrides, "--stream"]
-        return subprocess.run(command, env=self.env(), check=False).returncode
+        with (self.state_dir / "run.log").open("a") as log_file:
+            output = RunOutput(console or sys.stdout, log_file)
+            self.runner = subprocess.Popen(command, env=self.env(), stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                           start_new_session=True)
+            assert self.runner.stdout is not None
+            for line in self.runner.stdout:
+                output.feed(line)
+            output.returncode = self.runner.wait()
+        return output
 
     def _app_description(self) -> Path:
         """A Flower app directory whose components are the installed fedge's apps.
@@ -291,18 +360,122 @@ class Coordinator:
                               text=True, timeout=120, check=False)
 
     def stop(self) -> None:
-        """Stop the bundle service and the SuperLink (and the Flower processes it started)."""
+        """Stop the run, the bundle service, the SuperLink and every Flower process they started.
+
+        SIGTERM first (Flower's processes shut down cleanly), SIGKILL what is left after 10 s;
+        Flower's helpers run in sessions of their own and are found by their ``FLWR_HOME``.
+        Completed rounds are already checkpointed in the run directory.
+        """
         if self.bundles is not None:
             self.bundles.stop()
             self.bundles = None
-        if self.superlink is None or self.superlink.poll() is not None:
-            return
-        self.superlink.send_signal(signal.SIGTERM)
+        first = [p for p in (self.runner, self.superlink) if p is not None]
+        stop_processes(self.flwr_home, first)
+
+
+def processes_of(flwr_home: Path) -> list[int]:
+    """Ids of live processes whose ``FLWR_HOME`` is ``flwr_home``: every Flower process fedge started for it.
+
+    Flower starts its helpers (SuperExec, ServerApp, ClientApp) in sessions of their own, so
+    a process group does not reach them; the environment every one of them inherits does.
+    """
+    marker, found = str(flwr_home), []
+    if not Path("/proc/self/environ").exists():  # not Linux: psutil (the sim extra) reads environments
+        import psutil  # noqa: PLC0415
+
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if proc.pid != os.getpid() and proc.environ().get("FLWR_HOME") == marker:
+                    found.append(proc.pid)
+            except (psutil.Error, OSError):
+                continue
+        return found
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            self.superlink.wait(timeout=15)
+            variables = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"FLWR_HOME={marker}".encode() in variables and int(entry.name) != os.getpid():
+            found.append(int(entry.name))
+    return found
+
+
+def stop_processes(flwr_home: Path, first: list[subprocess.Popen[Any]], grace_s: float = 10.0) -> None:
+    """SIGTERM ``first`` and every process of ``flwr_home``; SIGKILL what is left after ``grace_s``."""
+    for process in first:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in first:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            self.superlink.kill()
-            self.superlink.wait()
+            process.kill()
+            process.wait()
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        for pid in processes_of(flwr_home):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+        while processes_of(flwr_home) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        deadline = time.monotonic() + 5.0
+
+
+def read_names(path: Path) -> dict[str, str]:
+    """A ``device-names.json`` ({} when missing or unreadable)."""
+    try:
+        names = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {str(k): str(v) for k, v in names.items()} if isinstance(names, dict) else {}
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Mismatch|Rejected|Refused|Exit"
+                            r"|Interrupt))(?::\s*(.*))?$")
+
+
+class RunOutput:
+    """A run's streamed log: all of it to ``log``, to ``console`` without tracebacks and exit banners.
+
+    Attributes
+    ----------
+    error : str | None
+        The last exception the ServerApp reported (``ConfigError: ...``), one line.
+    exit_code : int | None
+        Flower's exit code for the ServerApp when it reported an error (``Exit Code: 201``).
+    """
+
+    def __init__(self, console: IO[str], log: IO[str]) -> None:
+        self.console, self.log = console, log
+        self.error: str | None = None
+        self.exit_code: int | None = None
+        self.returncode: int | None = None
+        self._mode = ""  # "traceback" or "banner" while such lines are held back from the console
+
+    def feed(self, line: str) -> None:  # noqa: D102
+        self.log.write(line)
+        self.log.flush()
+        text = ANSI.sub("", line).rstrip()
+        if self._mode == "traceback":
+            found = EXCEPTION_LINE.match(text)
+            if found:
+                self.error = f"{found.group(1)}: {found.group(2) or ''}".strip().rstrip(":")
+                self._mode = ""
+            return
+        if "Traceback (most recent call last)" in text:
+            self._mode = "traceback"
+            return
+        code = re.search(r"Exit Code: (\d+)", text)
+        if code:
+            self.exit_code, self._mode = int(code.group(1)), "banner"
+            return
+        if self._mode == "banner" or "raised an exception" in text:
+            if "For more information, visit" in text:
+                self._mode = ""
+            return
+        self.console.write(line)
+        self.console.flush()
 
 
 def _free_loopback_port() -> int:
