@@ -20,6 +20,9 @@ def _simulate_parser(sub: Any) -> None:
                        description="Run fedge's ServerApp and ClientApp over a simulated fleet.")
     p.add_argument("--backend", default="inline", choices=["inline", "ray"],
                    help="inline (default, in-process) or ray (Flower's simulation engine)")
+    p.add_argument("--ray-address", metavar="ADDRESS",
+                   help="with --backend ray: join the Ray cluster whose head is at ADDRESS (HOST:PORT, or "
+                   "'auto') instead of starting one; devices run on every node of the cluster")
     p.add_argument("--rounds", type=int, help="run-config num-rounds")
     p.add_argument("--clients-per-round", type=int, help="run-config clients-per-round")
     p.add_argument("--fleet", help="profile mix like phone=60,laptop=30,gpu-box=10, or a TOML file")
@@ -67,7 +70,8 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides[key] = args.fleet
     if not args.verbose:
         quiet_third_party_logs()
-    run_dir, summary = simulate(overrides, backend=args.backend, progress=not args.quiet)
+    run_dir, summary = simulate(overrides, backend=args.backend, progress=not args.quiet,
+                                ray_address=args.ray_address)
     onnx = summary.get("onnx", {})
     print(f"run directory: {run_dir}")
     print(f"rounds: {summary['rounds']}  simulated time: {summary['sim_time_s']:.1f} s  "

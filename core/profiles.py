@@ -12,8 +12,14 @@ import math
 import random
 import re
 import tomllib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import overload
+
+import numpy as np
+from numpy.typing import NDArray
 
 from fedge.errors import ConfigError
 
@@ -122,8 +128,9 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
                              downlink_mbps=500.0, memory_mb=32768, availability=1.0),
 }
 
-# Most devices a fleet may have. The simulator builds one node (and Fleet.assignment one
-# entry) per device; a count beyond this is a typo, not a fleet, and would exhaust memory.
+# Most devices a fleet may have. The simulator keeps a few bytes per idle device (its profile
+# code in Fleet.profile_codes) and materialises only the selected ones; a count beyond this is
+# a typo, not a fleet.
 MAX_FLEET_SIZE = 1_000_000
 
 _TOML_FIELDS = {
@@ -158,11 +165,25 @@ class Fleet:
         """Number of devices."""
         return sum(count for _, count in self.mix)
 
-    def assignment(self, seed: int) -> list[str]:
-        """Profile name of each partition id, shuffled reproducibly by ``seed``."""
-        names = [name for name, count in self.mix for _ in range(count)]
-        random.Random(seed).shuffle(names)
-        return names
+    def assignment(self, seed: int) -> ProfileAssignment:
+        """Profile name of each partition id, shuffled reproducibly by ``seed``.
+
+        A read-only sequence of ``size`` names over :meth:`profile_codes` (two bytes a device).
+        """
+        return ProfileAssignment(*self.profile_codes(seed))
+
+    def profile_codes(self, seed: int) -> tuple[tuple[str, ...], NDArray[np.int16]]:
+        """(profile names, the index into them of each partition id's profile): compact, cached.
+
+        The same shuffle as :meth:`assignment` (``random.Random(seed)``), computed once per
+        (mix, seed) in a process; two bytes per device.
+        """
+        return _profile_codes(self.mix, seed)
+
+    def profile_of(self, partition_id: int, seed: int) -> str:
+        """The profile name of one partition id (what :meth:`assignment` has at that index)."""
+        names, codes = self.profile_codes(seed)
+        return names[int(codes[partition_id])]
 
     def profile(self, name: str) -> DeviceProfile:
         """Look up a profile, with a clear error for an unknown name."""
@@ -172,6 +193,54 @@ class Fleet:
             raise ConfigError(
                 f"unknown device profile '{name}'; known profiles: {', '.join(self.profiles)}"
             ) from None
+
+
+class ProfileAssignment(Sequence[str]):
+    """Which profile each partition id has: a sequence of names over a compact code array."""
+
+    def __init__(self, names: tuple[str, ...], codes: NDArray[np.int16]) -> None:
+        self.names, self.codes = names, codes
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self.names[code] for code in self.codes[index].tolist()]
+        return self.names[int(self.codes[index])]
+
+    def __iter__(self) -> Iterator[str]:
+        names = self.names
+        return (names[code] for code in self.codes.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ProfileAssignment):
+            return [*self.names] == [*other.names] and bool(np.array_equal(self.codes, other.codes))
+        return isinstance(other, Sequence) and not isinstance(other, str) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        counts = np.bincount(self.codes, minlength=len(self.names)).tolist()
+        return f"ProfileAssignment({len(self)} devices: {dict(zip(self.names, counts, strict=True))})"
+
+
+@lru_cache(maxsize=8)
+def _profile_codes(mix: tuple[tuple[str, int], ...], seed: int) -> tuple[tuple[str, ...], NDArray[np.int16]]:
+    names = tuple(dict.fromkeys(name for name, _ in mix))
+    base = np.repeat(np.array([names.index(name) for name, _ in mix], dtype=np.int16),
+                     [count for _, count in mix])
+    order = list(range(len(base)))
+    random.Random(seed).shuffle(order)  # shuffles positions exactly as it would shuffle the names
+    codes = base[np.array(order, dtype=np.int64)]
+    codes.flags.writeable = False
+    return names, codes
 
 
 def load_profiles_toml(path: str | Path) -> tuple[dict[str, DeviceProfile], dict[str, int]]:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import copy
 import logging
 import traceback
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, overload
 from uuid import uuid4
 
+import numpy as np
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
@@ -25,12 +26,42 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedge.behaviour import Behaviour
+from fedge.profiles import Fleet
 
 log = logging.getLogger("fedge.simulation")
 
 SUPERLINK_NODE_ID = 1
 FIRST_NODE_ID = 10_000
 CLIENT_APP_EXCEPTION = 2  # Flower's ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+
+
+class FleetNodes(Sequence[dict[str, Any]]):
+    """Node configs of a simulated fleet, made on demand: no per-device objects for idle devices.
+
+    Entry ``i`` is ``{"partition-id": i, "num-partitions": size, "profile": ...}``; the profiles
+    are kept as a two-byte code per device (:meth:`fedge.profiles.Fleet.profile_codes`).
+    """
+
+    def __init__(self, fleet: Fleet, seed: int) -> None:
+        self.size = fleet.size
+        self.names, self.codes = fleet.profile_codes(seed)
+
+    def __len__(self) -> int:
+        return self.size
+
+    @overload
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[dict[str, Any]]: ...
+
+    def __getitem__(self, index: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.size))]
+        if not -self.size <= index < self.size:
+            raise IndexError(index)
+        index %= self.size
+        return {"partition-id": index, "num-partitions": self.size, "profile": self.names[int(self.codes[index])]}
 
 
 class InlineGrid(Grid):
@@ -40,8 +71,9 @@ class InlineGrid(Grid):
     ----------
     client_app : ClientApp
         The device app every simulated node runs.
-    node_configs : list of mappings
-        One ``node_config`` per node (``partition-id``, ``num-partitions``, ``profile``).
+    node_configs : sequence of mappings
+        One ``node_config`` per node (``partition-id``, ``num-partitions``, ``profile``): a
+        list, or :class:`FleetNodes` for a large fleet (configs made on demand).
     run_config : Mapping
         The run config every node's ``Context`` carries.
     run_id : int
@@ -49,11 +81,14 @@ class InlineGrid(Grid):
 
     Notes
     -----
-    Each node keeps one ``Context`` whose ``state`` persists across rounds, as a
-    SuperNode's does. Each delivery deep-copies the message (Flower strategies
-    share one RecordDict across a round's messages). If the ClientApp raises, the
-    reply is an error message (as Flower's engines do) and the node's state is
-    restored to what it was before the call.
+    A node's ``Context`` exists only while the node works: it is made when a message
+    reaches the node and dropped after its reply, unless its ``state`` holds something
+    (a codec residual, secure-aggregation keys), which then persists across rounds as a
+    SuperNode's does (:attr:`kept`). Availability is one array operation over the fleet's
+    node ids and profile codes, so an idle device costs a few bytes. Each delivery
+    deep-copies the message (Flower strategies share one RecordDict across a round's
+    messages). If the ClientApp raises, the reply is an error message (as Flower's
+    engines do) and the node's state is restored to what it was before the call.
     """
 
     synchronous = True  # every reply exists as soon as push_messages returns
@@ -61,7 +96,7 @@ class InlineGrid(Grid):
     def __init__(
         self,
         client_app: ClientApp,
-        node_configs: list[Mapping[str, Any]],
+        node_configs: Sequence[Mapping[str, Any]],
         run_config: Mapping[str, Any],
         *,
         run_id: int = 1,
@@ -72,25 +107,54 @@ class InlineGrid(Grid):
         self.now: Callable[[], float] = lambda: 0.0
         self._work: dict[int, int] = {}
         self._run = Run.create_empty(run_id)
-        self.contexts = {
-            FIRST_NODE_ID + index: Context(
-                run_id=run_id,
-                node_id=FIRST_NODE_ID + index,
-                node_config=dict(node_config),
-                state=RecordDict(),
-                run_config=dict(run_config),
-            )
-            for index, node_config in enumerate(node_configs)
-        }
+        self._run_id = run_id
+        self._run_config = dict(run_config)
+        self._nodes = node_configs
+        self._ids = np.arange(FIRST_NODE_ID, FIRST_NODE_ID + len(node_configs), dtype=np.int64)
+        if isinstance(node_configs, FleetNodes):
+            self._names, self._codes = node_configs.names, node_configs.codes
+        else:
+            profiles = [str(config.get("profile", "")) for config in node_configs]
+            self._names = tuple(dict.fromkeys(profiles))
+            self._codes = np.array([self._names.index(name) for name in profiles], dtype=np.int16)
+        self.kept: dict[int, Context] = {}  # nodes whose state holds something, by node id
         self._replies: dict[str, Message] = {}
         TaskIdentity.run_id = run_id
         TaskIdentity.node_id = SUPERLINK_NODE_ID
         TaskIdentity.task_id = 1
 
+    @property
+    def num_nodes(self) -> int:
+        """How many simulated nodes the grid serves (online or not)."""
+        return len(self._ids)
+
+    def _index(self, node: int) -> int | None:
+        index = node - FIRST_NODE_ID
+        return index if 0 <= index < len(self._ids) else None
+
+    def context(self, node: int) -> Context | None:
+        """``node``'s Context: the kept one, else a fresh one with empty state (None: unknown node)."""
+        if node in self.kept:
+            return self.kept[node]
+        index = self._index(node)
+        if index is None:
+            return None
+        return Context(run_id=self._run_id, node_id=node, node_config=dict(self._nodes[index]),
+                       state=RecordDict(), run_config=dict(self._run_config))
+
+    @property
+    def contexts(self) -> dict[int, Context]:
+        """Every node's Context (fresh ones for nodes without state): for small fleets and tests."""
+        return {node: context for node in self._ids.tolist() if (context := self.context(node)) is not None}
+
     def node_profile(self, node: int) -> str | None:
         """The simulated device's profile (from its node config)."""
-        context = self.contexts.get(node)
-        return str(context.node_config["profile"]) if context and "profile" in context.node_config else None
+        index = self._index(node)
+        if index is None:
+            return None
+        if isinstance(self._nodes, FleetNodes):
+            return self._names[int(self._codes[index])]
+        return str(self._nodes[index]["profile"]) if "profile" in self._nodes[index] else None
 
     def set_run(self, run: Run) -> None:
         """Adopt ``run``'s identity."""
@@ -119,10 +183,9 @@ class InlineGrid(Grid):
     def get_node_ids(self) -> Iterable[int]:
         """The simulated nodes online now (all of them without a :class:`Behaviour`)."""
         if self.behaviour is None:
-            return list(self.contexts)
-        now = self.now()
-        return [node for node, context in self.contexts.items()
-                if self.behaviour.online(node, str(context.node_config.get("profile", "")), now)]
+            return self._ids.tolist()  # type: ignore[no-any-return]
+        online = self.behaviour.online_mask(self._ids, self._codes, self._names, self.now())
+        return self._ids[online].tolist()  # type: ignore[no-any-return]
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Run each message's ClientApp call now; its reply waits for :meth:`pull_messages`."""
@@ -137,11 +200,11 @@ class InlineGrid(Grid):
 
     def _drops_out(self, node: int) -> bool:
         """Whether this node vanishes mid-round (it then never replies)."""
-        if self.behaviour is None or node not in self.contexts:
+        index = self._index(node)
+        if self.behaviour is None or index is None:
             return False
         self._work[node] = self._work.get(node, 0) + 1
-        profile = str(self.contexts[node].node_config.get("profile", ""))
-        return self.behaviour.drops(node, profile, self._work[node])
+        return self.behaviour.drops(node, self._names[int(self._codes[index])], self._work[node])
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         """Replies for ``message_ids`` that have not been pulled yet (each once)."""
@@ -154,7 +217,7 @@ class InlineGrid(Grid):
         return self.pull_messages(self.push_messages(messages))
 
     def _deliver(self, message: Message) -> Message:
-        context = self.contexts.get(message.metadata.dst_node_id)
+        context = self.context(message.metadata.dst_node_id)
         delivered = copy.deepcopy(message)
         if context is None:
             return Message(Error(code=CLIENT_APP_EXCEPTION, reason="unknown node"), reply_to=delivered)
@@ -166,5 +229,14 @@ class InlineGrid(Grid):
             context.state = saved_state
             reason = f"{type(exc).__name__}: {exc}"
             return Message(Error(code=CLIENT_APP_EXCEPTION, reason=reason), reply_to=delivered)
+        finally:
+            self._keep_or_drop(context)
         reply.metadata.__dict__["_message_id"] = uuid4().hex
         return reply
+
+    def _keep_or_drop(self, context: Context) -> None:
+        """Keep a node's Context while its state holds something; otherwise let it go."""
+        if len(context.state):
+            self.kept[context.node_id] = context
+        else:
+            self.kept.pop(context.node_id, None)

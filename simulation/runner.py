@@ -26,7 +26,7 @@ from fedge.profiles import parse_fleet
 from fedge.server.app import behaviour_of, make_server_app, run_coordinator
 from fedge.server.report import run_dir_for
 from fedge.simulation.byzantine import byzantine_partitions, make_byzantine_client_app
-from fedge.simulation.grid import InlineGrid
+from fedge.simulation.grid import FleetNodes, InlineGrid
 from fedge.task.api import Task
 
 log = logging.getLogger("fedge.simulation")
@@ -41,6 +41,8 @@ def simulate(
     progress: bool = True,
     torch_threads: int | None = 1,
     task: Task | None = None,
+    ray_address: str | None = None,
+    client_app: ClientApp | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Run a simulated federation; return the run directory and its summary.
 
@@ -56,6 +58,12 @@ def simulate(
         Intra-op threads for torch (1 is fastest for small models on few cores).
     task : Task, optional
         The task to federate, given in Python (default: the one the run config names).
+    ray_address : str, optional
+        With ``backend="ray"``: join this existing Ray cluster (``HOST:PORT`` of its head,
+        or ``"auto"``) instead of starting a local one; devices then run on every node.
+    client_app : ClientApp, optional
+        With ``backend="ray"``: the device app to run instead of fedge's (e.g. one that wraps
+        it to record where it ran).
     """
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend '{backend}'; use one of: {', '.join(BACKENDS)}")
@@ -64,33 +72,41 @@ def simulate(
     config["run-dir"] = str(run_dir_for(config))  # fixed now so that both backends agree
     if torch_threads:
         torch.set_num_threads(torch_threads)
+    if ray_address and backend != "ray":
+        raise ConfigError("--ray-address joins a Ray cluster; it needs --backend ray")
     if backend == "inline":
-        node_configs = [
-            {"partition-id": index, "num-partitions": fleet.size, "profile": profile}
-            for index, profile in enumerate(fleet.assignment(config.integer("seed")))
-        ]
-        grid = InlineGrid(_client_app(config, fleet.size, task=task), node_configs, config,
-                          behaviour=behaviour_of(config, fleet))
+        grid = InlineGrid(_client_app(config, fleet.size, task=task), FleetNodes(fleet, config.integer("seed")),
+                          config, behaviour=behaviour_of(config, fleet))
         run_dir = run_coordinator(grid, config, progress=progress, task=task)
     else:
-        run_dir = _run_on_ray(config, fleet.size, progress=progress, task=task)
+        run_dir = _run_on_ray(config, fleet.size, progress=progress, task=task, ray_address=ray_address,
+                              client_app=client_app)
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise FedgeError(f"the run ended without writing {summary_path}; see the log above")
     return run_dir, json.loads(summary_path.read_text())
 
 
-def _run_on_ray(config: RunConfig, num_nodes: int, *, progress: bool, task: Task | None) -> Path:
-    """Flower's simulation engine; its Contexts carry no run config, so bind it here."""
+def _run_on_ray(config: RunConfig, num_nodes: int, *, progress: bool, task: Task | None,
+                ray_address: str | None = None, client_app: ClientApp | None = None) -> Path:
+    """Flower's simulation engine; its Contexts carry no run config, so bind it here.
+
+    Without ``ray_address`` Flower starts a local Ray instance on 2 CPUs; with it, Ray joins
+    the cluster at that address and Flower spreads its actors over the cluster's CPUs.
+    """
     from flwr.simulation import run_simulation
 
+    init_args: dict[str, Any] = {"include_dashboard": False}
+    if ray_address:
+        init_args["address"] = ray_address
+    else:
+        init_args["num_cpus"] = 2
     run_simulation(
         server_app=make_server_app(config, progress=progress, task=task),
-        client_app=_client_app(config, num_nodes, defaults=config, task=task),
+        client_app=client_app or _client_app(config, num_nodes, defaults=config, task=task),
         num_supernodes=num_nodes,
         backend_name="ray",
-        backend_config={"client_resources": {"num_cpus": 1.0},
-                        "init_args": {"num_cpus": 2, "include_dashboard": False}},
+        backend_config={"client_resources": {"num_cpus": 1.0}, "init_args": init_args},
     )
     return Path(config.text("run-dir"))
 

@@ -160,28 +160,44 @@ def synthetic_fedprox(
     num_features: int = 60,
     num_classes: int = 10,
 ) -> list[tuple[Features, Labels]]:
-    """FedProx's Synthetic(alpha, beta) data, one (x, y) set per device.
+    """FedProx's Synthetic(alpha, beta) data, one (x, y) set per device (see :func:`synthetic_device`)."""
+    return [synthetic_device(alpha, beta, device, seed, num_features=num_features, num_classes=num_classes)
+            for device in range(num_devices)]
+
+
+def synthetic_device(
+    alpha: float,
+    beta: float,
+    device: int,
+    seed: int,
+    *,
+    num_features: int = 60,
+    num_classes: int = 10,
+) -> tuple[Features, Labels]:
+    """Device ``device``'s Synthetic(alpha, beta) data, from its own seed ``(seed, device)``.
 
     For device k: ``u_k ~ N(0, alpha)``, ``B_k ~ N(0, beta)``; ``W_k ~ N(u_k, 1)``
     (d x c), ``b_k ~ N(u_k, 1)`` (c); ``v_k ~ N(B_k, 1)`` (d); inputs
     ``x ~ N(v_k, Sigma)`` with diagonal ``Sigma_jj = j^-1.2``; labels
     ``y = argmax(softmax(W_k^T x + b_k))``. Sample counts follow the paper's
     code: ``lognormal(4, 2) + 50``. ``alpha`` and ``beta`` are variances.
+
+    A pure function of (alpha, beta, device, seed): any process, on any backend, that
+    materialises the device gets the same examples, and no other device is generated.
     """
-    rng = np.random.default_rng(seed)
-    counts = rng.lognormal(4, 2, num_devices).astype(int) + 50
+    if device < 0:
+        raise ConfigError(f"synthetic device index must be >= 0, got {device}")
+    rng = np.random.default_rng([seed % 2**63, device])
+    count = int(rng.lognormal(4, 2)) + 50
     sigma = np.arange(1, num_features + 1, dtype=np.float64) ** -1.2
-    devices = []
-    for count in counts:
-        u_k = rng.normal(0, np.sqrt(alpha))
-        b_shift = rng.normal(0, np.sqrt(beta))
-        weights = rng.normal(u_k, 1, (num_features, num_classes))
-        bias = rng.normal(u_k, 1, num_classes)
-        v_k = rng.normal(b_shift, 1, num_features)
-        x = rng.normal(v_k, np.sqrt(sigma), (count, num_features))
-        y = np.argmax(x @ weights + bias, axis=1)  # softmax is monotone
-        devices.append((x.astype(np.float32), y.astype(np.int64)))
-    return devices
+    u_k = rng.normal(0, np.sqrt(alpha))
+    b_shift = rng.normal(0, np.sqrt(beta))
+    weights = rng.normal(u_k, 1, (num_features, num_classes))
+    bias = rng.normal(u_k, 1, num_classes)
+    v_k = rng.normal(b_shift, 1, num_features)
+    x = rng.normal(v_k, np.sqrt(sigma), (count, num_features))
+    y = np.argmax(x @ weights + bias, axis=1)  # softmax is monotone
+    return x.astype(np.float32), y.astype(np.int64)
 
 
 def label_names(num_classes: int) -> list[str]:
