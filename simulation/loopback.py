@@ -131,6 +131,23 @@ class LoopbackFederation:
         self.devices[index].wait()
         self._kill_marked(str(self.root / f"device{index}"))
 
+    def stop(self, process: subprocess.Popen[bytes], signum: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """Send ``signum`` to ``process`` alone (as a supervisor does) and return its exit status."""
+        process.send_signal(signum)
+        return process.wait(timeout)
+
+    def leftovers(self, marker: Path | None = None) -> list[str]:
+        """``pid name`` of live processes whose FLWR_HOME lies under ``marker`` (default: this federation)."""
+        found = []
+        for proc in psutil.process_iter(["pid", "name"]):
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE and \
+                        proc.environ().get("FLWR_HOME", "").startswith(str(marker or self.root)):
+                    found.append(f"{proc.pid} {proc.info['name']}")
+            except (psutil.Error, OSError):
+                continue
+        return found
+
     @staticmethod
     def _kill_marked(marker: str) -> None:
         """Kill processes whose FLWR_HOME lies under ``marker`` (Flower detaches some helpers)."""
