@@ -140,6 +140,7 @@ def write_training_bundle(
     return _load_json(zipfile.ZipFile(io.BytesIO(data)).read(MANIFEST), MANIFEST)  # type: ignore[no-any-return]
 
 
+_OPTIONAL = ("float64_drift",)
 _FIELDS = ("train_onnx", "eval_onnx", "state", "inputs", "target_shape", "target_dtype", "max_abs_diff", "opset")
 
 
@@ -150,9 +151,10 @@ def _fields(graphs: Any, fields: Mapping[str, Any]) -> dict[str, Any]:
     elif isinstance(graphs, Mapping):
         source = {**graphs, **fields}
     else:
-        source = {name: getattr(graphs, name) for name in _FIELDS if hasattr(graphs, name)} | dict(fields)
+        known = (*_FIELDS, *_OPTIONAL)
+        source = {name: getattr(graphs, name) for name in known if hasattr(graphs, name)} | dict(fields)
     missing = [name for name in _FIELDS if name not in source]
-    unknown = sorted(set(source) - set(_FIELDS))
+    unknown = sorted(set(source) - set(_FIELDS) - set(_OPTIONAL))
     if missing or unknown:
         raise ConfigError(f"write_training_bundle: missing fields {missing}, unknown fields {unknown}; pass the "
                           "TrainingGraphs of export_training_graphs (or its fields)")
@@ -182,11 +184,20 @@ def training_manifest(values: Mapping[str, Any], *, task: str, metrics: Sequence
         "metrics": [str(name) for name in metrics],
         "optimizer": OPTIMIZER,
         "outputs": {"train": ["loss", "grad:<name> per trainable state entry"], "eval": ["loss", "output"]},
-        "parity": {"max_abs_diff": float(values["max_abs_diff"])},
+        "parity": _parity(values),
         "opset": int(values["opset"]),
         "architecture": architecture_of(values["train_onnx"], values["eval_onnx"]),
         "versions": _versions(),
     }
+
+
+def _parity(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The export's parity: torch vs onnxruntime, and (when they drifted apart) both vs float64 training."""
+    parity: dict[str, Any] = {"max_abs_diff": float(values["max_abs_diff"])}
+    drift = values.get("float64_drift")
+    if drift is not None:
+        parity["float64_drift"] = {"onnx": float(drift[0]), "torch": float(drift[1])}
+    return parity
 
 
 def _state_entry(entry: Any) -> dict[str, Any]:

@@ -51,6 +51,9 @@ from fedge.signature import DTYPES, InputSpec
 log = logging.getLogger("fedge.edge")
 
 PARITY_TOLERANCE = 1e-5
+# Past PARITY_TOLERANCE, the graph passes only if it lies no further than this many times torch's own
+# float32 distance from the same training in float64 (see _parity).
+DRIFT_FACTOR = 2.0
 PARITY_BATCH = 16
 aten = torch.ops.aten
 # Ops whose results are random: a graph would draw different numbers than torch (or none).
@@ -99,6 +102,7 @@ class TrainingGraphs:
     target_dtype: str
     max_abs_diff: float
     opset: int
+    float64_drift: tuple[float, float] | None = None  # (onnx, torch) distance from float64 training, when checked
 
 
 # --------------------------------------------------------------------------- decompositions
@@ -210,14 +214,19 @@ def export_training_graphs(module: nn.Module, loss: Callable[[torch.Tensor, torc
                             target_shape=_target_shape(targets, specs, arrays), target_dtype=str(targets.dtype),
                             max_abs_diff=0.0, opset=opset)
     try:
-        diff = _parity(module, loss, names, graphs, arrays, targets, parity_steps, learning_rate, momentum)
+        diff, drift = _parity(module, loss, names, graphs, arrays, targets, parity_steps, learning_rate, momentum)
     finally:
         module.train(was_training)
-    if not diff <= PARITY_TOLERANCE:
+    if drift is not None and not drift[0] <= DRIFT_FACTOR * drift[1]:
         raise ExportError(f"{type(module).__name__}: after {parity_steps} SGD steps onnxruntime's weights differ from "
-                          f"torch's by {diff:.3g} (tolerance {PARITY_TOLERANCE:g}); nothing is signed. Report it with "
-                          "the model's layers and the torch/onnxscript versions")
-    return replace(graphs, max_abs_diff=diff)
+                          f"torch's by {diff:.3g} (tolerance {PARITY_TOLERANCE:g}) and lie {drift[0]:.3g} from exact "
+                          f"(float64) training, where torch's float32 lies {drift[1]:.3g}; nothing is signed. Report "
+                          "it with the model's layers and the torch/onnxscript versions")
+    if drift is not None:
+        log.info("%s: onnxruntime and torch drift %.2g apart in %d float32 steps, as float32 rounding does: both lie "
+                 "within %.2g (onnx) / %.2g (torch) of exact float64 training", type(module).__name__, diff,
+                 parity_steps, drift[0], drift[1])
+    return replace(graphs, max_abs_diff=diff, float64_drift=drift)
 
 
 def _target_shape(targets: np.ndarray, specs: Sequence[InputSpec],
@@ -578,8 +587,14 @@ def _check_no_weights(proto: onnx.ModelProto, state: tuple[StateEntry, ...]) -> 
 
 def _parity(module: nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], names: list[str],
             graphs: TrainingGraphs, arrays: Sequence[np.ndarray], targets: np.ndarray, steps: int,
-            learning_rate: float, momentum: float) -> float:
-    """Largest weight difference between torch eager and onnxruntime + numpy after ``steps`` SGD steps."""
+            learning_rate: float, momentum: float) -> tuple[float, tuple[float, float] | None]:
+    """Largest weight difference between torch eager and onnxruntime + numpy after ``steps`` SGD steps.
+
+    When that exceeds :data:`PARITY_TOLERANCE`, also how far each of the two lies from the
+    same training done in float64 (onnx, torch): a deep model amplifies float32 rounding
+    step after step (the images ResNet: ~3x a step), so two correct float32 runs drift apart;
+    the graph is still right when it stays as close to the exact trajectory as torch does.
+    """
     from fedge.edge.trainer import OnnxTrainer  # noqa: PLC0415
 
     manifest = {"state": [e.manifest() for e in graphs.state], "inputs": [s.manifest() for s in graphs.inputs],
@@ -592,10 +607,26 @@ def _parity(module: nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torc
     onnx_weights, _ = trainer.train(start, arrays, targets, epochs=1, batch_size=PARITY_BATCH,
                                     learning_rate=learning_rate, momentum=momentum, seed=0, batches=batches)
     reference = torch_sgd(module, loss, batches, arrays, targets, learning_rate=learning_rate, momentum=momentum)
-    diff = max(float(np.max(np.abs(onnx_weights[entry.name].astype(np.float64) - value.astype(np.float64)),
-                            initial=0.0)) for entry, value in zip(graphs.state, reference.values(), strict=True))
+    onnx_state = [onnx_weights[entry.name] for entry in graphs.state]
+    diff = _max_diff(onnx_state, list(reference.values()))
     _check_eval(module, loss, trainer, start, arrays, targets)
-    return diff
+    if diff <= PARITY_TOLERANCE:
+        return diff, None
+    exact = torch_sgd(copy.deepcopy(module).double(), loss, batches, [_widened(a) for a in arrays], _widened(targets),
+                      learning_rate=learning_rate, momentum=momentum)
+    exact_state = list(exact.values())
+    return diff, (_max_diff(onnx_state, exact_state), _max_diff(list(reference.values()), exact_state))
+
+
+def _widened(array: np.ndarray) -> np.ndarray:
+    """Float data in float64 (for the exact-arithmetic reference); integers (labels, tokens) as they are."""
+    return array.astype(np.float64) if np.issubdtype(array.dtype, np.floating) else array
+
+
+def _max_diff(first: Sequence[np.ndarray], second: Sequence[np.ndarray]) -> float:
+    """Largest difference between two states given in the same (state_dict) order."""
+    return max(float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)), initial=0.0))
+               for a, b in zip(first, second, strict=True))
 
 
 def torch_sgd(module: nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],

@@ -38,7 +38,7 @@ TRAINING_BUNDLE = Path("bundles") / "training.zip"
 SIGNING_PUBLIC_KEY = Path("keys") / "signing.pub"
 SAMPLE_SIZE = 32  # held-out examples the export traces and checks parity on
 TRAINING_FIELDS = ("train_onnx", "eval_onnx", "state", "inputs", "target_shape", "target_dtype", "max_abs_diff",
-                   "opset")
+                   "opset", "float64_drift")
 METRIC_TOLERANCE = 1e-5  # an onnx device reports a task metric only if it reproduces torch's this closely
 
 

@@ -37,14 +37,15 @@ MODELS: dict[str, dict[str, Any]] = {
     "digits-mlp": {"dataset": "digits", "model": "mlp"},
     "digits-logreg": {"dataset": "digits", "model": "logreg"},
     "synthetic": {"dataset": "synthetic", "model": "mlp"},
+    "images": {"task": "images"},
     "chars": {"task": "chars"},
     "diabetes": {"task": "diabetes"},
 }
-FAST = {"digits-cnn"}  # the others take 10-30 s each on a 2-core machine
-# The images ResNet is not here: its single-step gradients match torch within 1e-6, but 20 steps of
-# momentum SGD amplify float32 rounding ~3x a step (9e-3 after 20; torch against itself, 1 vs 2 threads,
-# differs by 4e-5 on a 2-stage version), so the export refuses it on parity and nothing is signed; the
-# export takes minutes, so bench/ondevice.py records that refusal instead of the suite.
+FAST = {"digits-cnn"}  # the others take 10-30 s each on a 2-core machine (images: minutes)
+# The images ResNet's single-step gradients match torch within 1e-6, but 20 steps of momentum SGD amplify
+# float32 rounding ~3x a step, so two correct float32 runs drift ~1e-2 apart: the export then checks that
+# onnxruntime stays as close to the same training in float64 as torch's float32 does (it is closer).
+DRIFTS = {"images"}
 REFUSED_ON_PARITY: set[str] = set()
 # The LSTM is unrolled over the sequence: the full 64-character export takes minutes on 2 cores
 # (bench/ondevice.py measures it); here the same model trains on windows of 8 characters.
@@ -121,6 +122,10 @@ def test_every_built_in_model_trains_on_onnxruntime_as_on_torch(name: str) -> No
                                              learning_rate=0.05, momentum=0.9, seed=0, batches=batches)
     # Assert: weights, loss and counts agree; the export's own check agrees too
     diff = max_diff(onnx_weights, weights_of(model))
+    if name in DRIFTS:  # both float32 runs drift from exact training; onnx no further than 2x torch does
+        assert graphs.float64_drift is not None and graphs.float64_drift[0] <= 2 * graphs.float64_drift[1]
+        assert diff <= 10 * graphs.float64_drift[1]
+        return
     print(f"{name}: parity {diff:.2e} (export's {graphs.max_abs_diff:.2e}), train.onnx "
           f"{len(graphs.train_onnx) / 1024:.1f} KB, eval.onnx {len(graphs.eval_onnx) / 1024:.1f} KB, "
           f"export {seconds:.0f} s")
