@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fedge.config import parse_run_config_args, resolve_run_config
-from fedge.errors import ConfigError
+from fedge.errors import ConfigError, FedgeError
 
 
 def add_parsers(sub: Any) -> None:
@@ -248,7 +248,13 @@ def _status(args: argparse.Namespace) -> int:
                           "start one with `fedge coordinator start`")
     coordinator = Coordinator(args.state_dir, None)
     names = coordinator.names()
-    for node in coordinator.devices():
+    try:
+        nodes = coordinator.devices()
+    except FedgeError:
+        nodes = []
+    if not nodes:  # the SuperLink is not running: the devices registered at its last start
+        nodes = [{"node-id": node_id, "status": "registered (the coordinator is not running)"} for node_id in names]
+    for node in nodes:
         node_id = str(node.get("node-id", node.get("node_id", "?")))
         shown = f"{names[node_id]} (node {node_id})" if node_id in names else f"node {node_id}"
         print(f"device {shown}: {node.get('status', '?')}")
