@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedge import wire
 from fedge.clients.common import (
     RESIDUAL,
     compressed,
@@ -91,7 +92,9 @@ def make_client_app(
 
     @app.train(mods=[dp_clipping_mod])  # per handler: app-wide, Flower's DP mods break evaluate replies
     def train(msg: Message, context: Context) -> Message:
-        return Message(train_content(msg, context), reply_to=msg)
+        content = train_content(msg, context)
+        report_work(context, content)
+        return Message(content, reply_to=msg)
 
     add_secure_handlers(app, train_content)
 
@@ -109,6 +112,28 @@ def make_client_app(
         return Message(evaluation_content(torch_scores(msg, config, chosen, data), len(data)), reply_to=msg)
 
     return app
+
+
+def report_work(context: Context, content: RecordDict) -> None:
+    """One line per round on a deployed device's console: round, samples, steps, loss, bytes sent.
+
+    Simulated devices (hundreds in one process) log it at debug level instead.
+    """
+    meta, metrics = content.config_records[wire.REPLY_META], content.metric_records[wire.METRICS]
+    done = {key: int(meta[key]) for key in (wire.SERVER_ROUND, wire.SAMPLES_PROCESSED, wire.STEPS)}  # type: ignore[arg-type]
+    line = (f"round {done[wire.SERVER_ROUND]}: trained {done[wire.SAMPLES_PROCESSED]} samples in "
+            f"{done[wire.STEPS]} steps ({device_runtime_label(context)}), loss "
+            f"{float(metrics[wire.TRAIN_LOSS]):.4f}, "  # type: ignore[arg-type]
+            f"{wire.payload_bytes(content):,} bytes to send")
+    if "data-path" in context.node_config:
+        print(line, flush=True)
+    else:
+        log.debug("device %s: %s", context.node_config.get("partition-id", context.node_id), line)
+
+
+def device_runtime_label(context: Context) -> str:
+    """``onnx`` or ``torch`` as the node config says (``torch`` unless the device chose onnx)."""
+    return str(context.node_config.get("runtime", "torch"))
 
 
 def onnx_data(task: Task | None, context: Context, config: RunConfig) -> DeviceArrays:

@@ -8,7 +8,6 @@ certificate verifies against the CA. Then Flower's SuperNode takes over.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -325,36 +324,6 @@ def _run_supernode(options: DeviceOptions, state: Path, training_bundle: Path | 
 
 def _stop_supernode(state: Path, grace_s: float = 10.0) -> None:
     """SIGTERM the SuperNode and every Flower process of this device's ``FLWR_HOME``; SIGKILL after ``grace_s``."""
-    home = str((state / "flwr-home").resolve())
-    for process in _SUPERNODE:
-        if process.poll() is None:
-            process.terminate()
-    deadline = time.monotonic() + grace_s
-    for process in _SUPERNODE:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    for signum in (signal.SIGTERM, signal.SIGKILL):
-        for pid in _processes_of(home):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signum)
-        while _processes_of(home) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        deadline = time.monotonic() + 5.0
+    from fedge.process import stop_processes  # noqa: PLC0415
 
-
-def _processes_of(flwr_home: str) -> list[int]:
-    """Live processes whose ``FLWR_HOME`` is ``flwr_home`` (Flower starts helpers in sessions of their own).
-
-    Linux only (``/proc``); elsewhere only the SuperNode itself is stopped.
-    """
-    found, wanted = [], f"FLWR_HOME={flwr_home}".encode()
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if wanted in (entry / "environ").read_bytes().split(b"\0") and int(entry.name) != os.getpid():
-                found.append(int(entry.name))
-        except (OSError, ValueError):
-            continue
-    return found
+    stop_processes((state / "flwr-home").resolve(), list(_SUPERNODE), grace_s)

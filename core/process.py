@@ -7,9 +7,14 @@ off, and the console scripts of the interpreter fedge runs in.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 # Settable Flower knobs that lower round latency (see bench/deploy_latency.py).
 SUPEREXEC_POLL_S = "0.1"
@@ -34,3 +39,51 @@ def flower_bin(name: str) -> str:
     """A Flower console script next to this interpreter (the same virtualenv)."""
     candidate = Path(sys.executable).with_name(name)
     return str(candidate) if candidate.exists() else name
+
+
+def processes_of(flwr_home: Path) -> list[int]:
+    """Ids of live processes whose ``FLWR_HOME`` is ``flwr_home``: every Flower process fedge started for it.
+
+    Flower starts its helpers (SuperExec, ServerApp, ClientApp) in sessions of their own, so
+    a process group does not reach them; the environment every one of them inherits does.
+    """
+    marker, found = str(flwr_home), []
+    if not Path("/proc/self/environ").exists():  # not Linux: psutil (the sim extra) reads environments
+        import psutil  # noqa: PLC0415
+
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if proc.pid != os.getpid() and proc.environ().get("FLWR_HOME") == marker:
+                    found.append(proc.pid)
+            except (psutil.Error, OSError):
+                continue
+        return found
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            variables = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"FLWR_HOME={marker}".encode() in variables and int(entry.name) != os.getpid():
+            found.append(int(entry.name))
+    return found
+
+
+def stop_processes(flwr_home: Path, first: list[subprocess.Popen[Any]], grace_s: float = 10.0) -> None:
+    """SIGTERM ``first`` and every process of ``flwr_home``; SIGKILL what is left after ``grace_s``."""
+    for process in first:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in first:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        for pid in processes_of(flwr_home):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+        while processes_of(flwr_home) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        deadline = time.monotonic() + 5.0

@@ -20,14 +20,12 @@ dependency installation is off) and Flower's telemetry and update checks are off
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import logging
 import os
 import re
 import secrets
-import signal
 import socket
 import ssl
 import subprocess
@@ -45,7 +43,7 @@ from cryptography.hazmat.primitives import serialization
 
 from fedge.config import DEFAULTS, Scalar
 from fedge.errors import ConfigError, FedgeError
-from fedge.process import flower_bin, flower_env
+from fedge.process import flower_bin, flower_env, stop_processes
 from fedge.server.pki import CoordinatorKeys
 
 log = logging.getLogger("fedge.server.coordinator")
@@ -371,54 +369,6 @@ class Coordinator:
             self.bundles = None
         first = [p for p in (self.runner, self.superlink) if p is not None]
         stop_processes(self.flwr_home, first)
-
-
-def processes_of(flwr_home: Path) -> list[int]:
-    """Ids of live processes whose ``FLWR_HOME`` is ``flwr_home``: every Flower process fedge started for it.
-
-    Flower starts its helpers (SuperExec, ServerApp, ClientApp) in sessions of their own, so
-    a process group does not reach them; the environment every one of them inherits does.
-    """
-    marker, found = str(flwr_home), []
-    if not Path("/proc/self/environ").exists():  # not Linux: psutil (the sim extra) reads environments
-        import psutil  # noqa: PLC0415
-
-        for proc in psutil.process_iter(["pid"]):
-            try:
-                if proc.pid != os.getpid() and proc.environ().get("FLWR_HOME") == marker:
-                    found.append(proc.pid)
-            except (psutil.Error, OSError):
-                continue
-        return found
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            variables = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"FLWR_HOME={marker}".encode() in variables and int(entry.name) != os.getpid():
-            found.append(int(entry.name))
-    return found
-
-
-def stop_processes(flwr_home: Path, first: list[subprocess.Popen[Any]], grace_s: float = 10.0) -> None:
-    """SIGTERM ``first`` and every process of ``flwr_home``; SIGKILL what is left after ``grace_s``."""
-    for process in first:
-        if process.poll() is None:
-            process.terminate()
-    deadline = time.monotonic() + grace_s
-    for process in first:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    for signum in (signal.SIGTERM, signal.SIGKILL):
-        for pid in processes_of(flwr_home):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signum)
-        while processes_of(flwr_home) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        deadline = time.monotonic() + 5.0
 
 
 def read_names(path: Path) -> dict[str, str]:

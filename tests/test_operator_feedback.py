@@ -99,3 +99,48 @@ def test_a_run_reports_rounds_names_and_metrics_and_a_failing_run_one_line(feder
     log = federation.log("coordinator").split("run finished")[-1]
     assert "fedge: error: the run failed: CheckpointMismatch: checkpoint '/nonexistent/ckpt.npz' does not exist" in log
     assert "Traceback" not in log and "Exit Code" not in log
+
+
+@pytest.mark.parametrize("runtime", ["torch", "onnx"])
+def test_a_deployed_device_prints_round_samples_loss_and_bytes(runtime: str, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # Prepare: a deployed device (its own data file) and a run whose directory holds the signed training graph
+    import numpy as np
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+    from fedge import wire
+    from fedge.clients.app import make_default_client_app
+    from fedge.config import resolve_run_config
+    from fedge.server.bundles import run_signing_key
+    from fedge.server.training import (
+        SIGNING_PUBLIC_KEY,
+        TRAINING_BUNDLE,
+        export_training_graph,
+        write_run_training_bundle,
+    )
+    from fedge.task.api import seeded_model
+    from fedge.task.models import model_arrays
+    from fedge.tasks import load_task
+
+    config = resolve_run_config({"model": "logreg", "local-epochs": 1, "batch-size": 10,
+                                 "run-dir": str(tmp_path / "run")})
+    task = load_task(config)
+    model = seeded_model(task, 42)
+    run_dir = tmp_path / "run"
+    graphs, metrics = export_training_graph(task, model, config)
+    write_run_training_bundle(graphs, metrics, task, run_dir, private_key=run_signing_key(config, run_dir))
+    shard = task.partition(0, 10, config)
+    np.savez(tmp_path / "mine.npz", x=shard.inputs[0][:30], y=shard.targets[:30])
+    node = {"data-path": str(tmp_path / "mine.npz"), "profile": "phone", "runtime": runtime,
+            "training-bundle": str(run_dir / TRAINING_BUNDLE), "trusted-key": str(run_dir / SIGNING_PUBLIC_KEY)}
+    context = Context(run_id=1, node_id=7, node_config=node, state=RecordDict(), run_config=dict(config))
+    message = Message(RecordDict({wire.ARRAYS: model_arrays(model), wire.CONFIG: ConfigRecord({wire.SERVER_ROUND: 3})}),
+                      dst_node_id=7, message_type="train")
+    # Execute
+    make_default_client_app()(message, context)
+    # Assert: 30 examples in batches of 10 is 3 steps; 64 x 10 + 10 float32 weights travel back (2,600
+    # bytes), each of the 2 arrays with its .npy header (at most 256 bytes)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(f"round 3: trained 30 samples in 3 steps ({runtime}), loss ")
+    sent = int(line.removesuffix(" bytes to send").rsplit(", ", 1)[1].replace(",", ""))
+    assert (64 * 10 + 10) * 4 < sent <= (64 * 10 + 10) * 4 + 2 * 256
