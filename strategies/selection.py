@@ -75,12 +75,15 @@ class OortSelector(RandomSelector):
         nodes, k = sorted(node_ids), min(k, len(node_ids))
         starving = [n for n in nodes if server_round - self.last_selected.get(n, 0) > self.fairness_rounds]
         chosen = rng.sample(starving, min(len(starving), k))
-        unseen = [n for n in nodes if n not in self.records and n not in chosen]
+        taken = set(chosen)  # membership in O(1): fleets run to a million devices
+        unseen = [n for n in nodes if n not in self.records and n not in taken]
         explore = min(len(unseen), max(k - len(chosen), 0), math.ceil(self.epsilon * k) if self.records else k)
         chosen += rng.sample(unseen, explore)
-        seen = sorted((n for n in nodes if n in self.records and n not in chosen), key=self.score, reverse=True)
+        taken.update(chosen)
+        seen = sorted((n for n in nodes if n in self.records and n not in taken), key=self.score, reverse=True)
         chosen += seen[: k - len(chosen)]
-        rest = [n for n in nodes if n not in chosen]
+        taken.update(chosen)
+        rest = [n for n in nodes if n not in taken]
         chosen += rng.sample(rest, max(k - len(chosen), 0))
         for node in chosen:
             self.last_selected[node] = server_round
