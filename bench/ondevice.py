@@ -566,19 +566,31 @@ def deploy_once(runtime: str, fedge: Path | None, root: Path, rounds: int) -> di
         extra: list[str] = []
         if runtime == "onnx":
             trust = federation.keys.directory / "bundle-signing" / "signing.pub"
-            federation.wait_for(trust.exists, 120, "the coordinator's bundle signing key")
+            published = federation.root / "state" / "published" / "training.zip"
+            federation.wait_for(lambda: trust.exists() and published.exists() and listening(federation.port + 1),
+                                300, "the coordinator's training bundle service")
             extra = ["--runtime", "onnx", "--trust", str(trust)]
         for index in range(2):
             start_device(federation, index, executable, extra)
         federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 600, f"{runtime} run")
         walls = [row["wall_time_s"] for row in federation.rows()]
         summary = json.loads((federation.run_dir / "summary.json").read_text())
+        logs = {name: federation.log(name)[-1500:] for name in ("coordinator", "device0", "device1")}
     finally:
         federation.close()
     per_round = [b - a for a, b in zip(walls[1:], walls[2:], strict=False)]
     return {"runtime": runtime, "device_fedge": executable, "round_s": per_round,
             "median_round_s": statistics.median(per_round), "first_round_s": walls[1] - walls[0],
-            "final_accuracy": summary.get("final_accuracy")}
+            "final_accuracy": summary.get("final_accuracy"), "log_tails": logs}
+
+
+def listening(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:``port``."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def start_device(federation: Any, index: int, executable: str, extra: list[str]) -> None:
