@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fedge.config import parse_run_config_args, resolve_run_config
-from fedge.errors import ConfigError, FedgeError
+from fedge.errors import ConfigError, FedgeError, Stopped
 
 
 def add_parsers(sub: Any) -> None:
@@ -123,14 +123,6 @@ def _registered(args: argparse.Namespace) -> int | None:
     from fedge.server.pki import CoordinatorKeys
 
     return len(CoordinatorKeys(args.keys).device_public_keys())
-
-
-class Stopped(Exception):
-    """SIGTERM or SIGINT arrived: stop everything started, then exit 0."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:

@@ -26,7 +26,7 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
-from fedge.errors import ConfigError, FedgeError
+from fedge.errors import ConfigError, FedgeError, Stopped
 from fedge.profiles import RUNTIMES, parse_fleet
 from fedge.task.data import load_local_file
 
@@ -231,12 +231,8 @@ REFUSED = {"[code: 2004]": "the coordinator did not activate this device: either
            "[code: 2001]": "the coordinator requires device authentication; pass --key"}
 
 
-class Stopped(Exception):
-    """SIGTERM or SIGINT arrived: stop the SuperNode and its helpers, then exit 0."""
-
-
 def _raise_stopped(signum: int, frame: object) -> None:
-    raise Stopped(signal.Signals(signum).name)
+    raise Stopped(signum)
 
 
 def run_device(options: DeviceOptions) -> int:

@@ -67,3 +67,16 @@ class ProtocolError(DeviceFault):
     of the round (the round goes on without it, as for a dropout).
     """
 
+
+class Stopped(FedgeError):
+    """SIGTERM or SIGINT arrived: stop every process started, say so in one line, exit 0.
+
+    Raised by the signal handlers of ``fedge coordinator start`` and ``fedge device``;
+    ``signum`` is the signal's number.
+    """
+
+    def __init__(self, signum: int) -> None:
+        import signal  # noqa: PLC0415
+
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
