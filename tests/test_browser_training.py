@@ -32,6 +32,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from chromium import start_chromium
 from onnx import TensorProto, helper
 
 from fedge.config import resolve_run_config
@@ -43,7 +44,6 @@ PAGE = Path(__file__).resolve().parent / "browser"
 # Where `make browser` installs onnxruntime-web (FEDGE_ORTWEB_DIR, relative to the repository root).
 ORT_DIST = ROOT / os.environ.get("FEDGE_ORTWEB_DIR", ".cache/ortweb") / "node_modules" / "onnxruntime-web" / "dist"
 ORT_FILES = ("ort.wasm.min.js", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
-CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 TOLERANCE = 1e-5
 LEARNING_RATE = 0.05
 BATCH = 16
@@ -88,19 +88,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    """Headless Debian Chromium through Selenium and Debian's chromedriver (installed by `make test`)."""
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        pytest.skip("Debian's chromium and chromium-driver are not installed; `make test` installs them")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1280,1600"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    """Headless Chromium (skipped where it is not installed)."""
+    driver = start_chromium()
     yield driver
     driver.quit()
 

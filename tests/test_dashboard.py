@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chromium import start_chromium
 from starlette.testclient import TestClient
 
 from fedge.errors import ConfigError
@@ -133,7 +134,6 @@ def test_the_api_is_described_by_openapi(finished_run: Path) -> None:
 
 # --------------------------------------------------------------------------- in a real browser
 
-CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 
 
 def _free_port() -> int:
@@ -161,19 +161,8 @@ def served(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    """Headless Debian Chromium through Selenium and Debian's chromedriver (installed by `make test`)."""
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        pytest.skip("Debian's chromium and chromium-driver are not installed; `make test` installs them")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1280,1600"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    """Headless Chromium (skipped where it is not installed)."""
+    driver = start_chromium()
     yield driver
     driver.quit()
 
