@@ -423,7 +423,7 @@ def test_a_coordinator_publishes_and_a_device_pulls(tmp_path: Path) -> None:
     federation = LoopbackFederation(tmp_path, num_devices=2)
     bundle_port = free_port()
     published = federation.root / "state" / "published" / "inference.zip"
-    trust = federation.run_dir / "keys" / "signing.pub"
+    trust = federation.bundle_signing_key  # the coordinator's own bundle key (KEYS/bundle-signing), kept across runs
     try:
         # Prepare: a two-round run signing a bundle after round 1 (published while round 2 trains)
         federation.start_coordinator("--rounds", "2", "--clients-per-round", "2", "--bundle-port", str(bundle_port),
