@@ -67,7 +67,8 @@ class LoopbackFederation:
         env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", **self.extra_env}
         if fedge != FEDGE:  # another virtualenv: its own bin first, nothing of this one's
             env["PATH"] = f"{Path(fedge).parent}{os.pathsep}{env.get('PATH', '')}"
-            env.pop("VIRTUAL_ENV", None)
+            for leaky in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):  # nothing of this install may leak in
+                env.pop(leaky, None)
         with (self.root / log).open("ab") as out:
             return subprocess.Popen([fedge, *argv], stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)

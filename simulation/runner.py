@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -101,13 +102,23 @@ def _run_on_ray(config: RunConfig, num_nodes: int, *, progress: bool, task: Task
         init_args["address"] = ray_address
     else:
         init_args["num_cpus"] = 2
-    run_simulation(
-        server_app=make_server_app(config, progress=progress, task=task),
-        client_app=client_app or _client_app(config, num_nodes, defaults=config, task=task),
-        num_supernodes=num_nodes,
-        backend_name="ray",
-        backend_config={"client_resources": {"num_cpus": 1.0}, "init_args": init_args},
-    )
+    # Flower's Ray backend sets this process's PYTHONPATH to its whole sys.path and leaves it set,
+    # so every subprocess started later (another virtualenv's python, say) would import from this
+    # one's site-packages: put it back once the run is over.
+    pythonpath = os.environ.get("PYTHONPATH")
+    try:
+        run_simulation(
+            server_app=make_server_app(config, progress=progress, task=task),
+            client_app=client_app or _client_app(config, num_nodes, defaults=config, task=task),
+            num_supernodes=num_nodes,
+            backend_name="ray",
+            backend_config={"client_resources": {"num_cpus": 1.0}, "init_args": init_args},
+        )
+    finally:
+        if pythonpath is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = pythonpath
     return Path(config.text("run-dir"))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import pytest
@@ -13,7 +14,10 @@ from fedge.simulation.runner import simulate
 @pytest.mark.slow
 def test_ray_backend_runs_the_same_apps_for_two_rounds(fast_config: dict[str, Any]) -> None:
     fast_config.update({"num-rounds": 2, "export-onnx": False})
+    pythonpath = os.environ.get("PYTHONPATH")
     run_dir, summary = simulate(fast_config, backend="ray", progress=False)
+    # Flower's Ray backend puts this process's sys.path on PYTHONPATH; fedge puts it back
+    assert os.environ.get("PYTHONPATH") == pythonpath
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["rounds"] == 2
     assert [row["participants"] for row in rows[1:]] == [4, 4]

@@ -28,19 +28,28 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
+# What would let another install's packages leak into a fresh venv: an earlier test in the same
+# process may have put this checkout's environment on PYTHONPATH (fedge's CLI adds the working
+# directory for package.module:object tasks, and Ray passes paths on to its workers).
+LEAKY = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PIP_TARGET", "PIP_PREFIX")
+
+
+def _clean_env() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if key not in LEAKY}
+
+
 def _venv(root: Path, extra: str) -> Path:
     """A fresh venv with ``fedge[extra]`` from this checkout; its bin directory."""
-    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, timeout=300)
-    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, timeout=300, env=_clean_env())
     install = subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "--quiet",
-                              f"{REPO}[{extra}]"], capture_output=True, text=True, timeout=1200, env=env)
+                              f"{REPO}[{extra}]"], capture_output=True, text=True, timeout=1200, env=_clean_env())
     assert install.returncode == 0, install.stderr[-3000:]
     return root / "bin"
 
 
 def _run(python: Path, code: str, *args: str) -> str:
     result = subprocess.run([str(python), "-c", code, *args], capture_output=True, text=True, timeout=300,
-                            env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"})
+                            env=_clean_env())
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -79,7 +88,8 @@ def test_the_edge_install_verifies_and_runs_a_bundle_without_torch_or_flower(tmp
     got = json.loads(_run(bin_dir / "python", PREDICT, str(bundle), str(run_dir / "keys" / "signing.pub"),
                           str(tmp_path / "images.npy")))
     verify = subprocess.run([str(bin_dir / "fedge"), "verify", str(bundle), "--trusted",
-                             str(run_dir / "keys" / "signing.pub")], capture_output=True, text=True, timeout=120)
+                             str(run_dir / "keys" / "signing.pub")], capture_output=True, text=True, timeout=120,
+                            env=_clean_env())
     # Assert: no torch, no Flower, the same predictions as the full install
     assert present == {"torch": False, "flwr": False, "ray": False, "sklearn": False, "matplotlib": False,
                        "onnxruntime": True}
