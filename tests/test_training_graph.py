@@ -37,15 +37,15 @@ MODELS: dict[str, dict[str, Any]] = {
     "digits-mlp": {"dataset": "digits", "model": "mlp"},
     "digits-logreg": {"dataset": "digits", "model": "logreg"},
     "synthetic": {"dataset": "synthetic", "model": "mlp"},
-    "images": {"task": "images"},
     "chars": {"task": "chars"},
     "diabetes": {"task": "diabetes"},
 }
-FAST = {"digits-cnn"}  # the others take 10-30 s each on a 2-core machine (images: minutes)
-# The images ResNet's single-step gradients match torch within 1e-6, but 20 steps of momentum SGD amplify
-# float32 rounding ~3x a step, so two correct float32 runs drift ~1e-2 apart: the export then checks that
-# onnxruntime stays as close to the same training in float64 as torch's float32 does (it is closer).
-DRIFTS = {"images"}
+FAST = {"digits-cnn"}  # the others take 10-30 s each on a 2-core machine
+# The images ResNet is not here: its export takes minutes on 2 cores (the suite must fit CI's 30). Its
+# single-step gradients match torch within 1e-6, but 20 steps of momentum SGD amplify float32 rounding ~3x
+# a step (onnx and torch end 0.0099 apart); it passes the float64 rule (onnx 0.0064 from float64 training,
+# torch 0.012), measured by bench/ondevice.py and tested below on the rule itself.
+DRIFTS: set[str] = set()
 REFUSED_ON_PARITY: set[str] = set()
 # The LSTM is unrolled over the sequence: the full 64-character export takes minutes on 2 cores
 # (bench/ondevice.py measures it); here the same model trains on windows of 8 characters.
@@ -264,3 +264,28 @@ def test_a_layer_whose_backward_cannot_be_traced_is_refused_naming_the_layer() -
     # Execute / Assert
     with pytest.raises(ExportError, match=r"layer 'weird' \(Odd\).*fedge_training_test.odd"):
         _export_small(model)
+
+
+@pytest.mark.parametrize(("drift", "signed"), [((6.4e-3, 1.2e-2), True), ((3.0e-2, 1.2e-2), False)],
+                         ids=["closer-to-float64-than-torch", "further-than-twice-torch"])
+def test_past_1e5_a_graph_is_signed_only_if_it_tracks_float64_training_as_torch_does(
+        drift: tuple[float, float], signed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: the parity check reports the images ResNet's numbers (0.0099 apart after 20 steps) with
+    # onnx's and torch's distances from the same training in float64
+    import fedge.edge.training_graph as training_graph
+
+    monkeypatch.setattr(training_graph, "_parity", lambda *args, **kwargs: (9.9e-3, drift))
+    task = task_of("digits-logreg")
+    data = sample_of(task)
+
+    def export() -> TrainingGraphs:
+        return export_training_graphs(seeded_model(task, 0), task.loss, data.inputs, data.targets,
+                                      inputs=task.inputs)
+
+    # Execute / Assert: within 2x torch's own float32 distance it is signed and the numbers recorded
+    if signed:
+        graphs = export()
+        assert graphs.max_abs_diff == 9.9e-3 and graphs.float64_drift == drift
+    else:
+        with pytest.raises(ExportError, match="from exact .float64. training"):
+            export()
