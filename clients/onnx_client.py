@@ -32,11 +32,8 @@ from fedge import wire
 from fedge.clients.common import LocalWork, TrainOrder, evaluation_content, received_weights, reply_content
 from fedge.config import RunConfig
 from fedge.edge.trainer import OnnxTrainer
-from fedge.edge.training_bundle import TrainingBundle, read_training_bundle
+from fedge.edge.training_bundle import SIGNING_PUBLIC_KEY, TRAINING_BUNDLE, TrainingBundle, read_training_bundle
 from fedge.errors import ConfigError
-
-TRAINING_BUNDLE = Path("bundles") / "training.zip"  # in a run directory
-SIGNING_PUBLIC_KEY = Path("keys") / "signing.pub"  # in a run directory
 
 DeviceArrays = tuple[tuple[np.ndarray, ...], np.ndarray]
 
@@ -128,7 +125,9 @@ def device_arrays(path: str | Path, manifest: Mapping[str, Any]) -> DeviceArrays
     target_dtype = str(manifest["targets"]["dtype"])
     path = Path(path)
     if path.suffix == ".npz":
-        inputs, targets = _npz_arrays(path, [str(spec["name"]) for spec in specs])
+        from fedge.task.loaders import npz_arrays  # noqa: PLC0415 - numpy only
+
+        inputs, targets = npz_arrays(path, [str(spec["name"]) for spec in specs], "the training graph")
     elif path.suffix == ".csv" and len(specs) == 1:
         from fedge.task.data import load_csv_table  # noqa: PLC0415 - numpy only
 
@@ -143,17 +142,3 @@ def device_arrays(path: str | Path, manifest: Mapping[str, Any]) -> DeviceArrays
         raise ConfigError(f"'{path}': inputs and 'y' hold different numbers of examples "
                           f"({[len(a) for a in cast]} vs {len(targets)})")
     return cast, np.ascontiguousarray(targets, dtype=target_dtype)
-
-
-def _npz_arrays(path: Path, names: list[str]) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            files = set(data.files)
-            wanted = names if len(names) != 1 or names[0] in files else ["x" if "x" in files else "X"]
-            missing = [name for name in [*wanted, "y"] if name not in files]
-            if missing:
-                raise ConfigError(f"'{path}' holds arrays {sorted(files)}; it needs {missing} (one array per "
-                                  f"input {names}, and 'y')")
-            return tuple(data[name] for name in wanted), data["y"]
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read '{path}' as .npz: {exc}") from None

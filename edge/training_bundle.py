@@ -132,7 +132,7 @@ def write_training_bundle(
     ConfigError
         For a missing field or a lineage that cannot be ordered.
     """
-    values = _fields(graphs, fields)
+    values = graph_fields(graphs, fields)
     manifest = training_manifest(values, task=task, metrics=metrics, model_id=model_id, version=version,
                                  expires_at=expires_at, issued_at=issued_at)
     data = pack_training_bundle(values["train_onnx"], values["eval_onnx"], manifest, private_key=private_key)
@@ -140,12 +140,16 @@ def write_training_bundle(
     return _load_json(zipfile.ZipFile(io.BytesIO(data)).read(MANIFEST), MANIFEST)  # type: ignore[no-any-return]
 
 
+TRAINING_BUNDLE = Path("bundles") / "training.zip"  # where a run directory holds its training bundle
+SIGNING_PUBLIC_KEY = Path("keys") / "signing.pub"  # and the public key that signs it
+
 _OPTIONAL = ("float64_drift",)
 _FIELDS = ("train_onnx", "eval_onnx", "state", "inputs", "target_shape", "target_dtype", "max_abs_diff", "opset")
 
 
-def _fields(graphs: Any, fields: Mapping[str, Any]) -> dict[str, Any]:
+def graph_fields(graphs: Any, fields: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The graphs' fields from an object, a mapping or keyword arguments."""
+    fields = fields or {}
     if graphs is None:
         source: Mapping[str, Any] = fields
     elif isinstance(graphs, Mapping):

@@ -24,7 +24,13 @@ from torch import nn
 
 from fedge.config import RunConfig
 from fedge.edge.trainer import NUMPY_METRICS, OnnxTrainer
-from fedge.edge.training_bundle import training_manifest, write_training_bundle
+from fedge.edge.training_bundle import (
+    SIGNING_PUBLIC_KEY,
+    TRAINING_BUNDLE,
+    graph_fields,
+    training_manifest,
+    write_training_bundle,
+)
 from fedge.edge.training_graph import TrainingGraphs, export_training_graphs
 from fedge.errors import ConfigError, ExportError
 from fedge.files import write_bytes_atomic
@@ -34,11 +40,7 @@ from fedge.task.api import Task
 
 log = logging.getLogger("fedge.server")
 
-TRAINING_BUNDLE = Path("bundles") / "training.zip"
-SIGNING_PUBLIC_KEY = Path("keys") / "signing.pub"
 SAMPLE_SIZE = 32  # held-out examples the export traces and checks parity on
-TRAINING_FIELDS = ("train_onnx", "eval_onnx", "state", "inputs", "target_shape", "target_dtype", "max_abs_diff",
-                   "opset", "float64_drift")
 METRIC_TOLERANCE = 1e-5  # an onnx device reports a task metric only if it reproduces torch's this closely
 
 
@@ -75,7 +77,7 @@ def reproduced_metrics(task: Task, model: nn.Module, graphs: TrainingGraphs,
         wanted = task.metrics(task.forward(model.eval(), [torch.as_tensor(a) for a in inputs]),
                               torch.as_tensor(targets))
     candidates = [name for name in ("loss", *NUMPY_METRICS) if name in wanted]
-    manifest = training_manifest({field: getattr(graphs, field) for field in TRAINING_FIELDS}, task=task.name,
+    manifest = training_manifest(graph_fields(graphs), task=task.name,
                                  metrics=candidates, model_id=f"{task.name}-training", version=0)
     trainer = OnnxTrainer(graphs.train_onnx, graphs.eval_onnx, manifest)
     weights = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}

@@ -38,17 +38,24 @@ def load_file(path: str | Path, task: Task) -> TaskData:
 
 def load_npz(path: str | Path, task: Task) -> TaskData:
     """``x`` (or one array per declared input name) and ``y`` from a ``.npz`` file."""
+    inputs, targets = npz_arrays(path, [spec.name for spec in task.inputs], task.describe())
+    return checked(inputs, targets, task, source=str(path))
+
+
+def npz_arrays(path: str | Path, names: list[str], what: str = "the task") -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """One array per input name (``x`` or ``X`` for a single input) and ``y`` from a ``.npz`` file.
+
+    numpy only (no torch): a device without torch reads its file with this too.
+    """
     try:
         with np.load(path, allow_pickle=False) as data:
-            names = set(data.files)
-            wanted = [spec.name for spec in task.inputs]
-            if len(wanted) == 1 and wanted[0] not in names:
-                wanted = ["x" if "x" in names else "X"]
-            missing = [name for name in [*wanted, "y"] if name not in names]
+            files = set(data.files)
+            wanted = names if len(names) != 1 or names[0] in files else ["x" if "x" in files else "X"]
+            missing = [name for name in [*wanted, "y"] if name not in files]
             if missing:
-                raise ConfigError(f"'{path}' holds arrays {sorted(names)}; it needs {missing} "
-                                  f"(one array per input of {task.describe()}, and 'y')")
-            return checked(tuple(data[name] for name in wanted), data["y"], task, source=str(path))
+                raise ConfigError(f"'{path}' holds arrays {sorted(files)}; it needs {missing} "
+                                  f"(one array per input of {what}, and 'y')")
+            return tuple(data[name] for name in wanted), data["y"]
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read '{path}' as .npz: {exc}") from None
 
