@@ -119,13 +119,16 @@ def report_work(context: Context, content: RecordDict) -> None:
 
     Simulated devices (hundreds in one process) log it at debug level instead.
     """
+    deployed = "data-path" in context.node_config
+    if not deployed and not log.isEnabledFor(logging.DEBUG):
+        return  # simulated devices: nothing to build on the hot path
     meta, metrics = content.config_records[wire.REPLY_META], content.metric_records[wire.METRICS]
     done = {key: int(meta[key]) for key in (wire.SERVER_ROUND, wire.SAMPLES_PROCESSED, wire.STEPS)}  # type: ignore[arg-type]
     line = (f"round {done[wire.SERVER_ROUND]}: trained {done[wire.SAMPLES_PROCESSED]} samples in "
             f"{done[wire.STEPS]} steps ({device_runtime_label(context)}), loss "
             f"{float(metrics[wire.TRAIN_LOSS]):.4f}, "  # type: ignore[arg-type]
             f"{wire.payload_bytes(content):,} bytes to send")
-    if "data-path" in context.node_config:
+    if deployed:
         print(line, flush=True)
     else:
         log.debug("device %s: %s", context.node_config.get("partition-id", context.node_id), line)
