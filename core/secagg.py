@@ -49,6 +49,7 @@ import random
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from cryptography.exceptions import InvalidSignature
@@ -83,6 +84,21 @@ def to_ring(values: NDArray[np.unsignedinteger], bits: int) -> Vector:
     return wide.astype(ring_dtype(bits))
 
 
+def ring_accumulate(total: Vector, vector: Vector, bits: int, *, subtract: bool = False) -> Vector:
+    """``total += vector`` (or ``-=``) in Z_{2^bits}, in place; returns ``total``.
+
+    ``total`` is a writeable :func:`ring_dtype` vector; ``vector`` holds ring elements of the
+    same length. What the coordinator folds each masked input into as it arrives (one
+    model-sized sum, not one array per device).
+    """
+    if total.dtype != ring_dtype(bits) or not total.flags.writeable:
+        raise ValueError(f"ring_accumulate needs a writeable {np.dtype(ring_dtype(bits)).name} total")
+    (np.subtract if subtract else np.add)(total, vector.astype(total.dtype, copy=False), out=total)
+    if bits not in (32, 64):  # words wrap at 2^32 / 2^64, multiples of 2^bits: reduce once
+        np.bitwise_and(total, total.dtype.type((1 << bits) - 1), out=total)
+    return total
+
+
 def ring_add(a: Vector, b: Vector, bits: int, *, subtract: bool = False) -> Vector:
     """``a + b`` (or ``a - b``) in Z_{2^bits}."""
     if bits in (32, 64):  # native wrap-around, no widening
@@ -109,8 +125,10 @@ class FixedPoint:
 
     def encode(self, values: NDArray[np.floating]) -> Vector:
         """Quantise (round to nearest) into the ring."""
-        clipped = np.clip(np.asarray(values, np.float64), -self.clip, self.clip)
-        return to_ring(np.rint(clipped * self.scale).astype(np.int64).astype(np.uint64), self.bits)
+        scaled = np.clip(np.asarray(values, np.float64), -self.clip, self.clip)  # a new array: scaled in place
+        scaled *= self.scale
+        np.rint(scaled, out=scaled)
+        return to_ring(scaled.astype(np.int64).view(np.uint64), self.bits)  # two's complement, then mod 2^bits
 
     def fits(self, count: int) -> bool:
         """Whether a sum of ``count`` encodings cannot overflow."""
@@ -136,20 +154,72 @@ def bits_needed(count: int, clip: float, precision: float) -> int:
 
 def expand_mask(seed: bytes, length: int, bits: int = 32) -> Vector:
     """``length`` ring elements of ChaCha20 keystream keyed by the 32-byte ``seed``."""
+    word = 4 if bits <= 32 else 8
+    stream = np.empty(length, f"<u{word}")
+    _keystream_into(seed, stream)
+    return to_ring(stream, bits)
+
+
+def add_mask(total: Vector, seed: bytes, bits: int = 32, *, subtract: bool = False) -> Vector:
+    """``total += PRG(seed)`` (or ``-=``) in Z_{2^bits}, in place: :func:`expand_mask`'s mask,
+    made block by block into a reused buffer (no mask-sized allocation); returns ``total``.
+
+    ``total`` must be a :func:`ring_dtype` vector of its ring (as :func:`masked_input` and
+    :func:`unmask` make). Words wrap at 2^32 or 2^64, a multiple of 2^bits, so adding the
+    raw keystream and reducing once gives the same ring element as adding the reduced mask.
+    """
+    if total.dtype != ring_dtype(bits) or not total.flags.c_contiguous or not total.flags.writeable:
+        raise ValueError(f"add_mask needs a writeable contiguous {np.dtype(ring_dtype(bits)).name} vector")
+    word, encryptor = total.dtype.itemsize, _chacha20(seed)
+    if not len(total):
+        return total
+    block = np.empty(min(len(total), MASK_BLOCK // word), total.dtype)
+    zeros = _zeros(block.nbytes)
+    operation = np.subtract if subtract else np.add
+    for start in range(0, len(total), len(block)):
+        part = total[start:start + len(block)]
+        chunk = block[:len(part)]
+        encryptor.update_into(zeros[:chunk.nbytes], chunk.view(np.uint8))
+        operation(part, chunk, out=part)
+    if bits not in (32, 64):
+        np.bitwise_and(total, total.dtype.type((1 << bits) - 1), out=total)
+    return total
+
+
+MASK_BLOCK = 1 << 20
+"""Bytes of keystream :func:`add_mask` makes at a time (a cache-friendly block)."""
+
+
+def _chacha20(seed: bytes) -> Any:
     if len(seed) != 32:
         raise ValueError("mask seeds are 32 bytes")
-    word = 4 if bits <= 32 else 8
-    encryptor = Cipher(algorithms.ChaCha20(seed, b"\x00" * 16), mode=None).encryptor()
-    stream = np.frombuffer(encryptor.update(b"\x00" * (word * length)), dtype=f"<u{word}")
-    return to_ring(stream, bits)
+    return Cipher(algorithms.ChaCha20(seed, b"\x00" * 16), mode=None).encryptor()
+
+
+def _keystream_into(seed: bytes, out: NDArray[np.unsignedinteger]) -> None:
+    """Fill ``out`` with the ChaCha20 keystream of ``seed`` (nonce and counter zero), block by block."""
+    encryptor, raw = _chacha20(seed), out.view(np.uint8)
+    if not len(raw):
+        return
+    zeros = _zeros(min(len(raw), MASK_BLOCK))
+    for start in range(0, len(raw), len(zeros)):
+        part = raw[start:start + len(zeros)]
+        encryptor.update_into(zeros[:len(part)], part)
+
+
+@functools.lru_cache(maxsize=4)
+def _zeros(nbytes: int) -> memoryview:
+    """``nbytes`` zero bytes to encrypt into keystream (read-only, shared)."""
+    return memoryview(bytes(nbytes))
 
 
 def masked_input(encoded: Vector, self_seed: bytes, pair_seeds: Mapping[int, bytes], me: int,
                  bits: int = 32) -> Vector:
     """``x + PRG(b_i) + sum_{j > i} PRG(s_ij) - sum_{j < i} PRG(s_ij)`` in Z_{2^bits}."""
-    total = ring_add(encoded, expand_mask(self_seed, len(encoded), bits), bits)
+    total = to_ring(encoded, bits).astype(ring_dtype(bits), copy=True)
+    add_mask(total, self_seed, bits)
     for peer, seed in pair_seeds.items():
-        total = ring_add(total, expand_mask(seed, len(encoded), bits), bits, subtract=me > peer)
+        add_mask(total, seed, bits, subtract=me > peer)
     return total
 
 
@@ -160,11 +230,11 @@ def unmask(masked_sum: Vector, self_seeds: Iterable[bytes], dropped_pairs: Itera
     ``dropped_pairs`` holds ``(survivor, dropped, seed)``: the survivor added
     ``+PRG(seed)`` if ``survivor < dropped`` else ``-PRG(seed)``, which nothing cancelled.
     """
-    total = to_ring(masked_sum, bits)
+    total = to_ring(masked_sum, bits).astype(ring_dtype(bits), copy=True)
     for seed in self_seeds:
-        total = ring_add(total, expand_mask(seed, len(total), bits), bits, subtract=True)
+        add_mask(total, seed, bits, subtract=True)
     for survivor, dropped, seed in dropped_pairs:
-        total = ring_add(total, expand_mask(seed, len(total), bits), bits, subtract=survivor < dropped)
+        add_mask(total, seed, bits, subtract=survivor < dropped)
     return total
 
 

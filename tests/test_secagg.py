@@ -11,12 +11,15 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedge.secagg import (
+    MASK_BLOCK,
     FixedPoint,
     InvalidPublicKey,
+    add_mask,
     check_ed25519_public,
     check_x25519_public,
     derive,
@@ -28,6 +31,9 @@ from fedge.secagg import (
     public_bytes,
     rebuild_secret,
     reveal_plan,
+    ring_accumulate,
+    ring_add,
+    ring_dtype,
     seal,
     share_secret,
     sign_survivors,
@@ -61,6 +67,37 @@ def test_masks_are_seeded_keystreams() -> None:
     assert mask.dtype == np.uint32 and np.array_equal(mask, expand_mask(seed, 10_000))
     assert not np.array_equal(mask, expand_mask(os.urandom(32), 10_000))
     assert abs(float(mask.mean()) / 2**32 - 0.5) < 0.02  # uniform over Z_2^32
+
+
+@pytest.mark.parametrize("bits", [8, 31, 32, 33, 64])
+@pytest.mark.parametrize("length", [0, 1, 1001, MASK_BLOCK // 4 + 3])  # the last crosses a keystream block
+def test_masks_added_in_place_are_the_chacha20_keystream_in_the_ring(bits: int, length: int) -> None:
+    # Prepare: the mask by definition, the ChaCha20 keystream of the seed (zero nonce) read as words, mod 2^bits
+    seed, word = os.urandom(32), 4 if bits <= 32 else 8
+    raw = Cipher(algorithms.ChaCha20(seed, b"\x00" * 16), mode=None).encryptor().update(b"\x00" * (word * length))
+    reference = (np.frombuffer(raw, f"<u{word}").astype(np.uint64) & np.uint64(2**bits - 1)).astype(ring_dtype(bits))
+    start = np.random.default_rng(length).integers(0, 2**bits, length, dtype=np.uint64).astype(ring_dtype(bits))
+    # Execute
+    expanded = expand_mask(seed, length, bits)
+    added = add_mask(start.copy(), seed, bits)
+    removed = add_mask(added.copy(), seed, bits, subtract=True)
+    # Assert: the same mask whichever way it is made, added and removed exactly in Z_2^bits
+    assert expanded.dtype == ring_dtype(bits) and np.array_equal(expanded, reference)
+    assert np.array_equal(added, ring_add(start, reference, bits))
+    assert np.array_equal(removed, start)
+
+
+@pytest.mark.parametrize("bits", [8, 31, 32, 33, 64])
+def test_a_sum_folded_in_place_equals_the_ring_sum(bits: int) -> None:
+    rng = np.random.default_rng(bits)
+    vectors = [rng.integers(0, 2**bits, 500, dtype=np.uint64).astype(ring_dtype(bits)) for _ in range(7)]
+    total, expected = np.zeros(500, ring_dtype(bits)), np.zeros(500, ring_dtype(bits))
+    for index, vector in enumerate(vectors):
+        ring_accumulate(total, vector, bits, subtract=index == 3)
+        expected = ring_add(expected, vector, bits, subtract=index == 3)
+    assert total.dtype == ring_dtype(bits) and np.array_equal(total, expected)
+    with pytest.raises(ValueError, match="writeable"):
+        ring_accumulate(np.zeros(500, np.float64), vectors[0], bits)  # type: ignore[arg-type]
 
 
 def test_key_agreement_both_sides_and_purposes() -> None:
