@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,6 +42,8 @@ from fedge.secagg import (
 from fedge.server.app import run_coordinator
 from fedge.server.report import read_jsonl
 from fedge.simulation.grid import InlineGrid
+from fedge.strategies.fedavg import RoundReport
+from fedge.strategies.secure import SecureAggregation
 from replies import tampered_app
 
 BASE = {"fleet": "phone=6,laptop=3,gpu-box=1", "clients-per-round": 6, "num-rounds": 2, "model": "mlp",
@@ -103,6 +106,44 @@ def test_a_masked_input_is_uniform_whatever_the_update() -> None:
     assert stats.chisquare(np.bincount((plain >> 24).astype(np.int64), minlength=256)).pvalue < 1e-10
 
 
+# --------------------------------------------------------------------------- the coordinator's sum
+
+
+def _masked_reply(node: int, vector: np.ndarray) -> Message:
+    instruction = Message(RecordDict(), dst_node_id=node, message_type="train.secagg_masked")
+    return Message(RecordDict({"masked": ArrayRecord({"vector": Array(vector)})}), reply_to=instruction)
+
+
+def test_the_coordinator_folds_masked_inputs_in_as_they_come_and_keeps_none_of_them() -> None:
+    # Prepare: 40 well-formed masked inputs; then one from a device that was never asked, a second one
+    # from a device already summed, one of the wrong length and an error
+    strategy, length = SecureAggregation(clients_per_round=42, min_train_replies=1), 50_000
+    rng = np.random.default_rng(0)
+    vectors = {10_000 + i: rng.integers(0, 2**32, length, dtype=np.uint64).astype(np.uint32) for i in range(40)}
+    replies = [_masked_reply(node, vector) for node, vector in vectors.items()]
+    replies += [_masked_reply(99_999, vectors[10_000]), _masked_reply(10_001, vectors[10_002]),
+                _masked_reply(10_040, vectors[10_000][:-1]),
+                Message(Error(code=2, reason="gone"), reply_to=Message(RecordDict(), dst_node_id=10_041,
+                                                                        message_type="train.secagg_masked"))]
+    report = RoundReport(server_round=1, selected=42)
+    # Execute, measuring what the fold allocates
+    tracemalloc.start()
+    try:
+        total, summed = strategy._sum_masked(iter(replies), set(vectors) | {10_040, 10_041}, length, 1, report)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # Assert: the exact sum mod 2^32 of the 40 asked-for inputs, each once; the malformed one and the
+    # error named; no reply still carries its input; a few vectors' worth of memory, not one per device
+    expected = np.zeros(length, np.uint64)
+    for vector in vectors.values():
+        expected += vector
+    assert summed == set(vectors) and np.array_equal(total, (expected % 2**32).astype(np.uint32))
+    assert sorted(rejection.node_id for rejection in report.failed) == [10_040, 10_041]
+    assert not any("masked" in reply.content for reply in replies if not reply.has_error())
+    assert peak < 6 * vectors[10_000].nbytes < 40 * vectors[10_000].nbytes
+
+
 # --------------------------------------------------------------------------- over the message API
 
 
@@ -114,17 +155,27 @@ class RecordingGrid(InlineGrid):
         self.seen: list[bytes] = []
         self.device_secrets: list[bytes] = []
 
-    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
+    # push and pull: the metering Grid may exchange through them rather than send_and_receive, and
+    # a device may run when its message is pushed or when its reply is pulled
+    def push_messages(self, messages: Any) -> Any:
         messages = list(messages)
-        replies = list(super().send_and_receive(messages, timeout=timeout))
-        for message in messages + replies:
-            if not message.has_error():
-                self.seen.append(_all_bytes(message.content))
+        self.seen += [_all_bytes(message.content) for message in messages]
+        ids = list(super().push_messages(messages))
+        self._note_secrets()
+        return ids
+
+    def pull_messages(self, message_ids: Any) -> Any:
+        for reply in list(super().pull_messages(message_ids)):
+            if not reply.has_error():
+                self.seen.append(_all_bytes(reply.content))
+            self._note_secrets()
+            yield reply
+
+    def _note_secrets(self) -> None:
         for context in self.contexts.values():
             state = context.state.config_records.get(STATE)
             if state is not None:
                 self.device_secrets += [bytes(state[k]) for k in ("c-sk", "s-sk", "b") if k in state]  # type: ignore[arg-type]
-        return replies
 
 
 def _all_bytes(content: RecordDict) -> bytes:
