@@ -38,10 +38,22 @@ def add_parsers(sub: Any) -> None:
     start.add_argument("--clients-per-round", type=int)
     start.add_argument("--run-config", default="", help="overrides, Flower style: \"key=value ...\"")
     start.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue RUN_DIR after its last round")
+    start.add_argument("--resume-existing", action="store_true",
+                       help="with --run-dir: resume it if it already holds a run (checkpointed rounds), else start "
+                            "it (one command line for a service that is restarted)")
     start.add_argument("--dashboard", action="store_true", help="also serve the dashboard for this run")
     start.add_argument("--dashboard-host", default="127.0.0.1", help="dashboard address (off loopback: token)")
     start.add_argument("--dashboard-port", type=int, default=8765)
     start.add_argument("--dashboard-token", help="dashboard token (default off loopback: random, printed)")
+    start.add_argument("--metrics-host", default="127.0.0.1",
+                       help="address of the operator endpoint /health and /metrics (default loopback: operator-only; "
+                            "any other address needs --metrics-token-file)")
+    start.add_argument("--metrics-port", type=int,
+                       help="port of /health and /metrics (default: --port + 2, skipped with a warning if busy; "
+                            "0: a free one)")
+    start.add_argument("--metrics-token-file", type=Path,
+                       help="file holding the bearer token scrapers must send (required off loopback)")
+    start.add_argument("--no-metrics", action="store_true", help="do not serve /health and /metrics")
     start.set_defaults(handler=_start)
     status = actions.add_parser("status", help="connected devices and the current round")
     status.add_argument("--state-dir", type=Path, default=Path("coordinator-state"))
@@ -70,6 +82,13 @@ def add_parsers(sub: Any) -> None:
 
 
 def _run_config(args: argparse.Namespace) -> dict[str, Any]:
+    if args.resume_existing:
+        if args.resume is not None or args.run_dir is None:
+            raise ConfigError("--resume-existing goes with --run-dir RUN_DIR (not --resume): it resumes RUN_DIR "
+                              "when RUN_DIR holds a run and starts one there otherwise")
+        if (args.run_dir / "checkpoint.npz").exists():
+            print(f"{args.run_dir} holds a run: resuming it after its last checkpointed round", flush=True)
+            args.resume, args.run_dir = args.run_dir, None
     overrides: dict[str, Any] = {}
     if args.resume:
         saved = args.resume / "config.json"
@@ -77,6 +96,9 @@ def _run_config(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"cannot resume '{args.resume}': it has no config.json")
         overrides.update(json.loads(saved.read_text()))
         overrides.update({"resume": True, "run-dir": str(args.resume.resolve())})
+        if _is_default_signing_key(str(overrides.get("signing-key", ""))):
+            # the keys directory of this start, not the saved absolute path (a restored backup moved it)
+            overrides["signing-key"] = str(_bundle_signing_key_path(args))
     overrides.update(parse_run_config_args(args.run_config))
     flags = {"num-rounds": args.rounds, "clients-per-round": args.clients_per_round,
              "run-dir": str(args.run_dir.resolve()) if args.run_dir else None}
@@ -104,6 +126,13 @@ def _bundle_signing_key_path(args: argparse.Namespace) -> Path:
     from fedge.edge.signing import PRIVATE_NAME
 
     return ((args.state_dir if args.insecure else args.keys) / "bundle-signing" / PRIVATE_NAME).resolve()
+
+
+def _is_default_signing_key(path: str) -> bool:
+    """Whether ``path`` is where fedge keeps the bundle signing key (``.../bundle-signing/signing.key``)."""
+    from fedge.edge.signing import PRIVATE_NAME
+
+    return bool(path) and Path(path).parts[-2:] == ("bundle-signing", PRIVATE_NAME)
 
 
 def _ensure_bundle_signing_key(path: Path) -> None:
@@ -146,45 +175,147 @@ def _ignore_signals() -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
+def _metrics_token(args: argparse.Namespace) -> str | None:
+    """The operator endpoint's bearer token (from ``--metrics-token-file``); refuse off loopback without one."""
+    from fedge.server.dashboard import check_exposure
+
+    token = None
+    if args.metrics_token_file is not None:
+        try:
+            token = args.metrics_token_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --metrics-token-file {args.metrics_token_file}: "
+                              f"{exc.strerror or exc}") from None
+        if len(token) < 16:
+            raise ConfigError(f"--metrics-token-file {args.metrics_token_file} holds {len(token)} characters; "
+                              "a token needs at least 16 (e.g. `python -c 'import secrets; "
+                              "print(secrets.token_urlsafe(32))' > FILE`)")
+    if not args.no_metrics:
+        check_exposure(args.metrics_host, token, "the metrics endpoint (/health, /metrics)",
+                       "pass --metrics-token-file FILE (scrapers send 'Authorization: Bearer <token>')")
+    return token
+
+
+def _listeners(args: argparse.Namespace) -> dict[str, Any]:
+    """Bind the metrics endpoint and the dashboard before anything starts (a taken port refuses the start).
+
+    The metrics endpoint's default port (``--port`` + 2) only warns when it is taken.
+    """
+    import socket
+
+    from fedge.server.dashboard import listen
+
+    sockets: dict[str, socket.socket] = {}
+    try:
+        if not args.no_metrics:
+            port = args.port + 2 if args.metrics_port is None else args.metrics_port
+            if port and port == args.port:
+                raise ConfigError(f"--metrics-port {port} is the device port; give the metrics endpoint a port "
+                                  "of its own (or 0 for a free one)")
+            try:
+                sockets["metrics"] = listen(args.metrics_host, port, "the metrics endpoint", "--metrics-port")
+            except ConfigError as exc:
+                if args.metrics_port is not None:
+                    raise
+                print(f"WARNING: /health and /metrics are not served: {exc}", file=sys.stderr, flush=True)
+        if args.dashboard:
+            sockets["dashboard"] = listen(args.dashboard_host, args.dashboard_port, "the dashboard",
+                                          "--dashboard-port")
+    except BaseException:
+        for sock in sockets.values():
+            sock.close()
+        raise
+    return sockets
+
+
+def _serve(args: argparse.Namespace, sockets: dict[str, Any], run_dir: Path, token: str | None,
+           live: Any) -> list[Any]:
+    """Serve the operator endpoint and the dashboard on their bound sockets; returns the servers."""
+    from fedge.server.dashboard import (
+        create_app,
+        create_service_app,
+        is_loopback,
+        new_token,
+        serve_in_background,
+        url_of,
+    )
+
+    servers = []
+    if "metrics" in sockets:
+        app = create_service_app(run_dir, host=args.metrics_host, token=token, state_dir=args.state_dir, live=live)
+        servers.append(serve_in_background(app, sockets["metrics"], "fedge-metrics"))
+        url = url_of(sockets["metrics"])
+        print(f"health {url}/health, Prometheus metrics {url}/metrics ("
+              + ("operator-only: loopback)" if token is None else "bearer token required)"), flush=True)
+    if "dashboard" in sockets:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dashboard_token = args.dashboard_token or (None if is_loopback(args.dashboard_host) else new_token())
+        app = create_app(run_dir, host=args.dashboard_host, token=dashboard_token, state_dir=args.state_dir,
+                         live=live)
+        servers.append(serve_in_background(app, sockets["dashboard"], "fedge-dashboard"))
+        url = url_of(sockets["dashboard"])
+        print(f"dashboard: {url}/" + (f"?token={dashboard_token}" if dashboard_token else ""), flush=True)
+    return servers
+
+
 def _start(args: argparse.Namespace) -> int:
-    from fedge.server.coordinator import Coordinator, check_coordinator_keys
+    from fedge.server.coordinator import check_coordinator_keys
     from fedge.server.pki import CoordinatorKeys
 
     keys = None if args.insecure else CoordinatorKeys(args.keys)
     if keys is not None:
         check_coordinator_keys(keys)  # TLS files first, then the run against the registered devices
+    token = _metrics_token(args)
     run_config = _run_config(args)
+    sockets = _listeners(args)
+    try:
+        return _start_coordinator(args, keys, run_config, sockets, token)
+    finally:
+        for sock in sockets.values():
+            sock.close()
+
+
+def _start_coordinator(args: argparse.Namespace, keys: Any, run_config: dict[str, Any], sockets: dict[str, Any],
+                       token: str | None) -> int:
+    """Everything is checked and the operator's ports are bound: start the coordinator and its run."""
+    from fedge.server.coordinator import Coordinator, FleetWatch
+
     if Path(str(run_config["signing-key"])) == _bundle_signing_key_path(args):
         _ensure_bundle_signing_key(_bundle_signing_key_path(args))
     coordinator = Coordinator(args.state_dir, keys, host=args.host, port=args.port, control_port=args.control_port,
                               bundle_port=args.bundle_port)
     run_dir = Path(str(run_config["run-dir"]))
-    feed = None
+    watch = FleetWatch(coordinator)
+    feed, servers = None, []
     with stop_on_signals():
         try:
+            servers = _serve(args, sockets, run_dir, token, watch.live)
             coordinator.start()
+            watch.start()
             (args.state_dir / "current-run").write_text(f"{run_dir}\n")
             print(f"coordinator listening on {coordinator.address}; run directory {run_dir}", flush=True)
             if coordinator.bundles_url is not None:
                 print(f"bundles: {coordinator.bundles_url}/v1/bundles/{{inference,training}} (devices: `fedge pull "
                       f"--coordinator {coordinator.bundles_url.split('://')[1]}`), published from "
                       f"{coordinator.published}", flush=True)
-            dashboard = _start_dashboard(args, run_dir) if args.dashboard else None
             from fedge.server.progress import RunFeed
 
             feed = RunFeed(run_dir, coordinator.names).start()
             output = coordinator.run(run_config)
             feed.stop()
+            watch.stop()
             coordinator.stop()  # the run is over: Flower's processes go; the dashboard may stay
             code = _run_outcome(run_dir, output, args.state_dir, feed)
-            if dashboard is not None:
-                print("the run is over; the dashboard keeps serving it until stopped (Ctrl-C or SIGTERM)",
-                      flush=True)
+            watch.outcome = "finished" if code == 0 else "failed"
+            if "dashboard" in sockets:
+                print("the run is over; the dashboard (and /health, /metrics) keep serving it until stopped "
+                      "(Ctrl-C or SIGTERM)", flush=True)
                 while True:
                     time.sleep(3600)
             return code
         except Stopped as stop:
             _ignore_signals()
+            watch.stop()
             if feed is not None:
                 feed.stop()
             coordinator.stop()
@@ -197,15 +328,10 @@ def _start(args: argparse.Namespace) -> int:
                   flush=True)
             return 0
         finally:
+            watch.stop()
             coordinator.stop()
-
-
-def _start_dashboard(args: argparse.Namespace, run_dir: Path) -> Any:
-    from fedge.server.dashboard import serve_in_background
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return serve_in_background(run_dir, host=args.dashboard_host, port=args.dashboard_port,
-                               token=args.dashboard_token, state_dir=args.state_dir)
+            for server in servers:
+                server.should_exit = True
 
 
 def _run_outcome(run_dir: Path, output: Any, state_dir: Path, feed: Any) -> int:

@@ -274,13 +274,21 @@ def _run_device(options: DeviceOptions, state: Path) -> int:
     wait = options.max_wait_s if options.max_wait_s is not None else 90.0
     delay = 1.0
     while True:
+        began = time.monotonic()
         code, refusal = _run_supernode(options, state, training_bundle)
-        if refusal is None or code == 0:
-            return code
+        if refusal is None:
+            if time.monotonic() - began < 10:  # it did not get going: its status is the answer
+                return code
+            # A SuperNode that ran a while and ended on its own: the coordinator went away or revoked this
+            # device's key (Flower ends it "gracefully" then). Connect again: a revoked key is refused below.
+            print(f"the SuperNode ended on its own (status {code}); connecting again", file=sys.stderr, flush=True)
+            started, delay = time.monotonic(), 1.0
+            wait_reachable(host, port, options.max_wait_s)
+            continue
         if time.monotonic() + delay > started + wait:
-            raise FedgeError(f"{refusal}; if no other `fedge device` runs with this key, the operator must run "
-                             "`fedge keys add-device` for this device and restart the coordinator (which "
-                             "registers keys at start)")
+            raise FedgeError(f"{refusal}; if no other `fedge device` runs with this key, the operator must admit it: "
+                             "`fedge keys add-device NAME` on the coordinator (admitted within 10 s, no restart); "
+                             "a key the operator revoked is never admitted again")
         print(f"{refusal}; retrying in {delay:.0f} s", file=sys.stderr, flush=True)
         time.sleep(delay)
         delay = min(delay * 2, 15.0)
@@ -313,8 +321,7 @@ def _run_supernode(options: DeviceOptions, state: Path, training_bundle: Path | 
     threading.Thread(target=echo, args=(process.stdout,), daemon=True).start()
     code = process.wait()
     time.sleep(0.2)  # let the last lines through
-    if code != 0:
-        _stop_supernode(state)  # a SuperNode that gave up leaves no helper behind
+    _stop_supernode(state)  # a SuperNode that ended (gave up, or was cut off) leaves no helper behind
     return code, refusals[0] if refusals else None
 
 

@@ -30,6 +30,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Mapping
@@ -49,22 +50,45 @@ from fedge.server.pki import CoordinatorKeys
 log = logging.getLogger("fedge.server.coordinator")
 
 NAMES_ENV = "FEDGE_DEVICE_NAMES"  # the ServerApp finds the node id -> device name map here
-# Lists the SuperLink's nodes with their public keys (Control API) and names each by the
-# registered key file it matches: names derive from the operator's keys, never from the device.
-_NODE_NAMES = """
+# One call to the SuperLink's Control API (loopback, operator token) that lists its nodes and, with
+# "sync", makes them follow the allow-list KEYS/devices/*.pub: a key not registered yet is registered,
+# a node whose key left the directory is unregistered (revoked). Each node is named by the registered
+# key file it matches: names derive from the operator's keys, never from the device.
+_FLEET = """
 import json, sys
 from pathlib import Path
 from flwr.cli.flower_config import read_superlink_connection
 from flwr.cli.supernode.register import try_load_public_key
 from flwr.cli.utils import init_http_client_from_connection
-from flwr.proto.control_pb2 import ListNodesRequest
-keys = {try_load_public_key(Path(p)): Path(p).stem for p in sys.argv[2:]}
+from flwr.proto.control_pb2 import ListNodesRequest, RegisterNodeRequest, UnregisterNodeRequest
+sync = sys.argv[2] == "sync"
+keys = {try_load_public_key(Path(p)): Path(p).stem for p in sys.argv[3:]}
+out = {"registered": [], "unregistered": [], "revoked_keys": [], "failed": {}}
 client = init_http_client_from_connection(read_superlink_connection(sys.argv[1]))
 try:
-    nodes = client.ListNodes(ListNodesRequest()).nodes_info
+    nodes = list(client.ListNodes(ListNodesRequest()).nodes_info)
+    if sync:
+        seen = {n.public_key: n for n in nodes}
+        for key, name in keys.items():
+            if key not in seen:
+                try:
+                    client.RegisterNode(RegisterNodeRequest(public_key=key, name=name))
+                    out["registered"].append(name)
+                except Exception as exc:
+                    out["failed"][name] = str(exc)
+            elif seen[key].status == "unregistered":
+                out["revoked_keys"].append(name)
+        for node in nodes:
+            if node.status != "unregistered" and node.public_key and node.public_key not in keys:
+                client.UnregisterNode(UnregisterNodeRequest(node_id=node.node_id))
+                out["unregistered"].append(str(node.node_id))
+        if out["registered"] or out["unregistered"]:
+            nodes = list(client.ListNodes(ListNodesRequest()).nodes_info)
 finally:
     client.close()
-print(json.dumps({str(n.node_id): keys[n.public_key] for n in nodes if n.public_key in keys}))
+out["nodes"] = [{"node_id": str(n.node_id), "status": n.status, "name": keys.get(n.public_key, "")}
+                for n in nodes]
+print(json.dumps(out))
 """
 
 CONNECTION = "fedge"
@@ -120,6 +144,9 @@ class Coordinator:
     superlink: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     runner: subprocess.Popen[str] | None = field(default=None, repr=False)  # `flwr run --stream`
     bundles: Any = field(default=None, repr=False)  # the running BundleService, if any
+    stopped: bool = field(default=False, init=False, repr=False)  # stop() was called: the SuperLink is down on purpose
+    fleet: FleetStatus | None = field(default=None, init=False, repr=False)  # the last look at the devices
+    _warned: set[str] = field(default_factory=set, init=False, repr=False)  # revoked keys already reported
 
     @property
     def insecure(self) -> bool:  # noqa: D102
@@ -272,35 +299,58 @@ class Coordinator:
                          f"see {self.state_dir / 'superlink.log'}")
 
     def register_devices(self) -> list[str]:
-        """Register every ``devices/*.pub`` with the SuperLink (already registered is fine)."""
+        """Register every ``devices/*.pub`` with the SuperLink and unregister devices whose key was removed.
+
+        Returns the names of the registered devices (a key revoked before is not one of them).
+        """
         if self.keys is None:
             return []
-        registered = []
-        for public in self.keys.device_public_keys():
-            done = self._flwr("supernode", "register", str(public.resolve()), CONNECTION)
-            if done.returncode == 0 or "already in use" in done.stdout + done.stderr:
-                registered.append(public.stem)
-            else:
-                raise FedgeError(f"registering device key {public} failed: "
-                                 f"{(done.stdout + done.stderr).strip()[-300:]}")
+        fleet = self.sync_devices()
+        registered = [p.stem for p in self.keys.device_public_keys() if p.stem not in fleet.revoked_keys]
         log.info("registered devices: %s", ", ".join(registered) or "none")
-        self._write_names()
         return registered
 
-    def _write_names(self) -> None:
-        """Write ``device-names.json`` (node id -> the name of the key file it was registered with)."""
-        assert self.keys is not None
-        publics = [str(p.resolve()) for p in self.keys.device_public_keys()]
-        done = subprocess.run([sys.executable, "-c", _NODE_NAMES, CONNECTION, *publics], env=self.env(),
-                              capture_output=True, text=True, timeout=60, check=False)
-        try:
-            names = json.loads(done.stdout.strip().splitlines()[-1])
-        except (json.JSONDecodeError, IndexError):
-            log.warning("device names unavailable (devices are shown by node id): %s", done.stderr.strip()[-300:])
-            return
-        from fedge.files import write_bytes_atomic
+    def sync_devices(self) -> FleetStatus:
+        """One look at the SuperLink's devices, which follow the allow-list ``KEYS/devices/*.pub``.
 
-        write_bytes_atomic(self.names_file, (json.dumps(names, indent=2, sort_keys=True) + "\n").encode())
+        A key added to the directory is registered, a node whose key left it is unregistered
+        (revoked: refused at once, even mid-run), and ``device-names.json`` is rewritten. In
+        insecure mode the devices are only listed. Runs at start and, through :class:`FleetWatch`,
+        every few seconds while the coordinator runs.
+
+        Raises
+        ------
+        FedgeError
+            The Control API did not answer, or a key could not be registered.
+        """
+        publics = [] if self.keys is None else [str(p.resolve()) for p in self.keys.device_public_keys()]
+        done = subprocess.run([sys.executable, "-c", _FLEET, CONNECTION, "list" if self.keys is None else "sync",
+                               *publics], env=self.env(), capture_output=True, text=True, timeout=60, check=False)
+        try:
+            out = json.loads(done.stdout.strip().splitlines()[-1])
+        except (json.JSONDecodeError, IndexError):
+            raise FedgeError("listing the coordinator's devices failed: "
+                             f"{(done.stdout + done.stderr).strip()[-300:]}") from None
+        if out["failed"]:
+            name, why = next(iter(out["failed"].items()))
+            raise FedgeError(f"registering device key {name} failed: {why[-300:]}")
+        known = self.names()
+        for node_id in out["unregistered"]:
+            print(f"device {known.get(node_id, '?')} (node {node_id}) unregistered: its key is no longer in "
+                  f"{self.keys.devices if self.keys else 'KEYS/devices'}; it is refused from now on", flush=True)
+        for name in sorted(set(out["revoked_keys"]) - self._warned):
+            print(f"WARNING: device key {name} was revoked (its node is unregistered) and cannot join again; "
+                  f"make a new one (`fedge keys add-device NEW_NAME`) and delete this one", file=sys.stderr, flush=True)
+        self._warned.update(out["revoked_keys"])
+        if out["registered"]:
+            log.info("devices registered: %s", ", ".join(out["registered"]))
+        names = {**known, **{n["node_id"]: n["name"] for n in out["nodes"] if n["name"]}}
+        if names != known or not self.names_file.exists():
+            from fedge.files import write_bytes_atomic
+
+            write_bytes_atomic(self.names_file, (json.dumps(names, indent=2, sort_keys=True) + "\n").encode())
+        self.fleet = FleetStatus(nodes=out["nodes"], revoked_keys=set(out["revoked_keys"]))
+        return self.fleet
 
     def names(self) -> dict[str, str]:
         """``{node id (a string): device name}`` as written at start ({} in insecure mode)."""
@@ -364,11 +414,80 @@ class Coordinator:
         Flower's helpers run in sessions of their own and are found by their ``FLWR_HOME``.
         Completed rounds are already checkpointed in the run directory.
         """
+        self.stopped = True
         if self.bundles is not None:
             self.bundles.stop()
             self.bundles = None
         first = [p for p in (self.runner, self.superlink) if p is not None]
         stop_processes(self.flwr_home, first)
+
+
+@dataclass
+class FleetStatus:
+    """The SuperLink's devices at one look: ``nodes`` as ``{"node_id", "status", "name"}``."""
+
+    nodes: list[dict[str, str]]
+    revoked_keys: set[str] = field(default_factory=set)
+
+    def count(self, *statuses: str) -> int:
+        """How many nodes have one of ``statuses`` (``online``, ``offline``, ``registered``, ``unregistered``)."""
+        return sum(node["status"] in statuses for node in self.nodes)
+
+
+class FleetWatch:
+    """Keeps the SuperLink's devices in step with ``KEYS/devices`` and their counts fresh for ``/metrics``.
+
+    Every ``interval_s`` seconds (a thread) it calls :meth:`Coordinator.sync_devices`: a key added
+    with ``fedge keys add-device`` joins without a restart, a key removed is revoked within one
+    interval. :meth:`live` is what the health and metrics endpoint reads (never blocks on the SuperLink).
+    """
+
+    def __init__(self, coordinator: Coordinator, interval_s: float = 10.0) -> None:
+        self.coordinator, self.interval_s = coordinator, interval_s
+        self.outcome = "running"  # "finished" or "failed" once the run is over
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    def start(self) -> FleetWatch:  # noqa: D102
+        self._thread = threading.Thread(target=self._follow, name="fedge-fleet-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:  # noqa: D102
+        self._stop.set()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def poll(self) -> None:
+        """One sync; a failure is logged once (until the next success) and keeps the last counts."""
+        if self.coordinator.stopped or self.coordinator.superlink is None \
+                or self.coordinator.superlink.poll() is not None:
+            return
+        try:
+            self.coordinator.sync_devices()
+            self._failing = False
+        except (FedgeError, OSError, subprocess.SubprocessError) as exc:
+            if not self._failing:
+                log.warning("device list unavailable: %s", exc)
+            self._failing = True
+
+    def live(self) -> dict[str, Any]:
+        """The coordinator's state for ``/health`` and ``/metrics``.
+
+        ``superlink``: ``starting``, ``up``, ``down`` (exited on its own: unhealthy) or ``stopped``
+        (the run is over and the coordinator stopped it); device counts are ``None`` until the
+        first look.
+        """
+        superlink = self.coordinator.superlink
+        state = "stopped" if self.coordinator.stopped else "starting" if superlink is None else \
+            "up" if superlink.poll() is None else "down"
+        status = self.coordinator.fleet
+        return {"superlink": state, "run": self.outcome,
+                "devices_online": None if status is None else status.count("online"),
+                "devices_registered": None if status is None else status.count("online", "offline", "registered")}
 
 
 def read_names(path: Path) -> dict[str, str]:

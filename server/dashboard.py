@@ -21,6 +21,8 @@ import hmac
 import ipaddress
 import json
 import secrets
+import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +80,18 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-class RunView:
-    """What the API serves, read fresh from ``run_dir`` on every request."""
+Live = Callable[[], dict[str, Any]]  # the coordinator's own state (FleetWatch.live): SuperLink, devices online
 
-    def __init__(self, run_dir: Path, state_dir: Path | None = None) -> None:
-        self.run_dir, self.state_dir = run_dir, state_dir
+
+class RunView:
+    """What the API serves, read fresh from ``run_dir`` on every request.
+
+    ``live``, given by a running coordinator, adds what the run directory cannot know: whether
+    the SuperLink is up and how many devices are online and registered right now.
+    """
+
+    def __init__(self, run_dir: Path, state_dir: Path | None = None, live: Live | None = None) -> None:
+        self.run_dir, self.state_dir, self.live = run_dir, state_dir, live
 
     def names(self) -> dict[str, str]:
         """``{node id: device name}`` from the coordinator's registered keys (``STATE_DIR/device-names.json``)."""
@@ -159,13 +168,24 @@ class RunView:
         return {"rejections": found}
 
     def health(self) -> dict[str, Any]:
-        """Liveness for a supervisor or load balancer: the run's status and last completed round."""
+        """Liveness for a supervisor or load balancer: the run's status and last completed round.
+
+        With a coordinator's ``live`` state, ``ok`` is false (HTTP 503) when its SuperLink died
+        or the run failed; a finished run whose SuperLink was stopped on purpose stays ok.
+        """
         summary = self.summary()
-        return {"ok": True, "status": summary["status"], "rounds_done": summary["rounds_done"]}
+        health: dict[str, Any] = {"ok": True, "status": summary["status"], "rounds_done": summary["rounds_done"]}
+        if self.live is not None:
+            live = self.live()
+            if live.get("run") == "failed":
+                health["status"] = "failed"
+            health.update(superlink=live.get("superlink"), devices_online=live.get("devices_online"))
+            health["ok"] = live.get("superlink") != "down" and live.get("run") != "failed"
+        return health
 
     def metrics(self) -> str:
         """Prometheus text format: rounds, participants, rejected and failed replies by reason, bytes,
-        round latency, devices seen in the last round."""
+        round latency, devices that replied in the last round and, from a coordinator, devices online."""
         rows = [row for row in self.rounds()["rounds"] if int(row.get("round", 0)) > 0]
         summary = self.summary()
         events, _ = read_lines(self.run_dir / "devices.jsonl")
@@ -198,7 +218,17 @@ class RunView:
         latency = walls[-1] - walls[-2] if len(walls) >= 2 else 0.0
         metric("round_latency_seconds", "gauge", "Wall-clock seconds of the last round.", [("", latency)])
         devices = {str(e.get("node_id", e.get("node"))) for e in events if e.get("round") == last.get("round")}
-        metric("devices_online", "gauge", "Devices that replied (any status) in the last round.", [("", len(devices))])
+        metric("devices_replied_last_round", "gauge", "Devices that replied (any status) in the last round.",
+               [("", len(devices))])
+        live = self.live() if self.live is not None else {}
+        if live:
+            metric("superlink_up", "gauge", "1 while the coordinator's SuperLink runs.",
+                   [("", live.get("superlink") == "up")])
+        if live.get("devices_online") is not None:
+            metric("devices_online", "gauge", "Devices connected to the coordinator now (online at its SuperLink).",
+                   [("", live["devices_online"])])
+            metric("devices_registered", "gauge", "Device keys the coordinator admits (registered, not revoked).",
+                   [("", live["devices_registered"])])
         if last.get("headline") is not None:
             metric("headline", "gauge", f"The task's headline metric ({last.get('metric', 'accuracy')}).",
                    [("", float(last["headline"]))])
@@ -219,8 +249,54 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
 
 
+def check_exposure(host: str, token: str | None, what: str, fix: str) -> None:
+    """The rule of every fedge HTTP endpoint for the operator: loopback, or a token.
+
+    Raises
+    ------
+    ConfigError
+        A non-loopback ``host`` without a token (``fix`` names how to give one).
+    """
+    if not is_loopback(host) and not token:
+        raise ConfigError(f"{what} on {host} (not loopback) needs a token: {fix}, or bind 127.0.0.1")
+
+
+def _guards(host: str, token: str | None) -> list[Middleware]:
+    """The token gate (when a token is set) and, on loopback, the Host check against DNS rebinding."""
+    middleware = [Middleware(TokenGate, token=token)] if token else []
+    if is_loopback(host):  # a page on another site cannot reach us through a rebound DNS name
+        middleware.insert(0, Middleware(TrustedHostMiddleware, allowed_hosts=LOOPBACK_NAMES))
+    return middleware
+
+
+def _service_routes(view: RunView) -> list[Route]:
+    """``/health`` (HTTP 503 when not ok) and ``/metrics`` (Prometheus text format)."""
+
+    async def health(request: Request) -> Response:
+        state = view.health()
+        return JSONResponse(state, status_code=200 if state["ok"] else 503)
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(view.metrics(), media_type="text/plain; version=0.0.4")
+
+    return [Route("/health", health), Route("/metrics", metrics)]
+
+
+def create_service_app(run_dir: Path, *, host: str = "127.0.0.1", token: str | None = None,
+                       state_dir: Path | None = None, live: Live | None = None) -> Starlette:
+    """The coordinator's operator endpoint: ``/health`` and ``/metrics`` only, under the dashboard's rules.
+
+    Raises
+    ------
+    ConfigError
+        A non-loopback ``host`` without a token.
+    """
+    check_exposure(host, token, "the metrics endpoint", "pass --metrics-token-file FILE")
+    return Starlette(routes=_service_routes(RunView(run_dir, state_dir, live)), middleware=_guards(host, token))
+
+
 def create_app(run_dir: Path, *, host: str = "127.0.0.1", token: str | None = None,
-               state_dir: Path | None = None) -> Starlette:
+               state_dir: Path | None = None, live: Live | None = None) -> Starlette:
     """The dashboard for ``run_dir``; ``token`` is required unless ``host`` is loopback.
 
     Raises
@@ -228,9 +304,8 @@ def create_app(run_dir: Path, *, host: str = "127.0.0.1", token: str | None = No
     ConfigError
         A non-loopback ``host`` without a token.
     """
-    if not is_loopback(host) and not token:
-        raise ConfigError(f"the dashboard on {host} (not loopback) needs a token: pass --token, or bind 127.0.0.1")
-    view = RunView(run_dir, state_dir)
+    check_exposure(host, token, "the dashboard", "pass --token")
+    view = RunView(run_dir, state_dir, live)
 
     def api(method: Any) -> Any:
         async def endpoint(request: Request) -> Response:
@@ -243,13 +318,9 @@ def create_app(run_dir: Path, *, host: str = "127.0.0.1", token: str | None = No
     async def openapi(request: Request) -> Response:
         return JSONResponse(OPENAPI)
 
-    async def metrics(request: Request) -> Response:
-        return PlainTextResponse(view.metrics(), media_type="text/plain; version=0.0.4")
-
     routes = [
         Route("/", index),
-        Route("/health", api(view.health)),
-        Route("/metrics", metrics),
+        *_service_routes(view),
         Route("/api/summary", api(view.summary)),
         Route("/api/rounds", api(view.rounds)),
         Route("/api/devices", api(view.devices)),
@@ -258,10 +329,7 @@ def create_app(run_dir: Path, *, host: str = "127.0.0.1", token: str | None = No
         Route("/api/openapi.json", openapi),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
-    middleware = [Middleware(TokenGate, token=token)] if token else []
-    if is_loopback(host):  # a page on another site cannot reach us through a rebound DNS name
-        middleware.insert(0, Middleware(TrustedHostMiddleware, allowed_hosts=LOOPBACK_NAMES))
-    return Starlette(routes=routes, middleware=middleware)
+    return Starlette(routes=routes, middleware=_guards(host, token))
 
 
 class TokenGate(BaseHTTPMiddleware):
@@ -300,22 +368,39 @@ def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 8765, token: st
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
-def serve_in_background(run_dir: Path, *, host: str = "127.0.0.1", port: int = 8765,
-                        token: str | None = None, state_dir: Path | None = None) -> Any:
-    """Start the dashboard in a daemon thread (for ``fedge coordinator start --dashboard``);
-    returns the uvicorn server (set ``should_exit`` to stop it)."""
+def listen(host: str, port: int, what: str, flag: str) -> socket.socket:
+    """Bind ``host:port`` now (before anything is started or written), naming the flag to change on failure.
+
+    Raises
+    ------
+    ConfigError
+        The address is taken or cannot be bound.
+    """
+    from fedge.server.superlink import bind
+
+    try:
+        return bind(host, port)
+    except OSError as exc:
+        raise ConfigError(f"{what} cannot listen on {host}:{port} ({exc.strerror or exc}); pass another {flag} "
+                          "(0: a free one)") from None
+
+
+def serve_in_background(app: Starlette, sock: socket.socket, name: str) -> Any:
+    """Serve ``app`` on the bound ``sock`` in a daemon thread; returns the uvicorn server (``should_exit`` stops it)."""
     import threading
 
     import uvicorn
 
-    if not is_loopback(host) and not token:
-        token = new_token()
-    server = uvicorn.Server(uvicorn.Config(create_app(run_dir, host=host, token=token, state_dir=state_dir),
-                                           host=host, port=port, log_level="warning"))
-    threading.Thread(target=server.run, name="fedge-dashboard", daemon=True).start()
-    print(f"dashboard: http://{host}:{port}/" + (f"?token={token}" if token else "")
-          + f"; health http://{host}:{port}/health, Prometheus metrics http://{host}:{port}/metrics", flush=True)
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=name, daemon=True).start()
     return server
+
+
+def url_of(sock: socket.socket) -> str:
+    """``http://HOST:PORT`` of a bound socket (IPv6 in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def _best_headline(rows: list[dict[str, Any]]) -> float | None:

@@ -232,11 +232,12 @@ def test_the_coordinator_serves_the_dashboard_beside_a_run(finished_run: Path) -
     # Prepare: what `fedge coordinator start --dashboard` starts, on a free loopback port
     import urllib.request
 
-    from fedge.server.dashboard import serve_in_background
+    from fedge.server.dashboard import listen, serve_in_background
 
-    port = _free_port()
+    sock = listen("127.0.0.1", 0, "the dashboard", "--dashboard-port")
+    port = sock.getsockname()[1]
     # Execute
-    server = serve_in_background(finished_run, port=port)
+    server = serve_in_background(create_app(finished_run), sock, "fedge-dashboard")
     try:
         _wait_for(lambda: server.started, timeout=10)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/summary", timeout=5) as response:
