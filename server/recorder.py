@@ -16,7 +16,6 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord
 
 from fedge.config import RunConfig, config_fingerprint, model_keys
-from fedge.edge.export import PARITY_TOLERANCE
 from fedge.server.checkpoint import Checkpoint, save_checkpoint
 from fedge.server.metering import MeteredGrid
 from fedge.server.progress import RoundProgress
@@ -194,6 +193,8 @@ class RoundRecorder:
 
     def _final_export(self, final_round: int) -> dict[str, Any]:
         """The final bundle (unless just made), ``model.onnx`` beside it, and summary fields."""
+        from fedge.edge.export import PARITY_TOLERANCE  # onnx loads only for runs that export (0.6 s)
+
         if not self.bundles or self.bundles[-1].manifest["round"] != final_round:
             self._export_bundle(final_round)
         latest = self.bundles[-1]

@@ -3,16 +3,25 @@
 Every run writes ``<runs-root>/<run-name>/``: ``config.json``, ``metrics.jsonl``
 (one JSON object per round, round 0 being the initial model), ``summary.json``,
 ``headline.png``, ``checkpoint.npz`` and ``model.onnx``.
+
+Plots are drawn after the run. matplotlib takes about half a second to import, so a command
+can open :func:`plotting_process` first: a helper process imports matplotlib while this one
+imports torch and runs the rounds, and :func:`plot_headline` hands it the drawing and waits
+for the PNG. Without one (or if it fails) the plot is drawn in this process, identically.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from fedge.config import RunConfig
 from fedge.files import write_bytes_atomic
@@ -52,9 +61,111 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+PLOTTED = "plotted"  # the helper's answer once a PNG is written
+PLOT_KEYS = ("round", "headline", "sim_time_s")  # all of a metrics row that the plot draws
+_helper: _PlotHelper | None = None
+_helper_lock = threading.Lock()
+
+
 def plot_headline(rows: list[Mapping[str, Any]], path: Path, title: str, headline: str = "accuracy") -> None:
     """The headline metric vs round and vs simulated time, side by side, as a PNG (rounds
-    without a value, e.g. round 0 under federated evaluation, are left out)."""
+    without a value, e.g. round 0 under federated evaluation, are left out).
+
+    Drawn by the :func:`plotting_process` helper when one is open; the PNG exists on return.
+    """
+    with _helper_lock:
+        if _helper is not None and _helper.plot(rows, path, title, headline):
+            return
+    draw_headline(rows, path, title, headline)
+
+
+@contextmanager
+def plotting_process() -> Iterator[None]:
+    """Within this block, plots are drawn by a helper process that imports matplotlib now,
+    in parallel with whatever this process does next (import torch, run the rounds).
+
+    Start it first thing in a command that plots at the end; it ends with the block (and
+    by itself when this process dies: its input closes).
+    """
+    global _helper
+    with _helper_lock:
+        started = _helper is None
+        if started:
+            _helper = _PlotHelper.start()
+    try:
+        yield
+    finally:
+        if started:
+            with _helper_lock:
+                helper, _helper = _helper, None
+            if helper is not None:
+                helper.close()
+
+
+class _PlotHelper:
+    """The helper process's end of the pipe: one JSON job a line in, one answer a line out."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process = process
+
+    @classmethod
+    def start(cls) -> _PlotHelper | None:
+        try:  # -P: the current directory is not on its sys.path (a stray matplotlib.py there stays out)
+            process = subprocess.Popen([sys.executable, "-P", "-m", "fedge.server.report"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True)
+        except OSError:
+            return None
+        return cls(process)
+
+    def plot(self, rows: list[Mapping[str, Any]], path: Path, title: str, headline: str) -> bool:
+        """Whether the helper drew the PNG (False: draw it here instead)."""
+        stdin, stdout = self.process.stdin, self.process.stdout
+        if stdin is None or stdout is None or self.process.poll() is not None:
+            return False
+        job = {"rows": [{key: row.get(key) for key in PLOT_KEYS} for row in rows],
+               "path": os.path.abspath(path), "title": title, "headline": headline}
+        try:
+            stdin.write(json.dumps(job) + "\n")
+            stdin.flush()
+            return stdout.readline().strip() == PLOTTED
+        except (OSError, ValueError):
+            return False
+
+    def close(self) -> None:
+        """End the helper: its input closes, it exits (killed if it does not within 10 s)."""
+        if self.process.stdin is not None:
+            with suppress(OSError):
+                self.process.stdin.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+def _serve_plots(jobs: IO[str], answers: IO[str]) -> None:
+    """The helper process: import matplotlib, then draw each job read from ``jobs`` until it closes."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except Exception:  # noqa: BLE001 - the caller draws in its own process and reports the error there
+        return
+    for line in jobs:
+        try:
+            job = json.loads(line)
+            draw_headline(job["rows"], Path(job["path"]), job["title"], job["headline"])
+            answers.write(PLOTTED + "\n")
+        except Exception as exc:  # noqa: BLE001 - likewise
+            answers.write(f"failed: {type(exc).__name__}\n")
+        answers.flush()
+
+
+def draw_headline(rows: list[Mapping[str, Any]], path: Path, title: str, headline: str = "accuracy") -> None:
+    """:func:`plot_headline`, drawn in this process."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,3 +186,9 @@ def plot_headline(rows: list[Mapping[str, Any]], path: Path, title: str, headlin
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":  # the plotting_process helper
+    _serve_plots(sys.stdin, sys.stdout)
+    sys.stdout.flush()
+    os._exit(0)  # every PNG is written and closed: skip tearing matplotlib down (0.1-0.2 s of the caller's wait)
