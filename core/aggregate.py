@@ -48,7 +48,7 @@ class WeightedMeanAccumulator:
             buffer = self._sums[name]
             if value.shape != buffer.shape:
                 raise ValueError(f"'{name}' has shape {value.shape}, expected {buffer.shape}")
-            buffer += weight * np.asarray(value, dtype=np.float64)
+            buffer += np.multiply(value, weight, dtype=np.float64)  # one float64 temporary, not two
         self.total_weight += weight
         self.count += 1
 

@@ -10,10 +10,8 @@ simulated time, bytes and participants are measured the same way everywhere.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from flwr.app import Message, RecordDict
@@ -24,8 +22,7 @@ from fedge import wire
 from fedge.behaviour import Behaviour
 from fedge.errors import UpdateRejected
 from fedge.profiles import DeviceProfile, Fleet
-
-log = logging.getLogger("fedge.simulation")
+from fedge.server.rejoins import Rejoins
 
 
 @dataclass
@@ -110,13 +107,19 @@ class MeteredGrid(Grid):
 
     def exchange_timed(self, messages: list[Message], timeout: float | None) -> list[tuple[Message, float]]:
         """Send and collect replies with each one's simulated arrival time; charges bytes, not time."""
+        return list(self.stream_timed(messages, timeout))
+
+    def stream_timed(self, messages: list[Message], timeout: float | None) -> Iterator[tuple[Message, float]]:
+        """:meth:`exchange_timed` one reply at a time, as each arrives (or, in-process, is made).
+
+        The caller can fold each reply into an aggregate and let it go before the next one
+        exists: server memory stays O(model), not O(replies x model).
+        """
         self.exchanges += 1
         down = {m.metadata.dst_node_id: wire.payload_bytes(m.content) for m in messages}
-        timed = []
         self.last_durations = {}
-        replies = self._exchange(messages, timeout)
-        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}  # ids are set once pushed
-        for reply in replies:
+        sent_to: dict[str, int] = {}
+        for reply in self._replies(messages, timeout, sent_to):
             node = reply.metadata.src_node_id
             if reply.has_error():  # the SuperLink answers for a node it could not reach (as node 1)
                 node = sent_to.get(reply.metadata.reply_to_message_id, node)
@@ -125,9 +128,8 @@ class MeteredGrid(Grid):
             if self.behaviour is not None:
                 seconds *= self.behaviour.slowdown(node, self.exchanges)
             self._note(reply, node, seconds)
-            timed.append((reply, seconds))
             self.last_durations[node] = seconds
-        return timed
+            yield reply, seconds
 
     def _note(self, reply: Message, node: int, seconds: float) -> None:
         """Remember who replied how (the dashboard's device list is built from these)."""
@@ -159,28 +161,27 @@ class MeteredGrid(Grid):
         self.current.sim_seconds += seconds
         self.sim_time += seconds
 
-    def _exchange(self, messages: list[Message], timeout: float | None) -> list[Message]:
-        """The inner grid's send_and_receive, or push + pull every ``poll_interval`` seconds.
+    def _replies(self, messages: list[Message], timeout: float | None, sent_to: dict[str, int]) -> Iterator[Message]:
+        """The inner grid's replies, one at a time; ``sent_to`` learns each message id's node.
 
-        Flower's HTTP grid sleeps a fixed 3 s between pulls; polling the same
-        push/pull API every 0.1 s returns each reply as soon as the SuperLink has it.
+        In-process (the inline grid) each reply is made as it is pulled. Otherwise this
+        pushes and then pulls every ``poll_interval`` seconds (Flower's own grid sleeps a
+        fixed 3 s between pulls and returns only once every reply is in), and a device that
+        restarts mid-round gets its instruction again (:class:`Rejoins`).
         """
-        if self.poll_interval is None or not messages or self.virtual:
-            return list(self.inner.send_and_receive(messages, timeout=timeout))
-        waiting = set(self.inner.push_messages(messages))
-        deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
-        replies: list[Message] = []
-        while waiting:
-            arrived = list(self.inner.pull_messages(waiting))
-            replies.extend(arrived)
-            waiting -= {reply.metadata.reply_to_message_id for reply in arrived}
-            if not waiting or time.monotonic() >= deadline:
-                break
-            time.sleep(self.poll_interval)
-        if waiting:
-            log.warning("%d of %d devices did not reply within %.0f s; going on without them",
-                        len(waiting), len(messages), timeout or 0)
-        return replies
+        if not messages:
+            return
+        if self.virtual:
+            ids = list(self.inner.push_messages(messages))
+            sent_to.update(zip(ids, (m.metadata.dst_node_id for m in messages), strict=True))
+            yield from self.inner.pull_messages(ids)
+            return
+        if self.poll_interval is None:
+            replies = list(self.inner.send_and_receive(messages, timeout=timeout))
+            sent_to.update((m.metadata.message_id, m.metadata.dst_node_id) for m in messages)
+            yield from replies
+            return
+        yield from Rejoins(self.inner, messages, timeout, self.poll_interval, sent_to).replies()
 
     def _charge(self, content: RecordDict, bytes_down: int, node: int) -> float:
         bytes_up = wire.payload_bytes(content)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, overload
 from uuid import uuid4
 
@@ -91,7 +91,7 @@ class InlineGrid(Grid):
     engines do) and the node's state is restored to what it was before the call.
     """
 
-    synchronous = True  # every reply exists as soon as push_messages returns
+    synchronous = True  # a reply is made the moment it is pulled: nothing to wait for
 
     def __init__(
         self,
@@ -118,7 +118,7 @@ class InlineGrid(Grid):
             self._names = tuple(dict.fromkeys(profiles))
             self._codes = np.array([self._names.index(name) for name in profiles], dtype=np.int16)
         self.kept: dict[int, Context] = {}  # nodes whose state holds something, by node id
-        self._replies: dict[str, Message] = {}
+        self._pending: dict[str, Message] = {}  # pushed, delivered when pulled
         TaskIdentity.run_id = run_id
         TaskIdentity.node_id = SUPERLINK_NODE_ID
         TaskIdentity.task_id = 1
@@ -188,14 +188,18 @@ class InlineGrid(Grid):
         return self._ids[online].tolist()  # type: ignore[no-any-return]
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Run each message's ClientApp call now; its reply waits for :meth:`pull_messages`."""
+        """Queue each message; its ClientApp call runs when :meth:`pull_messages` asks for the reply.
+
+        Whether a device drops out mid-round is decided here, in push order, so a run's
+        dropouts do not depend on when (or whether) replies are pulled.
+        """
         ids = []
         for message in messages:
             message_id = uuid4().hex
             message.metadata.__dict__["_message_id"] = message_id
             ids.append(message_id)
             if not self._drops_out(message.metadata.dst_node_id):
-                self._replies[message_id] = self._deliver(message)
+                self._pending[message_id] = message
         return ids
 
     def _drops_out(self, node: int) -> bool:
@@ -206,15 +210,23 @@ class InlineGrid(Grid):
         self._work[node] = self._work.get(node, 0) + 1
         return self.behaviour.drops(node, self._names[int(self._codes[index])], self._work[node])
 
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """Replies for ``message_ids`` that have not been pulled yet (each once)."""
-        return [self._replies.pop(i) for i in message_ids if i in self._replies]
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterator[Message]:
+        """Replies for ``message_ids`` not pulled yet (each once), produced one at a time.
+
+        Lazy on purpose: each ClientApp call runs as the caller takes its reply, so a
+        caller that folds replies into an aggregate as they come (fedge's strategies)
+        holds one reply at a time, O(model) memory, not a round's worth of replies.
+        """
+        for message_id in list(message_ids):
+            message = self._pending.pop(message_id, None)
+            if message is not None:
+                yield self._deliver(message)
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
         """Deliver every message and return every reply (``timeout`` cannot pass here)."""
-        return self.pull_messages(self.push_messages(messages))
+        return list(self.pull_messages(self.push_messages(messages)))
 
     def _deliver(self, message: Message) -> Message:
         context = self.context(message.metadata.dst_node_id)

@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 from fedge import wire
 from fedge.aggregate import WeightedMeanAccumulator, weighted_mean_metrics
 from fedge.errors import ConfigError
-from fedge.strategies.policies import RoundPolicy, SyncPolicy
+from fedge.strategies.policies import RoundPolicy, SyncPolicy, let_go
 from fedge.strategies.registry import register
 from fedge.strategies.selection import RandomSelector
 from fedge.strategies.timing import durations
@@ -185,18 +185,35 @@ class FedAvg(FlowerFedAvg):
         """
         driver: Strategy = self.privacy.wrapper if self.privacy else self
         messages = list(driver.configure_train(server_round, arrays, config, grid))
-        exchange = self.policy.exchange(grid, messages, timeout, self.round_target)
-        self.reports[-1].late = exchange.late
-        self.selector.observe(server_round, exchange.replies, durations(grid))
+        if self.privacy is not None:  # Flower's DP wrappers take a list: O(replies x model) here
+            exchange = self.policy.exchange(grid, messages, timeout, self.round_target)
+            self.reports[-1].late = exchange.late
+            self._learn(server_round, exchange.replies, grid)
+            screened = self._screened(server_round, exchange.replies)
+            new_arrays, metrics = driver.aggregate_train(server_round, screened)
+            if screened:  # conservative: adaptive clipping released a noised count even if no model came out
+                self.reports[-1].epsilon = self.privacy.release()
+            return new_arrays, metrics
+        stream = self.policy.stream(grid, messages, timeout, self.round_target)
+        result = self.aggregate_train(server_round, self._learning(server_round, stream, grid))
+        self._report_for(server_round).late += stream.late  # on top of stragglers dropped in aggregation
+        return result
+
+    def _learning(self, server_round: int, replies: Iterable[Message], grid: Grid) -> Iterator[Message]:
+        """Pass each reply on as it arrives, after the selector and downlink learn from it.
+
+        Nothing here keeps a reply: aggregation folds it in and it goes (O(model) memory).
+        """
+        for reply in replies:
+            self._learn(server_round, [reply], grid)
+            yield reply
+            let_go(reply)  # aggregation asked for the next reply: this one is folded in
+
+    def _learn(self, server_round: int, replies: list[Message], grid: Grid) -> None:
+        """What selection and the downlink learn from replies (metrics, profiles; never the update)."""
+        self.selector.observe(server_round, replies, durations(grid))
         if self.downlink is not None:
-            self.downlink.learn(exchange.replies)
-        if self.privacy is None:
-            return self.aggregate_train(server_round, exchange.replies)
-        screened = self._screened(server_round, exchange.replies)
-        new_arrays, metrics = driver.aggregate_train(server_round, screened)
-        if screened:  # conservative: adaptive clipping released a noised count even if no model came out
-            self.reports[-1].epsilon = self.privacy.release()
-        return new_arrays, metrics
+            self.downlink.learn(replies)
 
     def _screened(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
         """The replies that pass validation (others recorded), before a DP wrapper clips them.
@@ -380,6 +397,7 @@ class FedAvg(FlowerFedAvg):
         accumulator = WeightedMeanAccumulator()
         for update in updates:
             accumulator.add(update.arrays, update.weight)
+            update.arrays.clear()  # folded in: let it go before the next reply is made or pulled
         return accumulator.result() if accumulator.count else None
 
     def global_numpy(self) -> dict[str, NDArray[np.generic]]:
@@ -392,3 +410,4 @@ class FedAvg(FlowerFedAvg):
         if not self.reports or self.reports[-1].server_round != server_round:
             self.reports.append(RoundReport(server_round=server_round, selected=0))
         return self.reports[-1]
+

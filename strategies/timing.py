@@ -7,6 +7,7 @@ fall back to ``send_and_receive`` and learn nothing about arrival times.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 from flwr.app import Message
@@ -33,6 +34,9 @@ class TimedGrid(Protocol):
 
     def exchange_timed(self, messages: list[Message], timeout: float | None) -> list[tuple[Message, float]]:
         """Send and collect replies with each one's arrival time (seconds after sending)."""
+
+    def stream_timed(self, messages: list[Message], timeout: float | None) -> Iterator[tuple[Message, float]]:
+        """:meth:`exchange_timed`, one reply at a time as each arrives (each can be let go before the next)."""
 
     def advance(self, seconds: float) -> None:
         """Move the clock on by ``seconds``."""

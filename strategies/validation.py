@@ -26,6 +26,8 @@ from fedge import wire
 from fedge.codec import decode_update, is_encoded
 from fedge.errors import UpdateRejected
 
+NUMPY_STYPE = "numpy.ndarray"  # Flower's SType.NUMPY: an .npy blob
+
 log = logging.getLogger("fedge.strategies.validation")
 
 ArraySpec = dict[str, tuple[tuple[int, ...], str]]
@@ -174,15 +176,13 @@ class ReplyValidator:
         logged) or a :class:`Failure` (the device replied with an error) per reply.
         """
         spec = spec_of(reference)
-        weights: dict[str, NDArray[np.generic]] | None = None
+        weights = DecodedOnUse(reference)  # what compressed deltas are added to (plain updates never decode it)
         for message in replies:
             node_id = message.metadata.src_node_id
             if message.has_error():
                 yield Failure(node_id, f"device error: {message.error.reason}")
                 continue
             try:
-                if weights is None:  # what compressed deltas are added to
-                    weights = {name: array.numpy() for name, array in reference.items()}
                 checked = self.read(message.content, server_round=server_round, spec=spec, reference=weights)
             except UpdateRejected as exc:
                 log.warning("round %d: rejected update from node %d: %s",
@@ -210,29 +210,74 @@ def decode_arrays(record: ArrayRecord, spec: ArraySpec) -> dict[str, NDArray[np.
     arrays = {}
     for name, array in record.items():
         shape, dtype = spec[name]
-        declared = _npy_header(name, array.data)
+        if array.stype != NUMPY_STYPE:
+            raise UpdateRejected(f"array '{name}' does not decode: serialisation type '{array.stype}' is not "
+                                 f"'{NUMPY_STYPE}' (send numpy arrays)")
+        declared, offset = _npy_header(name, array.data)
         if declared != (shape, dtype):
             raise UpdateRejected(f"array '{name}' bytes hold shape {declared[0]}, dtype {declared[1]}; "
                                  f"expected {shape}, {dtype}")
-        try:
-            value = array.numpy()
-        except Exception as exc:  # noqa: BLE001 - any decoding failure is the device's fault
-            raise UpdateRejected(f"array '{name}' does not decode: {exc}") from None
-        if tuple(value.shape) != tuple(array.shape) or str(value.dtype) != str(array.dtype):
+        if tuple(array.shape) != shape or str(array.dtype) != dtype:
             raise UpdateRejected(f"array '{name}' bytes disagree with its declared shape/dtype")
-        arrays[name] = value
+        arrays[name] = _view(name, array.data, offset, shape, dtype)
     return arrays
 
 
-def _npy_header(name: str, data: bytes) -> tuple[tuple[int, ...], str]:
-    """Shape and dtype from a ``.npy`` header, read without touching the data."""
+def _view(name: str, data: bytes, offset: int, shape: tuple[int, ...], dtype: str) -> NDArray[np.generic]:
+    """The array a checked ``.npy`` blob holds, as a read-only view of its bytes (no copy).
+
+    A copy per reply would be one more model-sized buffer per reply in flight; the view
+    lives exactly as long as the reply's bytes are needed.
+    """
+    count = int(np.prod(shape, dtype=np.int64))
+    try:
+        kind = np.dtype(dtype)
+        if kind.hasobject:
+            raise ValueError("object arrays are not accepted")
+        if len(data) - offset < count * kind.itemsize:
+            raise ValueError(f"{len(data) - offset} bytes of data for {count} x {kind.itemsize}-byte values")
+        return np.frombuffer(data, dtype=kind, count=count, offset=offset).reshape(shape)
+    except (TypeError, ValueError) as exc:
+        raise UpdateRejected(f"array '{name}' does not decode: {str(exc)[:200]}") from None
+
+
+class DecodedOnUse(Mapping[str, NDArray[np.generic]]):
+    """An ``ArrayRecord``'s arrays as numpy, decoded the first time one is read.
+
+    Only compressed deltas need the global model as numpy; a round of plain updates
+    never pays for a model-sized copy.
+    """
+
+    def __init__(self, record: ArrayRecord) -> None:
+        self._record = record
+        self._arrays: dict[str, NDArray[np.generic]] | None = None
+
+    def _decoded(self) -> dict[str, NDArray[np.generic]]:
+        if self._arrays is None:
+            self._arrays = {name: array.numpy() for name, array in self._record.items()}
+        return self._arrays
+
+    def __getitem__(self, name: str) -> NDArray[np.generic]:
+        return self._decoded()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._record)
+
+    def __len__(self) -> int:
+        return len(self._record)
+
+
+def _npy_header(name: str, data: bytes) -> tuple[tuple[tuple[int, ...], str], int]:
+    """Shape and dtype from a ``.npy`` header, and where its data starts, without touching the data."""
     stream = io.BytesIO(data)
     try:
         version = np.lib.format.read_magic(stream)
         reader = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
         if version not in reader:
             raise ValueError(f".npy format version {version} is not accepted (1.0 or 2.0)")
-        shape, _, dtype = reader[version](stream, max_header_size=10_000)
+        shape, fortran_order, dtype = reader[version](stream, max_header_size=10_000)
+        if fortran_order and len(shape) > 1:
+            raise ValueError("Fortran-ordered arrays are not accepted (send C order)")
     except Exception as exc:  # noqa: BLE001 - a malformed header is the device's fault
         raise UpdateRejected(f"array '{name}' does not decode: {str(exc)[:200]}") from None
-    return tuple(int(d) for d in shape), str(dtype)
+    return (tuple(int(d) for d in shape), str(dtype)), stream.tell()

@@ -67,9 +67,12 @@ class _ScriptedGrid(InlineGrid):
         super().__init__(ClientApp(), [{}, {}], {})
         self.replies = replies
 
-    def send_and_receive(self, messages, *, timeout=None):  # type: ignore[no-untyped-def]
-        list(messages)
-        return self.replies
+    def push_messages(self, messages):  # type: ignore[no-untyped-def]
+        return [f"scripted-{i}" for i, _ in enumerate(messages)]
+
+    def pull_messages(self, message_ids):  # type: ignore[no-untyped-def]
+        list(message_ids)
+        return iter(self.replies)
 
 
 def test_virtual_clock_charges_the_slowest_device() -> None:

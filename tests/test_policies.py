@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,8 @@ class _Timed(MeteredGrid):
         super().__init__(grid_stub(), parse_fleet("laptop=1"))
         self.arrivals = arrivals
 
-    def exchange_timed(self, messages: list[Message], timeout: float | None) -> list[tuple[Message, float]]:
-        return [(train_reply(100 + i, good_arrays(1.0)), t) for i, t in enumerate(self.arrivals)]
+    def stream_timed(self, messages: list[Message], timeout: float | None) -> Iterator[tuple[Message, float]]:
+        yield from [(train_reply(100 + i, good_arrays(1.0)), t) for i, t in enumerate(self.arrivals)]
 
 
 def grid_stub() -> Any:
