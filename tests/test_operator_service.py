@@ -127,6 +127,14 @@ def test_an_exposed_or_unservable_metrics_endpoint_refuses_the_start(
     assert not (two_devices / "bundle-signing").exists()
 
 
+def test_resume_existing_goes_with_a_run_directory(two_devices: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [a for a in _start(two_devices, tmp_path) if a not in ("--run-dir", str(tmp_path / "run"))]
+    assert main([*argv, "--resume-existing"]) == 2
+    assert "--resume-existing goes with --run-dir RUN_DIR" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
 def _unit_commands() -> list[list[str]]:
     """Every ``ExecStart=`` of the operator page's systemd units, as argv (line continuations joined)."""
     text = DOCS.read_text()
@@ -262,7 +270,7 @@ def test_backup_and_restore_into_a_fresh_directory_resumes_the_run(tmp_path: Pat
         command = _doc_command("tar czf").replace("fedge-backup-$(date +%F).tgz", str(tmp_path / "backup.tgz"))
         command = command.replace("coordinator-state/", "state/").replace("runs/", "run/")
         subprocess.run(["bash", "-c", command], cwd=fed.root, check=True)
-        # Execute: the old host is gone; restore into a fresh directory and start with --resume
+        # Execute: the old host is gone; restore into a fresh directory and start as the systemd unit does
         for name in ("keys", "state", "run"):
             shutil.rmtree(fed.root / name)
         new = tmp_path / "new"
@@ -270,7 +278,8 @@ def test_backup_and_restore_into_a_fresh_directory_resumes_the_run(tmp_path: Pat
         subprocess.run(["tar", "xzf", str(tmp_path / "backup.tgz")], cwd=new, check=True)
         fed.coordinator = fed.spawn(
             ["coordinator", "start", "--keys", str(new / "keys"), "--state-dir", str(new / "state"),
-             "--port", str(fed.port), "--resume", str(new / "run")], "coordinator.log")
+             "--port", str(fed.port), "--run-dir", str(new / "run"), "--resume-existing"],  # as the unit
+            "coordinator.log")
         fed.run_dir = new / "run"
         for index in range(2):  # as systemd's Restart=always: a device that gave up is started again
             if fed.devices[index].poll() is not None:
