@@ -127,7 +127,7 @@ class Rejoins:
                 back.append(node)
         for node in back:
             entry = self.waiting[node]
-            log.info("node %d is back online mid-round; sending its instruction again", node)
+            log.warning("node %d went away mid-round and is back (restarted?); sending its instruction again", node)
             entry.offline_since, entry.error = None, None
             self.resent += 1
             self._push([_again(entry.message)])
