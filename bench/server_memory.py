@@ -20,6 +20,9 @@ round (``tracemalloc``: numpy's buffers and Flower's bytes), and the peak reside
 above the resident memory before the round (``VmHWM`` after resetting it), each as a multiple
 of the model's size. Target (issue 16): <= 4x the model with 100 replies.
 
+Then the 1M-parameter model of issue 16's measurement (a 784-1000-200-10 MLP, 987,210
+parameters) at 10 and 100 replies, fedge and Flower's FedAvg.
+
 Usage: python bench/server_memory.py [--replies 100]
 Writes bench/results/server_memory.json and prints a table.
 """
@@ -63,6 +66,15 @@ def resnet18_shapes() -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def mlp_shapes() -> dict[str, tuple[int, ...]]:
+    """A 784-1000-200-10 MLP: 987,210 parameters (the "1M-parameter model" of issue 16)."""
+    return {"fc1.weight": (1000, 784), "fc1.bias": (1000,), "fc2.weight": (200, 1000), "fc2.bias": (200,),
+            "fc3.weight": (10, 200), "fc3.bias": (10,)}
+
+
+MODELS = {"resnet18": resnet18_shapes, "mlp-1m": mlp_shapes}
+
+
 def rss_bytes(field: str) -> int:
     """``VmRSS`` or ``VmHWM`` of this process, in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -71,7 +83,7 @@ def rss_bytes(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def one(system: str, replies: int) -> dict[str, Any]:
+def one(system: str, replies: int, model_name: str = "resnet18") -> dict[str, Any]:
     """Run one round of ``system`` in this process and measure it."""
     from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
@@ -107,7 +119,7 @@ def one(system: str, replies: int) -> dict[str, Any]:
     inner = (Arriving if system == "fedge-realtime" else InlineGrid)(app, nodes, {})
     rng = np.random.default_rng(0)
     model = ArrayRecord({name: Array(rng.standard_normal(shape, dtype=np.float32))
-                         for name, shape in resnet18_shapes().items()})
+                         for name, shape in MODELS[model_name]().items()})
     model_bytes = sum(len(array.data) for array in model.values())
     params = sum(int(np.prod(array.shape)) for array in model.values())
 
@@ -130,37 +142,47 @@ def one(system: str, replies: int) -> dict[str, Any]:
     tracemalloc.stop()
     rss_peak = rss_bytes("VmHWM") - rss_before
     assert result is not None, f"{system}: no aggregate"
-    first = next(iter(resnet18_shapes()))
+    first = next(iter(MODELS[model_name]()))
     assert np.allclose(result[first].numpy(), model[first].numpy(), atol=1e-2), f"{system}: wrong aggregate"
-    return {"system": system, "replies": count, "parameters": params, "model_mb": model_bytes / 1e6,
-            "round_s": seconds, "traced_peak_mb": traced_peak / 1e6, "rss_peak_mb": rss_peak / 1e6,
+    return {"system": system, "model": model_name, "replies": count, "parameters": params,
+            "model_mb": model_bytes / 1e6, "round_s": seconds, "traced_peak_mb": traced_peak / 1e6,
+            "rss_peak_mb": rss_peak / 1e6,
             "traced_x_model": traced_peak / model_bytes, "rss_x_model": rss_peak / model_bytes}
+
+
+def run_one(system: str, replies: int, model_name: str) -> dict[str, Any]:
+    """``one`` in a fresh process."""
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    done = subprocess.run([sys.executable, __file__, "--one", system, "--replies", str(replies),
+                           "--model", model_name], capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{system} failed:\n{done.stderr[-3000:]}")
+    row: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"  {system} ({model_name}, {replies} replies): {row}", flush=True)
+    return row
 
 
 def measure(replies: int) -> list[dict[str, Any]]:
     """Each system in a fresh process."""
-    rows = []
-    for system in SYSTEMS:
-        env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
-        done = subprocess.run([sys.executable, __file__, "--one", system, "--replies", str(replies)],
-                              capture_output=True, text=True, env=env, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"{system} failed:\n{done.stderr[-3000:]}")
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        print(f"  {system}: {rows[-1]}", flush=True)
-    return rows
+    return [run_one(system, replies, "resnet18") for system in SYSTEMS]
+
+
+def measure_small_model() -> list[dict[str, Any]]:
+    """The 1M-parameter model at 10 and 100 replies: fedge's peak stays, Flower's grows with the replies."""
+    return [run_one(system, count, "mlp-1m") for count in (10, 100) for system in ("fedge", "flower-fedavg")]
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    """Peaks as multiples of the model, and each against Flower's FedAvg."""
-    baseline = next(row for row in rows if row["system"] == "flower-fedavg")
-    print(f"\nmodel: {rows[0]['parameters']:,} float32 parameters, {rows[0]['model_mb']:.1f} MB")
-    print(f"{'system':<16}{'replies':>8}{'round s':>9}{'traced MB':>11}{'x model':>9}{'RSS MB':>9}"
-          f"{'x model':>9}{'RSS vs Flower':>15}")
+    """Peaks as multiples of the model, and each against Flower's FedAvg at the same size."""
+    print(f"\n{'system':<16}{'model':>9}{'replies':>8}{'round s':>9}{'traced MB':>11}{'x model':>9}"
+          f"{'RSS MB':>9}{'x model':>9}{'RSS vs Flower':>15}")
     for row in rows:
-        print(f"{row['system']:<16}{row['replies']:>8}{row['round_s']:>9.1f}{row['traced_peak_mb']:>11.0f}"
-              f"{row['traced_x_model']:>9.2f}{row['rss_peak_mb']:>9.0f}{row['rss_x_model']:>9.2f}"
-              f"{row['rss_peak_mb'] / baseline['rss_peak_mb']:>15.3f}")
+        flower = next((other for other in rows if other["system"] == "flower-fedavg"
+                       and other["model"] == row["model"] and other["replies"] == row["replies"]), None)
+        versus = f"{row['rss_peak_mb'] / flower['rss_peak_mb']:.3f}" if flower else "-"
+        print(f"{row['system']:<16}{row['model']:>9}{row['replies']:>8}{row['round_s']:>9.1f}"
+              f"{row['traced_peak_mb']:>11.0f}{row['traced_x_model']:>9.2f}{row['rss_peak_mb']:>9.0f}"
+              f"{row['rss_x_model']:>9.2f}{versus:>15}")
     print("target: <= 4x the model with 100 replies (fedge-median holds every update by design, at 10 replies)")
 
 
@@ -168,11 +190,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replies", type=int, default=100)
     parser.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=sorted(MODELS), default="resnet18", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.replies)))
+        print(json.dumps(one(args.one, args.replies, args.model)))
         return
-    rows = measure(args.replies)
+    rows = measure(args.replies) + measure_small_model()
     print_table(rows)
     out = HERE / "results" / "server_memory.json"
     out.write_text(json.dumps({"replies": args.replies, "rows": rows}, indent=2) + "\n")

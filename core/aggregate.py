@@ -48,7 +48,7 @@ class WeightedMeanAccumulator:
             buffer = self._sums[name]
             if value.shape != buffer.shape:
                 raise ValueError(f"'{name}' has shape {value.shape}, expected {buffer.shape}")
-            buffer += np.multiply(value, weight, dtype=np.float64)  # one float64 temporary, not two
+            _add_scaled(buffer, value, weight)
         self.total_weight += weight
         self.count += 1
 
@@ -60,6 +60,17 @@ class WeightedMeanAccumulator:
             name: _cast(buffer / self.total_weight, self._dtypes[name])
             for name, buffer in self._sums.items()
         }
+
+
+_BLOCK = 1 << 16  # elements a block: the float64 temporary of one add stays at 512 KB
+
+
+def _add_scaled(total: NDArray[np.float64], value: NDArray[np.generic], weight: float) -> None:
+    """``total += weight * value`` in float64, block by block (no model-sized temporary)."""
+    flat_total, flat_value = total.reshape(-1), np.asarray(value).reshape(-1)
+    for start in range(0, flat_total.size, _BLOCK):
+        block = slice(start, start + _BLOCK)
+        flat_total[block] += np.multiply(flat_value[block], weight, dtype=np.float64)
 
 
 def _cast(values: NDArray[np.float64], dtype: np.dtype[np.generic]) -> NDArray[np.generic]:
