@@ -6,6 +6,12 @@ is a fresh subprocess (``fedge simulate --backend ...``), so wall time includes
 start-up and imports, and peak memory is the summed RSS of the whole process
 tree (Ray's raylet, GCS and workers included), sampled every 50 ms.
 
+Repeats alternate the backends (inline, ray, inline, ray, ...) so that a change in the
+machine's load hits both alike. The same run also measures the floor no Python process that
+trains with torch and talks Flower can go under: a fresh ``python -c "import torch, flwr..."``
+that then exits at once, as ``fedge simulate`` does (its inline run does all its work in that
+one process; a plotting helper imports matplotlib beside it, off the critical path).
+
 Usage: python bench/sim_vs_flower.py [--repeats N]
 Writes bench/results/sim_vs_flower.json and prints a table with ratios.
 Target (issue #2): inline >= 10x faster and <= 1/4 the memory at the same accuracy.
@@ -73,21 +79,33 @@ def run_once(backend: str, workload: dict[str, object], run_dir: Path) -> dict[s
             "final_accuracy": summary["final_accuracy"]}
 
 
+# What every fedge process that trains with torch and speaks Flower pays before any work:
+# the interpreter and those imports, ended like `fedge simulate` ends (no interpreter teardown).
+FLOOR = [sys.executable, "-c", "import os, torch, flwr.serverapp, flwr.clientapp; os._exit(0)"]
+
+
 def measure(repeats: int) -> list[dict[str, object]]:
-    """Run every workload on both backends ``repeats`` times; keep medians."""
+    """Run every workload on both backends ``repeats`` times, alternating them, and the floor
+    (python + torch + Flower imports) once per repeat; keep medians."""
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as scratch:
         for workload in WORKLOADS:
             row: dict[str, object] = {"workload": workload["name"]}
+            runs: dict[str, list[dict[str, float]]] = {"inline": [], "ray": []}
+            floors = []
+            for i in range(repeats):
+                for backend in ("inline", "ray"):
+                    runs[backend].append(run_once(backend, workload, Path(scratch) / f"{backend}-{len(rows)}-{i}"))
+                    print(f"  {workload['name']:<24} {backend:<6} {runs[backend][-1]}", flush=True)
+                floors.append(run_watched(FLOOR)[0])
             for backend in ("inline", "ray"):
-                runs = [run_once(backend, workload, Path(scratch) / f"{backend}-{len(rows)}-{i}")
-                        for i in range(repeats)]
-                row[backend] = {key: median(run[key] for run in runs) for key in runs[0]}
-                print(f"  {workload['name']:<24} {backend:<6} {row[backend]}", flush=True)
+                row[backend] = {key: median(run[key] for run in runs[backend]) for key in runs[backend][0]}
+            row["floor_wall_s"] = median(floors)
             inline, ray = row["inline"], row["ray"]
             row["speedup"] = ray["wall_s"] / inline["wall_s"]  # type: ignore[index]
             row["run_speedup"] = ray["run_wall_s"] / inline["run_wall_s"]  # type: ignore[index]
             row["memory_ratio"] = inline["peak_rss_mib"] / ray["peak_rss_mib"]  # type: ignore[index]
+            row["floor_speedup"] = ray["wall_s"] / row["floor_wall_s"]  # type: ignore[index,operator]
             rows.append(row)
     return rows
 
@@ -100,8 +118,10 @@ def print_table(rows: list[dict[str, object]]) -> None:
             r = row[backend]
             print(f"{row['workload']:<24}{backend:<8}{r['wall_s']:>8.1f}{r['run_wall_s']:>8.2f}"  # type: ignore[index]
                   f"{r['peak_rss_mib']:>10.0f}{r['final_accuracy']:>10.4f}")  # type: ignore[index]
+        print(f"{'':<24}{'floor':<8}{row['floor_wall_s']:>8.1f}   python + import torch, flwr")
         print(f"{'':<24}{'ratio':<8}{'ray/inline wall x' + format(row['speedup'], '.1f'):>26}"
-              f"   run x{row['run_speedup']:.1f}   inline/ray memory {row['memory_ratio']:.2f}")
+              f"   run x{row['run_speedup']:.1f}   inline/ray memory {row['memory_ratio']:.2f}"
+              f"   ray/floor x{row['floor_speedup']:.1f}")
     print("target: inline >= 10x faster (wall), <= 0.25 memory, same accuracy")
 
 
@@ -109,12 +129,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
+    load_before = os.getloadavg()
     rows = measure(args.repeats)
     print_table(rows)
+    load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
+    print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}")
     out = HERE / "results" / "sim_vs_flower.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"repeats": args.repeats, "cores": os.cpu_count(), "workload": COMMON,
-                               "rows": rows}, indent=2) + "\n")
+    out.write_text(json.dumps({"repeats": args.repeats, "cores": os.cpu_count(), "load_average": load,
+                               "workload": COMMON, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
 
 
