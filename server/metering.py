@@ -171,10 +171,11 @@ class MeteredGrid(Grid):
         """
         if not messages:
             return
-        if self.virtual:
+        if self.virtual:  # one id a pull: each device works when its reply is taken, one at a time
             ids = list(self.inner.push_messages(messages))
-            sent_to.update(zip(ids, (m.metadata.dst_node_id for m in messages), strict=True))
-            yield from self.inner.pull_messages(ids)
+            sent_to.update(zip(ids, (m.metadata.dst_node_id for m in messages)))  # noqa: B905 - a push may store fewer
+            for message_id in ids:
+                yield from self.inner.pull_messages([message_id])
             return
         if self.poll_interval is None:
             replies = list(self.inner.send_and_receive(messages, timeout=timeout))

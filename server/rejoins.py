@@ -59,7 +59,7 @@ class Rejoins:
     """
 
     rejoin_wait_s = 30.0  # how long a device that went away gets to come back within a round
-    online_check_s = 0.5  # how often the online devices are listed while waiting
+    online_check_s = 2.0  # how often the online devices are listed while waiting (O(fleet) a listing)
 
     def __init__(self, grid: Grid, messages: list[Message], timeout: float | None, poll_s: float,
                  sent_to: dict[str, int]) -> None:
@@ -72,10 +72,17 @@ class Rejoins:
         self._push(messages)
 
     def _push(self, messages: list[Message]) -> None:
-        for message, message_id in zip(messages, self.grid.push_messages(messages), strict=True):
+        ids = list(self.grid.push_messages(messages))
+        for index, message in enumerate(messages):
             node = message.metadata.dst_node_id
+            message_id = ids[index] if index < len(ids) else None
+            if not message_id:  # the link did not store it (Flower then returns fewer ids, or None)
+                log.warning("node %d: the coordinator's SuperLink did not take its instruction", node)
+                continue
             self.sent_to[message_id] = node
             self.waiting[node].ids.add(message_id)
+        for node in [node for node, entry in self.waiting.items() if not entry.ids and entry.error is None]:
+            del self.waiting[node]  # nothing of it is on its way: no reply will come
 
     def replies(self) -> Iterator[Message]:
         """Each device's reply (or its final error) as soon as it is pulled."""

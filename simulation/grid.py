@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, overload
 from uuid import uuid4
 
@@ -210,23 +210,25 @@ class InlineGrid(Grid):
         self._work[node] = self._work.get(node, 0) + 1
         return self.behaviour.drops(node, self._names[int(self._codes[index])], self._work[node])
 
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterator[Message]:
-        """Replies for ``message_ids`` not pulled yet (each once), produced one at a time.
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Replies for ``message_ids`` not pulled yet (each once); each device works when its reply is pulled.
 
-        Lazy on purpose: each ClientApp call runs as the caller takes its reply, so a
-        caller that folds replies into an aggregate as they come (fedge's strategies)
-        holds one reply at a time, O(model) memory, not a round's worth of replies.
+        Pulling one id at a time runs one device at a time, so a caller that folds replies
+        into an aggregate as they come (fedge's metering Grid and strategies) holds one
+        reply at a time, O(model) memory, not a round's worth of replies.
         """
+        replies = []
         for message_id in list(message_ids):
             message = self._pending.pop(message_id, None)
             if message is not None:
-                yield self._deliver(message)
+                replies.append(self._deliver(message))
+        return replies
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
         """Deliver every message and return every reply (``timeout`` cannot pass here)."""
-        return list(self.pull_messages(self.push_messages(messages)))
+        return self.pull_messages(self.push_messages(messages))
 
     def _deliver(self, message: Message) -> Message:
         context = self.context(message.metadata.dst_node_id)

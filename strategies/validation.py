@@ -213,17 +213,18 @@ def decode_arrays(record: ArrayRecord, spec: ArraySpec) -> dict[str, NDArray[np.
         if array.stype != NUMPY_STYPE:
             raise UpdateRejected(f"array '{name}' does not decode: serialisation type '{array.stype}' is not "
                                  f"'{NUMPY_STYPE}' (send numpy arrays)")
-        declared, offset = _npy_header(name, array.data)
+        declared, offset, fortran = _npy_header(name, array.data)
         if declared != (shape, dtype):
             raise UpdateRejected(f"array '{name}' bytes hold shape {declared[0]}, dtype {declared[1]}; "
                                  f"expected {shape}, {dtype}")
         if tuple(array.shape) != shape or str(array.dtype) != dtype:
             raise UpdateRejected(f"array '{name}' bytes disagree with its declared shape/dtype")
-        arrays[name] = _view(name, array.data, offset, shape, dtype)
+        arrays[name] = _view(name, array.data, offset, shape, dtype, fortran=fortran)
     return arrays
 
 
-def _view(name: str, data: bytes, offset: int, shape: tuple[int, ...], dtype: str) -> NDArray[np.generic]:
+def _view(name: str, data: bytes, offset: int, shape: tuple[int, ...], dtype: str, *,
+          fortran: bool = False) -> NDArray[np.generic]:
     """The array a checked ``.npy`` blob holds, as a read-only view of its bytes (no copy).
 
     A copy per reply would be one more model-sized buffer per reply in flight; the view
@@ -236,7 +237,8 @@ def _view(name: str, data: bytes, offset: int, shape: tuple[int, ...], dtype: st
             raise ValueError("object arrays are not accepted")
         if len(data) - offset < count * kind.itemsize:
             raise ValueError(f"{len(data) - offset} bytes of data for {count} x {kind.itemsize}-byte values")
-        return np.frombuffer(data, dtype=kind, count=count, offset=offset).reshape(shape)
+        flat = np.frombuffer(data, dtype=kind, count=count, offset=offset)
+        return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)  # .npy of an F-ordered array
     except (TypeError, ValueError) as exc:
         raise UpdateRejected(f"array '{name}' does not decode: {str(exc)[:200]}") from None
 
@@ -267,8 +269,9 @@ class DecodedOnUse(Mapping[str, NDArray[np.generic]]):
         return len(self._record)
 
 
-def _npy_header(name: str, data: bytes) -> tuple[tuple[tuple[int, ...], str], int]:
-    """Shape and dtype from a ``.npy`` header, and where its data starts, without touching the data."""
+def _npy_header(name: str, data: bytes) -> tuple[tuple[tuple[int, ...], str], int, bool]:
+    """Shape and dtype from a ``.npy`` header, where its data starts and whether it is in Fortran
+    order, without touching the data."""
     stream = io.BytesIO(data)
     try:
         version = np.lib.format.read_magic(stream)
@@ -276,8 +279,6 @@ def _npy_header(name: str, data: bytes) -> tuple[tuple[tuple[int, ...], str], in
         if version not in reader:
             raise ValueError(f".npy format version {version} is not accepted (1.0 or 2.0)")
         shape, fortran_order, dtype = reader[version](stream, max_header_size=10_000)
-        if fortran_order and len(shape) > 1:
-            raise ValueError("Fortran-ordered arrays are not accepted (send C order)")
     except Exception as exc:  # noqa: BLE001 - a malformed header is the device's fault
         raise UpdateRejected(f"array '{name}' does not decode: {str(exc)[:200]}") from None
-    return (tuple(int(d) for d in shape), str(dtype)), stream.tell()
+    return (tuple(int(d) for d in shape), str(dtype)), stream.tell(), bool(fortran_order)

@@ -27,10 +27,11 @@ class ScriptedLink(Grid):
     app fails (error code 2)."""
 
     def __init__(self, offline: dict[int, tuple[int, int]], *, unavailable: bool = False,
-                 errors: Iterable[int] = (), both_answer: bool = False) -> None:
+                 errors: Iterable[int] = (), both_answer: bool = False, refused: Iterable[int] = ()) -> None:
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
         self.offline, self.unavailable, self.errors = offline, unavailable, set(errors)
         self.both_answer = both_answer  # a restarted device also answers its first, undelivered message
+        self.refused = set(refused)  # the link does not store messages to these (Flower returns None ids)
         self.pulls = 0
         self.pushed: list[tuple[str, int]] = []
         self.messages: dict[str, Message] = {}
@@ -46,15 +47,18 @@ class ScriptedLink(Grid):
     def get_node_ids(self) -> Iterable[int]:
         return [node for node in {to for _, to in self.pushed} if self.is_online(node)]
 
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = []
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # type: ignore[override]
+        ids: list[str | None] = []
         for message in messages:
+            if message.metadata.dst_node_id in self.refused:
+                ids.append(None)
+                continue
             message_id = f"m{len(self.pushed)}"
             self.pushed.append((message_id, message.metadata.dst_node_id))
             message.metadata.__dict__["_message_id"] = message_id
             self.messages[message_id] = message
             ids.append(message_id)
-        return ids
+        return ids  # type: ignore[return-value]
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterator[Message]:
         self.pulls += 1
@@ -149,3 +153,13 @@ def test_one_reply_per_device_when_both_instructions_are_answered() -> None:
     replies, _, _ = exchange(link, [11, 12])
     # Assert: one reply from each device
     assert replied_nodes(link, replies) == [11, 12]
+
+
+def test_an_instruction_the_link_did_not_store_is_not_waited_for() -> None:
+    # Prepare: the SuperLink refuses to store device 12's message (Flower answers None for its id)
+    link = ScriptedLink({}, refused=[12])
+    # Execute
+    replies, _, seconds = exchange(link, [11, 12], timeout=30.0)
+    # Assert: 11's reply, and the exchange does not wait 30 s for 12
+    assert replied_nodes(link, replies) == [11]
+    assert seconds < 5

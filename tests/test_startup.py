@@ -41,8 +41,6 @@ def test_the_simulate_path_imports_neither_onnx_nor_matplotlib() -> None:
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.xfail(strict=True, reason="fedge.server.training imports onnx at module level (its export "
-                   "imports belong inside export_training_graph); drop this marker once they are")
 def test_a_run_without_onnx_devices_loads_no_onnx_up_to_its_last_round(tmp_path: Path) -> None:
     # Arrange: note what is loaded when the last round is recorded
     code = f"""

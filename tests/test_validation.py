@@ -178,3 +178,15 @@ def test_a_diverged_aggregate_keeps_the_global_model() -> None:
     # Assert: no new arrays, so Strategy.start keeps the previous global model
     assert arrays is None and metrics is not None and metrics["accepted"] == 2
     assert strategy.reports[-1].aggregated is False
+
+
+def test_a_fortran_ordered_update_decodes_to_its_values() -> None:
+    # Prepare: a standard Flower client may send a transposed (F-contiguous) weight
+    strategy = _strategy()
+    fortran = np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3))
+    reply = train_reply(11, {"w": fortran, "b": np.zeros(3, np.float32)})
+    # Execute
+    arrays, metrics = strategy.aggregate_train(1, [reply])
+    # Assert: the same values as the C-ordered array, row by row
+    assert arrays is not None and metrics is not None and metrics["accepted"] == 1
+    np.testing.assert_array_equal(arrays["w"].numpy(), [[0, 1, 2], [3, 4, 5]])
