@@ -42,7 +42,7 @@ browser:
 	else echo "WARNING: could not install onnxruntime-web@$(ORTWEB_VERSION) with npm into $(ORTWEB_DIR): the browser training test will be SKIPPED"; fi
 
 test: $(STAMP) browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
