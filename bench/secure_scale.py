@@ -11,21 +11,23 @@ The fleet is fedge's default mix scaled to the size (60% phones, 30% laptops, 10
 boxes); each device trains ``local-epochs = 5`` on 64 digits examples of its own. Every run
 happens in its own subprocess (fresh memory; Flower's capped at ``--flower-timeout``).
 
-Per run: the coordinator's time (the round's wall time less the devices' ClientApp calls
-and this script's own metering), each device's protocol CPU (its ClientApp calls' CPU
-less local training; mean and max) and bytes up/down (serialised protobuf of every
-message), and two critical paths of a fleet whose devices work in parallel:
+Per run: the coordinator's time (the round less the grid's deliveries: the devices'
+ClientApp calls, this script's metering and the in-process transport, i.e. the inline grid's
+message and state copies, reported apart as ``transport_s``), in CPU seconds of this process
+and in wall seconds; each device's protocol CPU (its ClientApp calls' CPU less local
+training; mean and max) and bytes up/down (serialised protobuf of every message); and the
+critical path of a fleet whose devices work in parallel: the coordinator's time plus, per
+exchange, the slowest device, where a device's time is its measured ClientApp time with
+local training replaced by what its profile charges for it (samples processed / compute
+rate, :mod:`fedge.profiles`, as :func:`fedge.server.metering.reply_seconds` does):
 
-* ``fleet``: the coordinator's time plus, per exchange, the slowest device, where a
-  device's time is its measured ClientApp time with local training replaced by what its
-  profile charges for it (samples processed / compute rate, :mod:`fedge.profiles`,
-  as :func:`fedge.server.metering.reply_seconds` does);
-* ``fleet+net``: the same plus each message's transfer time over the device's link
-  (bytes / bandwidth of its profile).
+* ``fleet_cpu``: on CPU time (the headline: other processes on the machine barely move it);
+* ``fleet``: on wall time (moves ~2x with the machine's load);
+* ``fleet+net``: wall, plus each message's transfer time over the device's link (bytes /
+  bandwidth of its profile).
 
 Ratios are against plaintext at the same size and dropout. Protocol work of the devices
-is measured on this machine (one x86 core; a phone runs ChaCha20 a few times slower),
-and the machine is shared, so absolute times are under load.
+is measured on this machine (one x86 core; a phone runs ChaCha20 a few times slower).
 
 Usage: python bench/secure_scale.py [--devices 1000] [--dropout 0.1] [--systems ...]
 Writes bench/results/secure_scale.json (and secure_scale.png). Target (issue 16): fedge's
@@ -142,6 +144,7 @@ class Metered:
         self.metering = 0.0  # this wrapper's own time (protobuf sizes)
         self.slowest = 0.0  # the current exchange's slowest device, training at its profile's speed
         self.slowest_net = 0.0  # the same with transfer times
+        self.slowest_cpu = 0.0  # the same on CPU time (this process's: robust to the machine's load)
         self.node: int | None = None
         self.trained: tuple[float, float, int] = (0.0, 0.0, 0)  # wall, cpu, samples of this call's training
 
@@ -166,6 +169,7 @@ class Metered:
         device = wall - self.trained[0] + profile.compute_seconds(self.trained[2])
         self.slowest = max(self.slowest, device)
         self.slowest_net = max(self.slowest_net, device + profile.download_seconds(down) + profile.upload_seconds(up))
+        self.slowest_cpu = max(self.slowest_cpu, cpu - self.trained[1] + profile.compute_seconds(self.trained[2]))
         self.metering += time.perf_counter() - started
         return reply
 
@@ -182,21 +186,24 @@ class FleetGrid(InlineGrid):
 
     def __init__(self, metered: Metered, n: int, config: dict[str, Any]) -> None:
         super().__init__(metered, _nodes(n), config)  # type: ignore[arg-type]
-        self.metered, self.critical, self.critical_net, self.exchanges = metered, 0.0, 0.0, 0
+        self.metered, self.critical, self.critical_net, self.critical_cpu, self.exchanges = metered, 0.0, 0.0, 0.0, 0
         self.delivering = 0.0  # time in the grid's deliveries: the ClientApp calls and the in-process transport
+        self.delivering_cpu = 0.0
 
     def _deliver(self, message: Message) -> Message:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         try:
             return super()._deliver(message)
         finally:
             self.delivering += time.perf_counter() - started
+            self.delivering_cpu += time.process_time() - cpu
 
     def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
-        self.metered.slowest = self.metered.slowest_net = 0.0
+        self.metered.slowest = self.metered.slowest_net = self.metered.slowest_cpu = 0.0
         replies = list(super().send_and_receive(messages, timeout=timeout))
         self.critical += self.metered.slowest
         self.critical_net += self.metered.slowest_net
+        self.critical_cpu += self.metered.slowest_cpu
         self.exchanges += 1
         return replies
 
@@ -216,9 +223,9 @@ def run_fedge(n: int, dropout: float, secure: bool) -> dict[str, Any]:
     strategy = (SecureAggregation(threshold=0.5, neighbours=neighbours_for(n), **SECAGG, **kwargs) if secure
                 else FedAvg(**kwargs))
     arrays = model_arrays(wide_mlp())
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     new, _ = strategy.train_round(grid, 1, arrays, ConfigRecord({k: config[k] for k in TRAIN_KEYS}), 3600.0)
-    return _row(grid, time.perf_counter() - started, n, new is not None)
+    return _row(grid, time.perf_counter() - started, time.process_time() - cpu, n, new is not None)
 
 
 def run_flower(n: int, dropout: float) -> dict[str, Any]:
@@ -255,11 +262,12 @@ def run_flower(n: int, dropout: float) -> dict[str, Any]:
                             config=ServerConfig(num_rounds=1), strategy=strategy)
     workflow = DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(num_shares=neighbours_for(n) + 1,
                                                                reconstruction_threshold=0.5, timeout=3600.0))
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     workflow(grid, context)
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     final = context.state.array_records[MAIN_PARAMS_RECORD].to_numpy_ndarrays()
     aggregated = any(not np.array_equal(a, b) for a, b in zip(final, initial, strict=True))
-    return _row(grid, time.perf_counter() - started, n, aggregated)
+    return _row(grid, wall, cpu, n, aggregated)
 
 
 def _dropped(n: int, fraction: float) -> set[int]:
@@ -271,13 +279,14 @@ def _nodes(n: int) -> list[dict[str, Any]]:
     return [{"partition-id": i, "num-partitions": n, "profile": profiles[i]} for i in range(n)]
 
 
-def _row(grid: FleetGrid, wall: float, n: int, aggregated: bool) -> dict[str, Any]:
+def _row(grid: FleetGrid, wall: float, cpu: float, n: int, aggregated: bool) -> dict[str, Any]:
     metered = grid.metered
-    coordinator = wall - grid.delivering
+    coordinator, coordinator_cpu = wall - grid.delivering, cpu - grid.delivering_cpu
     transport = grid.delivering - metered.client_wall - metered.metering
     protocol = np.array([metered.cpu[node] - metered.train_cpu[node] for node in metered.cpu])
     return {"round_s": wall - metered.metering, "coordinator_s": coordinator, "transport_s": transport,
             "fleet_transport_round_s": coordinator + transport + grid.critical,
+            "coordinator_cpu_s": coordinator_cpu, "fleet_cpu_round_s": coordinator_cpu + grid.critical_cpu,
             "fleet_round_s": coordinator + grid.critical, "fleet_net_round_s": coordinator + grid.critical_net,
             "device_protocol_cpu_mean_s": float(protocol.mean()), "device_protocol_cpu_max_s": float(protocol.max()),
             "device_cpu_mean_s": sum(metered.cpu.values()) / n, "device_train_cpu_mean_s":
@@ -320,8 +329,9 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
         if base is None or not row["finished"]:
             continue
         for key in ("round_s", "coordinator_s", "fleet_round_s", "fleet_transport_round_s", "fleet_net_round_s",
-                    "bytes_up", "bytes_down"):
-            row[f"{key}_vs_plaintext"] = row[key] / base[key]
+                    "coordinator_cpu_s", "fleet_cpu_round_s", "bytes_up", "bytes_down"):
+            if key in row and key in base:
+                row[f"{key}_vs_plaintext"] = row[key] / base[key]
 
 
 def main() -> None:
@@ -367,20 +377,21 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    rows = [r for r in results if r["finished"] and r["devices"] == max(x["devices"] for x in results)]
+    rows = [r for r in results if r["finished"] and "fleet_cpu_round_s" in r
+            and r["devices"] == max(x["devices"] for x in results)]
     if not rows:
         return
     labels = [f"{r['system']}\n{r['dropout']:.0%} drop" for r in rows]
-    coordinator = [r["coordinator_s"] for r in rows]
-    devices = [r["fleet_round_s"] - r["coordinator_s"] for r in rows]
+    coordinator = [r["coordinator_cpu_s"] for r in rows]
+    devices = [r["fleet_cpu_round_s"] - r["coordinator_cpu_s"] for r in rows]
     figure, axis = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
-    axis.bar(labels, coordinator, label="coordinator (measured)")
+    axis.bar(labels, coordinator, label="coordinator (CPU, measured)")
     axis.bar(labels, devices, bottom=coordinator, label="slowest device per exchange (profile compute + protocol)")
     for index, r in enumerate(rows):
-        ratio = r.get("fleet_round_s_vs_plaintext")
+        ratio = r.get("fleet_cpu_round_s_vs_plaintext")
         if ratio is not None:
-            axis.text(index, r["fleet_round_s"], f"{ratio:.2f}x", ha="center", va="bottom")
-    axis.set_ylabel("fleet critical path of one round (s)")
+            axis.text(index, r["fleet_cpu_round_s"], f"{ratio:.2f}x", ha="center", va="bottom")
+    axis.set_ylabel("fleet critical path of one round (CPU s)")
     axis.set_title(f"{rows[0]['devices']:,} devices, {PARAMETERS:,} parameters (x: vs plaintext)")
     axis.legend(fontsize=8)
     figure.tight_layout()
@@ -390,21 +401,28 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 def show(results: list[dict[str, Any]]) -> None:
     table = Table(title=f"secure aggregation at scale: one round, {PARAMETERS:,}-parameter MLP, fleet 60/30/10 "
-                        "phone/laptop/gpu-box (timings on a shared 2-core machine)")
-    for column in ("devices", "dropout", "system", "coord. s", "dev. proto CPU mean/max s", "MB up", "MB down",
-                   "fleet s", "x plain", "fleet+net s", "x plain", "ok"):
+                        "phone/laptop/gpu-box (a shared 2-core machine under load: wall times vary ~2x)")
+    for column in ("devices", "drop", "system", "coord. CPU s", "coord. wall s", "dev. proto CPU mean/max s",
+                   "MB up", "MB down", "fleet CPU s", "x plain", "fleet wall s", "x plain", "fleet+net s", "x plain",
+                   "ok"):
         table.add_column(column, justify="right")
+
+    def ratio(row: dict[str, Any], key: str) -> str:
+        return f"{row[key + '_vs_plaintext']:.2f}" if key + "_vs_plaintext" in row else "-"
+
     for r in results:
         if not r["finished"]:
-            table.add_row(str(r["devices"]), f"{r['dropout']:.0%}", r["system"], "not finished", *[""] * 8)
+            table.add_row(str(r["devices"]), f"{r['dropout']:.0%}", r["system"],
+                          f"killed after {r.get('killed_after_s', '?')} s", *[""] * 11)
             continue
-        table.add_row(str(r["devices"]), f"{r['dropout']:.0%}", r["system"], f"{r['coordinator_s']:.2f}",
+        table.add_row(str(r["devices"]), f"{r['dropout']:.0%}", r["system"], f"{r.get('coordinator_cpu_s', 0):.2f}",
+                      f"{r['coordinator_s']:.2f}",
                       f"{r['device_protocol_cpu_mean_s']:.3f}/{r['device_protocol_cpu_max_s']:.3f}",
-                      f"{r['bytes_up'] / 1e6:.2f}", f"{r['bytes_down'] / 1e6:.2f}", f"{r['fleet_round_s']:.2f}",
-                      f"{r.get('fleet_round_s_vs_plaintext', float('nan')):.2f}", f"{r['fleet_net_round_s']:.2f}",
-                      f"{r.get('fleet_net_round_s_vs_plaintext', float('nan')):.2f}",
-                      "yes" if r["aggregated"] else "NO")
-    Console(width=200).print(table)
+                      f"{r['bytes_up'] / 1e6:.2f}", f"{r['bytes_down'] / 1e6:.2f}",
+                      f"{r.get('fleet_cpu_round_s', 0):.2f}", ratio(r, "fleet_cpu_round_s"),
+                      f"{r['fleet_round_s']:.2f}", ratio(r, "fleet_round_s"), f"{r['fleet_net_round_s']:.2f}",
+                      ratio(r, "fleet_net_round_s"), "yes" if r["aggregated"] else "NO")
+    Console(width=220).print(table)
 
 
 if __name__ == "__main__":
