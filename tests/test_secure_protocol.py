@@ -165,11 +165,10 @@ class RecordingGrid(InlineGrid):
         return ids
 
     def pull_messages(self, message_ids: Any) -> Any:
-        for reply in list(super().pull_messages(message_ids)):
-            if not reply.has_error():
-                self.seen.append(_all_bytes(reply.content))
-            self._note_secrets()
-            yield reply
+        replies = list(super().pull_messages(message_ids))
+        self.seen += [_all_bytes(reply.content) for reply in replies if not reply.has_error()]
+        self._note_secrets()
+        return replies
 
     def _note_secrets(self) -> None:
         for context in self.contexts.values():
