@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -58,8 +58,8 @@ from fedge.secagg import (
 )
 from fedge.strategies import FedAvg, FedNova, FedProx
 from fedge.strategies.fedavg import RoundReport
+from fedge.strategies.policies import let_go
 from fedge.strategies.registry import REGISTRY, register_secure
-from fedge.strategies.timing import durations
 from fedge.strategies.validation import Rejection, decode_arrays
 
 log = logging.getLogger("fedge.strategies.secure")
@@ -251,19 +251,22 @@ class SecureAggregation(FedAvg):
                 continue
             vector = _read_each({node: reply}, lambda node, reply: _read_masked(node, reply, length, self.bits),
                                 "secagg_masked", "it is left out of the sum", server_round, report).get(node)
-            if "masked" in reply.content:
-                del reply.content["masked"]  # the only copy the coordinator kept of this input
             if vector is not None and node in senders and node not in summed:
                 ring_accumulate(total, vector, self.bits)
                 summed.add(node)
+            vector = None  # a view of the reply's bytes
+            let_go(reply)  # the only copy the coordinator kept of this input: freed now, not at the next gc
+            if "masked" in reply.content:
+                del reply.content["masked"]
         return total, summed
 
     def _masked_step(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
                      inboxes: dict[int, ConfigRecord], codecs: tuple[FixedPoint, FixedPoint, FixedPoint],
-                     timeout: float, report: RoundReport) -> list[Message]:
+                     timeout: float, report: RoundReport) -> Iterator[Message]:
         """Train and send masked inputs, under the round policy (late or dropped: a dropout).
 
-        The replies, errors included, for :meth:`_sum_masked` to fold in one at a time.
+        The replies, errors included, one at a time as they arrive, for :meth:`_sum_masked`
+        to fold in and let go: the coordinator never holds a round's masked inputs.
         """
         values, weights, works = codecs
         params = ConfigRecord({"clip": values.clip, "scale": values.scale, "bits": self.bits,
@@ -275,11 +278,8 @@ class SecureAggregation(FedAvg):
         messages = [Message(RecordDict({"arrays": instructions[n]["arrays"], "config": instructions[n]["config"],
                                         "inbox": inboxes[n], "secagg": params}),
                             dst_node_id=n, message_type=f"{MessageType.TRAIN}.secagg_masked") for n in targets]
-        exchange = self.policy.exchange(grid, messages, timeout, self.round_target)
-        report.late += len(messages) - len(exchange.replies)  # late, surplus to the deadline's K, or gone
-        # masked replies carry no metrics (a device's loss would leak): Oort learns nothing here
-        self.selector.observe(server_round, exchange.replies, durations(grid))
-        return exchange.replies
+        # masked replies carry no metrics (a device's loss would leak): the selector learns nothing here
+        return _counting_late(self.policy.stream(grid, messages, timeout, self.round_target), len(messages), report)
 
     def _step(self, grid: Grid, action: str, contents: dict[int, RecordDict], timeout: float,
               report: RoundReport) -> dict[int, Message]:
@@ -528,3 +528,13 @@ def secure_variant(strategy_class: type[FedAvg]) -> type[SecureAggregation]:
         f"secure-aggregation works with strategy {allowed}, not {strategy_class.__name__}: {individual} need "
         "individual updates, which secure aggregation hides; the others (asynchronous fedbuff, the server "
         f"optimisers) have no secure variant registered yet; drop secure-aggregation or use one of {allowed}")
+
+
+def _counting_late(replies: Iterable[Message], sent: int, report: RoundReport) -> Iterator[Message]:
+    """``replies`` passed on; once used up, the round counts the rest of ``sent`` as late (late,
+    surplus to the deadline's K, or gone)."""
+    kept = 0
+    for reply in replies:
+        kept += 1
+        yield reply
+    report.late += sent - kept

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,12 +19,16 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 
 from fedge import wire
+from fedge.config import resolve_run_config
 from fedge.profiles import parse_fleet
+from fedge.server.app import run_coordinator
 from fedge.server.metering import MeteredGrid
+from fedge.server.report import read_jsonl
 from fedge.simulation.grid import FIRST_NODE_ID, InlineGrid
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.median import Median
 from fedge.strategies.policies import DeadlinePolicy
+from replies import tampered_apps
 
 DEVICES = 12
 
@@ -112,3 +117,26 @@ def test_a_virtual_deadline_keeps_at_most_k_replies() -> None:
     assert arrays is not None and strategy.reports[-1].accepted == 4
     assert len(watch.alive) == 12
     assert watch.most_alive <= 5
+
+
+def test_the_secure_coordinator_holds_one_masked_input_at_a_time(tmp_path: Path) -> None:
+    # Prepare: a secure round of 8 devices; each device notes how many earlier masked inputs
+    # still hold their bytes when it sends its own
+    alive: list[weakref.ref[ArrayRecord]] = []
+    most = [0]
+
+    def note(content: RecordDict) -> None:
+        most[0] = max(most[0], sum(bool(record) for ref in alive if (record := ref()) is not None))
+        alive.append(weakref.ref(content["masked"]))  # type: ignore[arg-type]
+
+    config = resolve_run_config({"fleet": "laptop=8", "clients-per-round": 8, "num-rounds": 1, "model": "logreg",
+                                 "local-epochs": 1, "export-onnx": False, "secure-aggregation": True,
+                                 "run-dir": str(tmp_path / "r")})
+    nodes = [{"partition-id": i, "num-partitions": 8, "profile": "laptop"} for i in range(8)]
+    grid = InlineGrid(tampered_apps({(i, "secagg_masked"): note for i in range(8)}), nodes, config)
+    # Execute
+    run_coordinator(grid, config, progress=False)
+    # Assert: the round aggregated all 8; at most one earlier masked input alive at a time
+    assert read_jsonl(tmp_path / "r" / "metrics.jsonl")[-1]["aggregated"]
+    assert len(alive) == 8
+    assert most[0] <= 1, f"{most[0]} masked inputs held at once"
