@@ -95,8 +95,8 @@ def test_fedavg_holds_one_reply_at_a_time(poll_interval: float | None) -> None:
     assert strategy.reports[-1].accepted == DEVICES
 
 
-def test_a_robust_rule_holds_every_update_as_it_says() -> None:
-    # Prepare: the median needs all updates at once (its registry entry says so)
+def test_a_robust_rule_still_aggregates_replies_that_arrive_one_at_a_time() -> None:
+    # Prepare: the median needs all updates at once (its registry entry says so); the stream must feed it
     watch = ReplyWatch()
     grid = MeteredGrid(inline_grid(watch), parse_fleet("laptop=12"))
     # Execute
