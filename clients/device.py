@@ -245,14 +245,17 @@ def run_device(options: DeviceOptions) -> int:
     stop the SuperNode and every Flower process it started, print one line and exit 0.
     """
     previous = {signum: signal.signal(signum, _raise_stopped) for signum in (signal.SIGTERM, signal.SIGINT)}
+    _ECHO.clear()
     state = options.state_dir or Path(os.environ.get("FEDGE_DEVICE_HOME", Path.home() / ".fedge-device"))
     try:
         return _run_device(options, state)
     except Stopped as stop:
         for signum in previous:
             signal.signal(signum, signal.SIG_IGN)
+        _divert_echo(state / "last-stop.log")
         _stop_supernode(state)
-        print(f"device stopped ({stop}): the SuperNode and its helpers are stopped", flush=True)
+        print(f"device stopped ({stop}): the SuperNode and its helpers are stopped; "
+              f"their shutdown output is in {state / 'last-stop.log'}", flush=True)
         return 0
     finally:
         for signum, handler in previous.items():
@@ -295,6 +298,18 @@ def _run_device(options: DeviceOptions, state: Path) -> int:
 
 
 _SUPERNODE: list[subprocess.Popen[str]] = []  # the running SuperNode, for a signal's clean stop
+_ECHO: list[IO[str]] = []  # where the SuperNode's output goes instead of the console, once a stop began
+
+
+def _divert_echo(path: Path) -> None:
+    """Send the SuperNode's further output to ``path``: the console gets one line for a stop.
+
+    Flower's helpers watch their parent and raise SIGINT in themselves when it is gone; one
+    already shutting down after fedge's SIGTERM then prints a KeyboardInterrupt traceback.
+    That is noise from an orderly stop, kept in the file for whoever wants it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _ECHO[:] = [path.open("w", encoding="utf-8")]
 
 
 def _run_supernode(options: DeviceOptions, state: Path, training_bundle: Path | None) -> tuple[int, str | None]:
@@ -313,8 +328,9 @@ def _run_supernode(options: DeviceOptions, state: Path, training_bundle: Path | 
         # Helpers the SuperNode spawns (its SuperExec) may hold the pipe open after it
         # exits, so this runs beside wait() instead of reading to end-of-file.
         for line in stream:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+            sink = _ECHO[0] if _ECHO else sys.stdout
+            sink.write(line)
+            sink.flush()
             refusals.extend(why for code, why in REFUSED.items() if code in line)
 
     assert process.stdout is not None
