@@ -60,12 +60,19 @@ from pathlib import Path
 from flwr.cli.flower_config import read_superlink_connection
 from flwr.cli.supernode.register import try_load_public_key
 from flwr.cli.utils import init_http_client_from_connection
-from flwr.proto.control_pb2 import ListNodesRequest, RegisterNodeRequest, UnregisterNodeRequest
-sync = sys.argv[2] == "sync"
+from flwr.proto.control_pb2 import (ListNodesRequest, ListRunsRequest, RegisterNodeRequest, StopRunRequest,
+                                    UnregisterNodeRequest)
+modes = sys.argv[2].split(",")
+sync = "sync" in modes
 keys = {try_load_public_key(Path(p)): Path(p).stem for p in sys.argv[3:]}
-out = {"registered": [], "unregistered": [], "revoked_keys": [], "failed": {}}
+out = {"registered": [], "unregistered": [], "revoked_keys": [], "failed": {}, "stopped_runs": []}
 client = init_http_client_from_connection(read_superlink_connection(sys.argv[1]))
 try:
+    if "stop-stale" in modes:
+        for run_id, run in client.ListRuns(ListRunsRequest()).run_dict.items():
+            if run.status.status != "finished":
+                client.StopRun(StopRunRequest(run_id=run_id))
+                out["stopped_runs"].append(str(run_id))
     nodes = list(client.ListNodes(ListNodesRequest()).nodes_info)
     if sync:
         seen = {n.public_key: n for n in nodes}
@@ -215,7 +222,7 @@ class Coordinator:
         self.superlink = subprocess.Popen(self._superlink_command(), env=self.env(),
                                           stdout=logs, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_healthy(timeout=60)
-        self.register_devices()
+        self.register_devices(stop_stale_runs=True)
         self._start_bundles(bundle_port)
 
     def _start_bundles(self, port: int) -> None:
@@ -298,19 +305,22 @@ class Coordinator:
         raise FedgeError(f"the SuperLink did not answer on {self.address} within {timeout:.0f} s; "
                          f"see {self.state_dir / 'superlink.log'}")
 
-    def register_devices(self) -> list[str]:
+    def register_devices(self, *, stop_stale_runs: bool = False) -> list[str]:
         """Register every ``devices/*.pub`` with the SuperLink and unregister devices whose key was removed.
 
         Returns the names of the registered devices (a key revoked before is not one of them).
+        ``stop_stale_runs``: see :meth:`sync_devices` (done at start, in insecure mode too).
         """
+        if self.keys is None and not stop_stale_runs:
+            return []
+        fleet = self.sync_devices(stop_stale_runs=stop_stale_runs)
         if self.keys is None:
             return []
-        fleet = self.sync_devices()
         registered = [p.stem for p in self.keys.device_public_keys() if p.stem not in fleet.revoked_keys]
         log.info("registered devices: %s", ", ".join(registered) or "none")
         return registered
 
-    def sync_devices(self) -> FleetStatus:
+    def sync_devices(self, *, stop_stale_runs: bool = False) -> FleetStatus:
         """One look at the SuperLink's devices, which follow the allow-list ``KEYS/devices/*.pub``.
 
         A key added to the directory is registered, a node whose key left it is unregistered
@@ -318,14 +328,20 @@ class Coordinator:
         insecure mode the devices are only listed. Runs at start and, through :class:`FleetWatch`,
         every few seconds while the coordinator runs.
 
+        ``stop_stale_runs`` (at start, before this coordinator's run exists): stop every run the
+        SuperLink's database still holds as not finished. Only a coordinator that crashed or was
+        killed leaves one; its stored instructions would otherwise be delivered to devices that
+        reconnect, which then work on a run nobody serves until Flower's heartbeat ends it
+        (about 45 s here), before they take the new run's first round.
+
         Raises
         ------
         FedgeError
             The Control API did not answer, or a key could not be registered.
         """
         publics = [] if self.keys is None else [str(p.resolve()) for p in self.keys.device_public_keys()]
-        done = subprocess.run([sys.executable, "-c", _FLEET, CONNECTION, "list" if self.keys is None else "sync",
-                               *publics], env=self.env(), capture_output=True, text=True, timeout=60, check=False)
+        mode = ("list" if self.keys is None else "sync") + (",stop-stale" if stop_stale_runs else "")
+        done = subprocess.run([sys.executable, "-c", _FLEET, CONNECTION, mode, *publics], env=self.env(), capture_output=True, text=True, timeout=60, check=False)
         try:
             out = json.loads(done.stdout.strip().splitlines()[-1])
         except (json.JSONDecodeError, IndexError):
@@ -334,6 +350,9 @@ class Coordinator:
         if out["failed"]:
             name, why = next(iter(out["failed"].items()))
             raise FedgeError(f"registering device key {name} failed: {why[-300:]}")
+        for run_id in out["stopped_runs"]:
+            print(f"stopped run {run_id}, left unfinished by an earlier coordinator (it crashed or was killed); "
+                  "its devices take this coordinator's run at once", flush=True)
         known = self.names()
         for node_id in out["unregistered"]:
             print(f"device {known.get(node_id, '?')} (node {node_id}) unregistered: its key is no longer in "
