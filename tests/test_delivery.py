@@ -441,8 +441,7 @@ def test_a_coordinator_publishes_and_a_device_pulls(tmp_path: Path) -> None:
         second = pull(url_or_address=f"127.0.0.1:{bundle_port}", kind="inference", directory=tmp_path / "phone",
                       device_key=federation.keys.devices / "dev0.key", ca=federation.keys.ca_cert,
                       trusted_keys=[trust])
-        federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 240, "the summary")
-    finally:
+    finally:  # round 2 is still training (local-epochs=10): what was pulled is round 1's bundle
         federation.close()
     # Assert
     assert first.returncode == 0, first.stdout + first.stderr + federation.log("coordinator")
