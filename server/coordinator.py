@@ -46,6 +46,7 @@ from fedge.config import DEFAULTS, Scalar
 from fedge.errors import ConfigError, FedgeError
 from fedge.process import flower_bin, flower_env, stop_processes
 from fedge.server.pki import CoordinatorKeys
+from fedge.server.rejoins import REVOKED_ENV, revoked_nodes
 
 log = logging.getLogger("fedge.server.coordinator")
 
@@ -185,7 +186,12 @@ class Coordinator:
         from fedge.server.publish import PUBLISH_ENV
 
         return {**flower_env(self.flwr_home), PUBLISH_ENV: str(self.published.resolve()),
-                NAMES_ENV: str(self.names_file.resolve())}
+                NAMES_ENV: str(self.names_file.resolve()), REVOKED_ENV: str(self.revoked_file.resolve())}
+
+    @property
+    def revoked_file(self) -> Path:
+        """Node ids of revoked devices (``STATE_DIR/revoked-nodes.json``): a round stops waiting for them."""
+        return self.state_dir / "revoked-nodes.json"
 
     @property
     def names_file(self) -> Path:
@@ -341,7 +347,8 @@ class Coordinator:
         """
         publics = [] if self.keys is None else [str(p.resolve()) for p in self.keys.device_public_keys()]
         mode = ("list" if self.keys is None else "sync") + (",stop-stale" if stop_stale_runs else "")
-        done = subprocess.run([sys.executable, "-c", _FLEET, CONNECTION, mode, *publics], env=self.env(), capture_output=True, text=True, timeout=60, check=False)
+        done = subprocess.run([sys.executable, "-c", _FLEET, CONNECTION, mode, *publics], env=self.env(),
+                              capture_output=True, text=True, timeout=60, check=False)
         try:
             out = json.loads(done.stdout.strip().splitlines()[-1])
         except (json.JSONDecodeError, IndexError):
@@ -368,8 +375,16 @@ class Coordinator:
             from fedge.files import write_bytes_atomic
 
             write_bytes_atomic(self.names_file, (json.dumps(names, indent=2, sort_keys=True) + "\n").encode())
+        self._write_revoked(sorted(n["node_id"] for n in out["nodes"] if n["status"] == "unregistered"))
         self.fleet = FleetStatus(nodes=out["nodes"], revoked_keys=set(out["revoked_keys"]))
         return self.fleet
+
+    def _write_revoked(self, nodes: list[str]) -> None:
+        """Rewrite :attr:`revoked_file` when the SuperLink's unregistered nodes changed."""
+        from fedge.files import write_bytes_atomic
+
+        if {str(n) for n in revoked_nodes(str(self.revoked_file))} != set(nodes) or not self.revoked_file.exists():
+            write_bytes_atomic(self.revoked_file, (json.dumps(nodes) + "\n").encode())
 
     def names(self) -> dict[str, str]:
         """``{node id (a string): device name}`` as written at start ({} in insecure mode)."""

@@ -12,16 +12,21 @@ it pushes the same instruction again and waits for that reply instead.
 
 A device that went away and does not come back within :attr:`Rejoins.rejoin_wait_s`
 (or the round's timeout, whichever ends first) is given up on: its error reply is
-passed on, and the round goes on without it.
+passed on, and the round goes on without it. A device whose key the operator revoked
+will not come back: the coordinator lists revoked node ids in the file named by
+``FEDGE_REVOKED_NODES``, and the exchange stops waiting for those at its next look.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from flwr.app import Message
 from flwr.serverapp import Grid
@@ -29,6 +34,19 @@ from flwr.serverapp import Grid
 log = logging.getLogger("fedge.server")
 
 NODE_UNAVAILABLE = 5  # Flower's ErrorCode.NODE_UNAVAILABLE: the SuperLink answered for an offline node
+REVOKED_ENV = "FEDGE_REVOKED_NODES"  # the coordinator's list of revoked node ids (a JSON list of strings)
+
+
+def revoked_nodes(path: str | None = None) -> set[int]:
+    """Node ids whose key the operator revoked, from ``path`` (default: ``$FEDGE_REVOKED_NODES``; none: empty)."""
+    path = path if path is not None else os.environ.get(REVOKED_ENV)
+    if not path:
+        return set()
+    try:
+        listed = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return set()
+    return {int(node) for node in listed if str(node).isdigit()} if isinstance(listed, list) else set()
 
 
 @dataclass
@@ -95,6 +113,7 @@ class Rejoins:
             now = time.monotonic()
             if now >= next_check:
                 self._watch_online(now)
+                yield from self._revoked()
                 next_check = now + self.online_check_s
             yield from self._given_up(now)
             if not self.waiting or now >= self.deadline:
@@ -138,6 +157,14 @@ class Rejoins:
             entry.offline_since, entry.error = None, None
             self.resent += 1
             self._push([_again(entry.message)])
+
+    def _revoked(self) -> Iterator[Message]:
+        """Stop waiting for devices whose key was revoked mid-round (their error reply, if any, is passed on)."""
+        for node in revoked_nodes() & set(self.waiting):
+            entry = self.waiting.pop(node)
+            log.warning("node %d's key was revoked mid-round; going on without it", node)
+            if entry.error is not None:
+                yield entry.error
 
     def _given_up(self, now: float) -> Iterator[Message]:
         """Error replies of devices that stayed away longer than :attr:`rejoin_wait_s`."""

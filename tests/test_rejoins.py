@@ -6,8 +6,10 @@ get answered, and the "node unavailable" error it makes for an offline device.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +17,7 @@ from flwr.app import Error, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedge.server.rejoins import NODE_UNAVAILABLE, Rejoins
+from fedge.server.rejoins import NODE_UNAVAILABLE, REVOKED_ENV, Rejoins, revoked_nodes
 
 CLIENT_ERROR = 2
 
@@ -163,3 +165,39 @@ def test_an_instruction_the_link_did_not_store_is_not_waited_for() -> None:
     # Assert: 11's reply, and the exchange does not wait 30 s for 12
     assert replied_nodes(link, replies) == [11]
     assert seconds < 5
+
+
+@pytest.mark.parametrize("unavailable", [False, True], ids=["seen offline", "reported unavailable"])
+def test_a_device_revoked_mid_round_is_not_waited_for(unavailable: bool, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: device 12 dies at pull 2 and never comes back, and the operator revoked its key
+    (tmp_path / "revoked-nodes.json").write_text(json.dumps(["12"]))
+    monkeypatch.setenv(REVOKED_ENV, str(tmp_path / "revoked-nodes.json"))
+    link = ScriptedLink({12: (2, 10**9)}, unavailable=unavailable)
+    messages = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN) for node in (11, 12)]
+    rejoins = Rejoins(link, messages, 30.0, 0.01, {})
+    rejoins.online_check_s = 0.0  # rejoin_wait_s stays 30 s: only the revocation can end the wait early
+    # Execute
+    started = time.monotonic()
+    replies = list(rejoins.replies())
+    seconds = time.monotonic() - started
+    # Assert: 11's reply; 12 is dropped at the first look (its node can no longer reply), not after 30 s
+    assert replied_nodes(link, replies) == [11]
+    assert replied_nodes(link, replies, errors=True) == []
+    assert rejoins.resent == 0 and seconds < 5
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    ('["12", "7"]', {12, 7}),
+    ("[]", set()),
+    ('{"12": 1}', set()),        # not a list
+    ('["x", "3"]', {3}),         # a non-id is skipped
+    ("not json", set()),
+])
+def test_the_revoked_list_is_read_leniently(content: str, expected: set[int], tmp_path: Path) -> None:
+    # Prepare
+    path = tmp_path / "revoked-nodes.json"
+    path.write_text(content)
+    # Execute / Assert
+    assert revoked_nodes(str(path)) == expected
+    assert revoked_nodes(str(tmp_path / "missing.json")) == set()
