@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-import tokenize
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from numpy.typing import NDArray
 
 from fedge.errors import CheckpointMismatch
 from fedge.files import write_atomic
+from fedge.npy import read_npy_header
 
 _META = "__fedge_meta__"
 _STRATEGY = "__strategy__/"
@@ -115,15 +115,10 @@ def _read_npz(path: Path) -> dict[str, NDArray[np.generic]]:
 def _read_npy(stream: IO[bytes], size: int, metadata: bool, what: str) -> NDArray[np.generic]:
     """One ``.npy`` of ``size`` bytes: numeric (or, for the ``metadata``, a string) and no
     bigger than its bytes, checked before allocating; never unpickled."""
-    version = np.lib.format.read_magic(stream)
-    if version not in _HEADER_READERS:
-        raise CheckpointMismatch(f"{what} uses .npy format {version}; fedge writes 1.0 or 2.0")
     try:
-        shape, fortran_order, dtype = _HEADER_READERS[version](stream)
-    except tokenize.TokenError as exc:  # numpy's fallback parser for Python 2 headers lets this escape
-        raise CheckpointMismatch(f"{what} has an unreadable .npy header ({exc})") from None
-    if any(dim < 0 for dim in shape):
-        raise CheckpointMismatch(f"{what} has a negative dimension in its shape {shape}")
+        shape, fortran_order, dtype = read_npy_header(stream)
+    except ValueError as exc:
+        raise CheckpointMismatch(f"{what}: {exc}; fedge writes .npy 1.0 or 2.0 with numeric arrays") from None
     allowed = dtype.kind == "U" and shape == () if metadata else dtype.kind in _NUMERIC and not dtype.fields
     if not allowed or dtype.hasobject:
         raise CheckpointMismatch(f"{what} has dtype {dtype}{' and shape ' + str(shape) if metadata else ''}; a "
@@ -140,7 +135,6 @@ def _read_npy(stream: IO[bytes], size: int, metadata: bool, what: str) -> NDArra
 
 
 _NUMERIC = "biuf"
-_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
 def _metadata(array: NDArray[np.generic], path: str | Path) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from numpy.typing import NDArray
 from fedge import wire
 from fedge.codec import decode_update, is_encoded
 from fedge.errors import UpdateRejected
+from fedge.npy import read_npy_header
 
 NUMPY_STYPE = "numpy.ndarray"  # Flower's SType.NUMPY: an .npy blob
 
@@ -274,11 +275,7 @@ def _npy_header(name: str, data: bytes) -> tuple[tuple[tuple[int, ...], str], in
     order, without touching the data."""
     stream = io.BytesIO(data)
     try:
-        version = np.lib.format.read_magic(stream)
-        reader = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-        if version not in reader:
-            raise ValueError(f".npy format version {version} is not accepted (1.0 or 2.0)")
-        shape, fortran_order, dtype = reader[version](stream, max_header_size=10_000)
-    except Exception as exc:  # noqa: BLE001 - a malformed header is the device's fault
-        raise UpdateRejected(f"array '{name}' does not decode: {str(exc)[:200]}") from None
-    return (tuple(int(d) for d in shape), str(dtype)), stream.tell(), bool(fortran_order)
+        shape, fortran_order, dtype = read_npy_header(stream)
+    except ValueError as exc:
+        raise UpdateRejected(f"array '{name}' does not decode: {exc}") from None
+    return (shape, str(dtype)), stream.tell(), fortran_order

@@ -317,6 +317,19 @@ def test_a_plain_fp32_reply_cannot_claim_gigabytes_in_its_npy_header() -> None:
         ReplyValidator().check(_reply(record), server_round=1, spec={"w": ((4, 3), "float32")}, reference=base)
 
 
+@pytest.mark.parametrize("descr", [b"','", b"',f'", b"'(,)'"])
+def test_a_reply_whose_npy_dtype_breaks_numpys_parser_is_rejected(descr: bytes) -> None:
+    # Prepare: numpy's comma-string dtype parser raises SyntaxError on these (found fuzzing checkpoints)
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros((4, 3), np.float32))
+    data = buffer.getvalue().replace(b"'<f4'", descr.ljust(5))  # the header keeps its length
+    record = ArrayRecord({"w": Array(dtype="float32", shape=(4, 3), stype="numpy.ndarray", data=data)})
+    # Execute / Assert: an UpdateRejected naming the header, not a SyntaxError out of the strategy
+    with pytest.raises(UpdateRejected, match="unreadable .npy header"):
+        ReplyValidator().check(_reply(record), server_round=1, spec={"w": ((4, 3), "float32")},
+                               reference={"w": np.zeros((4, 3), np.float32)})
+
+
 def test_the_encoder_refuses_full_weights_under_top_k() -> None:
     # Execute / Assert: what every decoder now refuses is not produced either
     with pytest.raises(ConfigError, match="top-k cannot carry full weights"):
@@ -696,7 +709,8 @@ HOSTILE_ARRAYS = st.sampled_from([
 ])
 NPY_HEADER_EDITS = [
     ("'descr': '<f4'", ["'descr': '|O'", "'descr': '<U5'", "'descr': 'V8'", "'descr': '>f8'", "'descr': '<c8'",
-                        "'descr': 'xx'", "'descr': [('a', '<f4')]", "'descr': '<f4' , 'x': __import__('os')"]),
+                        "'descr': 'xx'", "'descr': ','  ", "'descr': [('a', '<f4')]",
+                        "'descr': '<f4' , 'x': __import__('os')"]),
     ("'shape': (4, 3)", ["'shape': (4, 30000000000)", "'shape': (-4, 3)", "'shape': (3, 4)", "'shape': ()",
                          "'shape': (4,)", "'shape': (2**40,)", "'shape': 'x'", "'shape': (99999999999, 99999999999)"]),
     ("'fortran_order': False", ["'fortran_order': True", "'fortran_order': 1", "'fortran_order': None"]),
@@ -815,6 +829,8 @@ CHECKPOINT_CRASHES: list[tuple[str, Callable[[], bytes], str]] = [
     ("header claims a negative shape", lambda: _edited("w.npy", b"(4, 3), } ", b"(-4, -3), }"), "negative dimension"),
     ("Python 2 header fallback", lambda: _edited("__fedge_meta__.npy", b"{'descr':", b"{'descr'{"),
      "unreadable .npy header"),
+    ("descr a lone comma (numpy's dtype parser raises SyntaxError)",
+     lambda: _edited("w.npy", b"'descr': '<f4'", b"'descr': ','  "), "unreadable .npy header \\(SyntaxError"),
     ("metadata without fields", lambda: _with_meta({}), "'round' = None is not an integer"),
     ("metadata null", lambda: _with_meta(None), "metadata is not a JSON object"),
     ("round is text", lambda: _with_meta({"round": "abc", "fingerprint": "f", "history": []}),
