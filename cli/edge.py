@@ -231,14 +231,17 @@ def _read_inputs(path: Path) -> Any:
     """The array of a .npy file, or ``{name: array}`` of a .npz file."""
     import numpy as np
 
+    from fedge.npy import UNREADABLE_FILE_ERRORS
+
     try:
         loaded = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read '{path}' as .npy or .npz: {exc}") from None
-    if isinstance(loaded, np.lib.npyio.NpzFile):
-        with loaded:
-            return {name: loaded[name] for name in loaded.files}
-    return loaded
+        if isinstance(loaded, np.lib.npyio.NpzFile):
+            with loaded:
+                return {name: loaded[name] for name in loaded.files}
+        return loaded
+    except UNREADABLE_FILE_ERRORS as exc:
+        raise ConfigError(f"cannot read '{path}' as .npy or .npz ({type(exc).__name__}: {exc}); "
+                          "write it with numpy.save or numpy.savez") from None
 
 
 def _rows(outputs: list[Any]) -> list[str]:

@@ -21,6 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedge.errors import ConfigError
+from fedge.npy import UNREADABLE_FILE_ERRORS
 
 Features = NDArray[np.float32]
 Labels = NDArray[np.int64]
@@ -52,7 +53,7 @@ def load_npz(path: str | Path) -> tuple[Features, Labels]:
                     f"'{path}' holds arrays {sorted(keys)}; it needs 'x' (features) and 'y' (labels)"
                 )
             return _checked_xy(data[x_key], data["y"], path)
-    except (OSError, ValueError) as exc:
+    except UNREADABLE_FILE_ERRORS as exc:
         raise ConfigError(f"cannot read '{path}' as .npz: {exc}") from None
 
 

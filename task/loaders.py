@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fedge.errors import ConfigError
+from fedge.npy import UNREADABLE_FILE_ERRORS
 from fedge.signature import check_inputs
 from fedge.task.data import load_csv_table
 
@@ -56,7 +57,7 @@ def npz_arrays(path: str | Path, names: list[str], what: str = "the task") -> tu
                 raise ConfigError(f"'{path}' holds arrays {sorted(files)}; it needs {missing} "
                                   f"(one array per input of {what}, and 'y')")
             return tuple(data[name] for name in wanted), data["y"]
-    except (OSError, ValueError) as exc:
+    except UNREADABLE_FILE_ERRORS as exc:
         raise ConfigError(f"cannot read '{path}' as .npz: {exc}") from None
 
 

@@ -93,6 +93,8 @@ def test_state_dir_refuses_a_rollback_from_the_command_line(
         (["predict", "{run}/bundles/round-0003", "{tmp}/bad.npy", "--trusted", "{run}/keys/signing.pub"],
          "input 'input' has shape \\(2, 5\\) float32; .*a single example is \\(64,\\)"),
         (["predict", "{run}/bundles/round-0003", "{tmp}/bad.npy"], "give --trusted"),
+        (["predict", "{run}/bundles/round-0003", "{tmp}/damaged.npy", "--trusted", "{run}/keys/signing.pub"],
+         "cannot read '.*damaged.npy' as .npy or .npz \\(SyntaxError"),
         (["verify", "{run}/bundles/round-0003", "--trusted", "{run}/keys/signing.pub", "--model-id", "x"],
          "bundle is of model 'run/digits-mlp', not 'x' that this device runs"),
         (["export", "{run}", "--key", "{keys}/signing.key", "-o", "{tmp}/o", "--valid-days", "0"],
@@ -104,6 +106,8 @@ def test_edge_cli_errors_exit_2(run: tuple[Path, dict[str, Any]], tmp_path: Path
     run_dir, _ = run
     main(["keys", "signing", "init", str(tmp_path / "keys")])
     np.save(tmp_path / "bad.npy", np.zeros((2, 5), np.float32))
+    damaged = (tmp_path / "bad.npy").read_bytes().replace(b"'descr': '<f4'", b"'descr': ','  ")
+    (tmp_path / "damaged.npy").write_bytes(damaged)  # numpy's dtype parser raises SyntaxError on ','
     capsys.readouterr()
     filled = [a.format(run=run_dir, keys=tmp_path / "keys", tmp=tmp_path) for a in argv]
     assert main(filled) == 2

@@ -3,6 +3,8 @@ torch Datasets become TaskData checked against the task's input signature."""
 
 from __future__ import annotations
 
+import io
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ from torch.utils.data import TensorDataset
 from fedge.errors import ConfigError
 from fedge.signature import InputSpec
 from fedge.task.api import Task
+from fedge.task.data import load_npz
 from fedge.task.loaders import from_dataset, load_file
 
 
@@ -100,3 +103,32 @@ def test_an_unknown_file_kind_is_refused(tmp_path: Path) -> None:
     # Execute / Assert
     with pytest.raises(ConfigError, match="must be a .npz"):
         load_file(tmp_path / "data.parquet", Flat())
+
+
+def _npz_bytes_with(old: bytes, new: bytes) -> bytes:
+    """An uncompressed .npz of x (3, 2) float32 and y, with ``old`` replaced by ``new`` in its bytes."""
+    buffer = io.BytesIO()
+    np.savez(buffer, x=np.ones((3, 2), np.float32), y=np.zeros(3, np.int64))
+    content = buffer.getvalue()
+    assert old in content
+    return content.replace(old, new)
+
+
+DAMAGED_FILES: list[tuple[str, Callable[[], bytes]]] = [
+    ("dtype ',' (numpy's parser raises SyntaxError)", lambda: _npz_bytes_with(b"'descr': '<f4'", b"'descr': ','  ")),
+    ("header cut off (Python 2 fallback raises TokenError)", lambda: _npz_bytes_with(b"{'descr':", b"{'descr'{")),
+    ("truncated zip", lambda: _npz_bytes_with(b"", b"")[:200]),
+    ("not numpy at all", lambda: b"PK\x03\x04 not really a zip"),
+]
+
+
+@pytest.mark.parametrize("make", [case[1] for case in DAMAGED_FILES], ids=[case[0] for case in DAMAGED_FILES])
+def test_a_damaged_npz_is_refused_naming_the_file(make: Callable[[], bytes], tmp_path: Path) -> None:
+    # Prepare
+    path = tmp_path / "data.npz"
+    path.write_bytes(make())
+    # Execute / Assert: a ConfigError naming the file for both npz readers, not numpy's own exception
+    with pytest.raises(ConfigError, match="cannot read '.*data.npz'"):
+        load_file(path, Flat())
+    with pytest.raises(ConfigError, match="cannot read '.*data.npz'"):
+        load_npz(path)
