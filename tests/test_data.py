@@ -36,6 +36,20 @@ def test_dirichlet_assigns_every_sample_exactly_once(n: int, parts: int, alpha: 
     _assert_exact_cover(shards, n)
 
 
+@pytest.mark.parametrize(("n", "parts", "alpha", "seed"), [(20, 10, 9.0, 1), (20, 10, 9.0, 15), (20, 10, 10.0, 8)])
+def test_dirichlet_fills_every_shard_when_rounding_starves_the_same_ones(
+        n: int, parts: int, alpha: float, seed: int) -> None:
+    # Prepare: ~4 samples of each of 5 classes over 10 shards; near-uniform proportions floor-round
+    # every class's samples into the same few shards, so redrawing in shard order never filled
+    # them (hypothesis found the first case; all three were refused with a ConfigError)
+    labels = np.random.default_rng(seed).integers(0, 5, n)
+    # Execute
+    shards = dirichlet_partition(labels, parts, alpha, seed)
+    # Assert
+    assert min(map(len, shards)) >= 1
+    _assert_exact_cover(shards, n)
+
+
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 500), parts=st.integers(1, 50), seed=st.integers(0, 99))
 def test_iid_assigns_every_sample_exactly_once(n: int, parts: int, seed: int) -> None:
