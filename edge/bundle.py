@@ -50,6 +50,7 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from fedge.archive import impossible_sizes
 from fedge.edge.signing import ensure_private_dir, fingerprint, load_public_key
 from fedge.errors import BundleVerificationError, ConfigError
 from fedge.files import exclusive_lock, write_bytes_atomic
@@ -149,7 +150,7 @@ def read_bundle(path: str | Path) -> dict[str, bytes]:
     try:
         with zipfile.ZipFile(path) as archive:
             members = archive.infolist()
-            _check_members(path, members)
+            _check_members(path, members, path.stat().st_size)
             return {m.filename: archive.read(m) for m in members}
     except ZIP_ERRORS as exc:
         raise BundleVerificationError(
@@ -163,8 +164,9 @@ def _short(exc: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _check_members(path: Path, members: list[zipfile.ZipInfo]) -> None:
-    """Refuse entries that different unzip tools could read as different files."""
+def _check_members(path: Path, members: list[zipfile.ZipInfo], archive_size: int) -> None:
+    """Refuse entries that different unzip tools could read as different files, or whose declared
+    sizes would make reading them allocate what the archive cannot hold."""
     names = [m.filename for m in members]
     unsafe = sorted({n for n in names if _escapes(n)})
     if unsafe:
@@ -183,6 +185,11 @@ def _check_members(path: Path, members: list[zipfile.ZipInfo]) -> None:
     if any(not _plain_name(m.filename) or m.is_dir() for m in members):  # is_dir() fails on ""
         raise BundleVerificationError(f"bundle '{path}' has nested or hidden paths; refused: zip the "
                                       "bundle's files at the top level (`fedge export --zip` does)")
+    for member in members:
+        problem = impossible_sizes(member, archive_size)
+        if problem:
+            raise BundleVerificationError(f"bundle '{path}': entry {member.filename!r} {problem}; refused: fetch "
+                                          "the bundle again from the coordinator")
     if sum(m.file_size for m in members) > MAX_BUNDLE_BYTES:
         raise BundleVerificationError(f"bundle '{path}' unpacks to more than 2 GiB; refused")
 

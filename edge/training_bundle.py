@@ -287,7 +287,7 @@ def _read_files(path: str | Path | bytes) -> dict[str, bytes]:
     try:
         with zipfile.ZipFile(io.BytesIO(path)) as archive:
             members = archive.infolist()
-            _check_members(where, members)
+            _check_members(where, members, len(path))
             return {m.filename: archive.read(m) for m in members}
     except ZIP_ERRORS as exc:
         raise BundleVerificationError(f"training bundle is not a valid zip (truncated or corrupt: {_short(exc)}); "

@@ -21,6 +21,7 @@ from typing import IO, Any
 import numpy as np
 from numpy.typing import NDArray
 
+from fedge.archive import impossible_sizes
 from fedge.errors import CheckpointMismatch
 from fedge.files import write_atomic
 from fedge.npy import read_npy_header
@@ -87,8 +88,6 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 _UNREADABLE = (OSError, ValueError, EOFError, OverflowError, RuntimeError, NotImplementedError, struct.error,
                zlib.error, zipfile.BadZipFile, zipfile.LargeZipFile)
 _INTACT = "use an intact one (a run directory keeps one per round in checkpoints/)"
-# Deflate cannot expand data more than ~1032 times: a member claiming more is lying.
-_MAX_DEFLATE_RATIO = 1032
 
 
 def _read_npz(path: Path) -> dict[str, NDArray[np.generic]]:
@@ -102,10 +101,9 @@ def _read_npz(path: Path) -> dict[str, NDArray[np.generic]]:
                 raise CheckpointMismatch(f"checkpoint '{path}' holds array '{name}' twice")
             if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
                 raise CheckpointMismatch(f"checkpoint '{path}': array '{name}' uses an unsupported compression")
-            limit = info.compress_size * (1 if info.compress_type == zipfile.ZIP_STORED else _MAX_DEFLATE_RATIO)
-            if info.compress_size > file_size or info.file_size > limit + 1024:
-                raise CheckpointMismatch(f"checkpoint '{path}': array '{name}' declares {info.file_size} bytes "
-                                         f"in {info.compress_size}; the file is damaged")
+            problem = impossible_sizes(info, file_size)
+            if problem:
+                raise CheckpointMismatch(f"checkpoint '{path}': array '{name}' {problem}: {_INTACT}")
             with archive.open(info) as member:
                 arrays[name] = _read_npy(member, info.file_size, name == _META, f"checkpoint '{path}': array "
                                          f"'{name}'")
