@@ -302,10 +302,23 @@ class FedAvg(FlowerFedAvg):
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
         """Wait (up to ``wait_for_nodes_s``) for :meth:`devices_needed` devices, then select.
 
-        While waiting, logs how many are connected of how many are needed every
-        ``wait_log_every_s`` seconds. With fewer devices connected by the deadline, selects
-        all of them if there are at least ``min_train_replies``; otherwise none (the round
-        fails and the model is kept).
+        With fewer devices connected by the deadline, selects all of them if there are at
+        least ``min_train_replies``; otherwise none (the round fails and the model is kept).
+        """
+        nodes = self.wait_for_devices(server_round, grid)
+        if len(nodes) < self.min_train_replies:
+            log.warning("round %d: only %d devices connected (< min-train-replies %d); round skipped",
+                        server_round, len(nodes), self.min_train_replies)
+            return []
+        self.round_target = min(self.round_size(len(nodes)), len(nodes))
+        return self.selector.select(server_round, nodes, self.policy.selection_size(self.round_target))
+
+    def wait_for_devices(self, server_round: int, grid: Grid) -> list[int]:
+        """The connected devices, once :meth:`devices_needed` are, or whoever is at ``wait_for_nodes_s``.
+
+        Devices connect after the coordinator starts (and reconnect after a restart), so a
+        round waits for them; every ``wait_log_every_s`` seconds it logs how many are
+        connected of how many are needed.
         """
         needed = self.devices_needed()
         deadline = time.monotonic() + self.wait_for_nodes_s
@@ -319,12 +332,7 @@ class FedAvg(FlowerFedAvg):
                          server_round, len(nodes), needed, deadline - now)
                 next_log = now + self.wait_log_every_s
             time.sleep(min(0.5, max(deadline - now, 0.0)))
-        if len(nodes) < self.min_train_replies:
-            log.warning("round %d: only %d devices connected (< min-train-replies %d); round skipped",
-                        server_round, len(nodes), self.min_train_replies)
-            return []
-        self.round_target = min(self.round_size(len(nodes)), len(nodes))
-        return self.selector.select(server_round, nodes, self.policy.selection_size(self.round_target))
+        return nodes
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -111,6 +111,10 @@ class _SimulatedArrivals:
         """Model versions that work in flight started from."""
         return {event.version for event in self.heap}
 
+    def connected(self, strategy: FedBuff, server_round: int) -> list[int]:
+        """The simulated devices online now (the fleet exists from the start: nothing to wait for)."""
+        return list(self.grid.get_node_ids())
+
     def launch(self, message: Message, node: int, version: int) -> None:
         """Give ``node`` work (a device that drops out never arrives)."""
         for reply, seconds in self.grid.exchange_timed([message], self.timeout):
@@ -145,6 +149,14 @@ class _LiveArrivals:
 
     def versions(self) -> set[int]:  # noqa: D102
         return {version for _, version, _ in self.pending.values()} | {event.version for event in self.ready}
+
+    def connected(self, strategy: FedBuff, server_round: int) -> list[int]:
+        """The devices online now; with no work in flight, first waits for the devices a round
+        needs, as a synchronous round does: devices connect after the coordinator starts, and
+        with none online FedBuff would have nothing to wait for and stop."""
+        if self.pending or self.ready:
+            return list(self.grid.get_node_ids())
+        return strategy.wait_for_devices(server_round, self.grid)
 
     def launch(self, message: Message, node: int, version: int) -> None:  # noqa: D102
         for message_id in self.grid.push_messages([message]):
@@ -210,9 +222,9 @@ class _AsyncRun:
         selector for the current server round, stragglers simulated, each model in its
         device's downlink codec."""
         busy = self.arrivals.busy()
-        idle = [node for node in self.grid.get_node_ids() if node not in busy]
-        wanted = self.strategy.concurrency - len(busy)
         server_round = self.version + 1
+        idle = [node for node in self.arrivals.connected(self.strategy, server_round) if node not in busy]
+        wanted = self.strategy.concurrency - len(busy)
         chosen = self.strategy.selector.select(server_round, idle, wanted) if wanted > 0 else []
         self.strategy.stragglers = self.strategy._pick_stragglers(server_round * 1_009 + self.launches, chosen)
         config = ConfigRecord({**self.config, wire.SERVER_ROUND: server_round})
