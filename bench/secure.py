@@ -34,6 +34,7 @@ import math
 import random
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ from fedge.server.app import TRAIN_KEYS
 from fedge.simulation.grid import InlineGrid
 from fedge.strategies import FedAvg
 from fedge.strategies.secure import SecureAggregation
+from fedge.task.api import TaskData
 from fedge.task.models import model_arrays
 from fedge.task.training import train_local
 from fedge.tasks.digits import Digits
@@ -133,23 +135,31 @@ def fedge_client(config: RunConfig, n: int) -> ClientApp:
     return make_client_app(WideDigits(config), config_defaults=config)
 
 
-def flower_client(config: RunConfig, n: int) -> ClientApp:
-    task = WideDigits(config)
+def flower_secagg_app(task: Digits, n: int, config: RunConfig, train: Callable[..., Any]) -> ClientApp:
+    """Flower's SecAgg+ ClientApp (NumPyClient + ``secaggplus_mod``), shared with secure_scale.py: a
+    device loads the parameters into ``task``'s model and trains its partition of ``n`` with
+    ``train(task, model, dataset, seed=partition)``, which returns the training stats."""
 
     class Client(NumPyClient):  # type: ignore[misc]
         def __init__(self, partition: int) -> None:
             self.partition = partition
 
         def fit(self, parameters: list[np.ndarray], fit_config: dict[str, Any]) -> Any:
-            model = wide_mlp()
+            model = task.build_model()
             model.load_state_dict({k: torch.from_numpy(v) for k, v in zip(model.state_dict(), parameters, strict=True)})
-            dataset = task.partition(self.partition, n, config)
-            stats = train_local(task, model, dataset, epochs=1, batch_size=32, learning_rate=0.05, momentum=0.0,
-                                device=torch.device("cpu"), seed=self.partition)
+            stats = train(task, model, task.partition(self.partition, n, config), seed=self.partition)
             return [v.detach().numpy() for v in model.state_dict().values()], stats.num_examples, {}
 
     return ClientApp(client_fn=lambda context: Client(int(context.node_config["partition-id"])).to_client(),
                      mods=[secaggplus_mod])
+
+
+def flower_client(config: RunConfig, n: int) -> ClientApp:
+    def train(task: Digits, model: nn.Module, dataset: TaskData, *, seed: int) -> Any:
+        return train_local(task, model, dataset, epochs=1, batch_size=32, learning_rate=0.05, momentum=0.0,
+                           device=torch.device("cpu"), seed=seed)
+
+    return flower_secagg_app(WideDigits(config), n, config, train)
 
 
 def run_fedge(n: int, dropout: float, secure: bool) -> dict[str, Any]:

@@ -53,8 +53,6 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
-from flwr.client import NumPyClient
-from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common import ndarrays_to_parameters
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
@@ -65,6 +63,7 @@ from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
 from rich.console import Console
 from rich.table import Table
+from secure import flower_secagg_app  # bench/ is the script's folder, first on sys.path
 from torch import nn
 
 import fedge.clients.torch_client as torch_client
@@ -238,21 +237,11 @@ def run_flower(n: int, dropout: float) -> dict[str, Any]:
     task = WideDigits(config)
     metered: Metered
 
-    class Client(NumPyClient):  # type: ignore[misc]
-        def __init__(self, partition: int) -> None:
-            self.partition = partition
+    def train(task: WideDigits, model: nn.Module, dataset: TaskData, *, seed: int) -> Any:
+        return metered.timed_training(task, model, dataset, epochs=config.integer("local-epochs"), batch_size=32,
+                                      learning_rate=0.05, momentum=0.0, device=torch.device("cpu"), seed=seed)
 
-        def fit(self, parameters: list[np.ndarray], fit_config: dict[str, Any]) -> Any:
-            model = wide_mlp()
-            model.load_state_dict({k: torch.from_numpy(v) for k, v in zip(model.state_dict(), parameters, strict=True)})
-            dataset = task.partition(self.partition, n, config)
-            stats = metered.timed_training(task, model, dataset, epochs=config.integer("local-epochs"), batch_size=32,
-                                           learning_rate=0.05, momentum=0.0, device=torch.device("cpu"),
-                                           seed=self.partition)
-            return [v.detach().numpy() for v in model.state_dict().values()], stats.num_examples, {}
-
-    app = ClientApp(client_fn=lambda context: Client(int(context.node_config["partition-id"])).to_client(),
-                    mods=[secaggplus_mod])
+    app = flower_secagg_app(task, n, config, train)
     metered = Metered(app, _dropped(n, dropout), at_masked_step)
     grid = FleetGrid(metered, n, config)
     initial = [v.detach().numpy() for v in wide_mlp().state_dict().values()]
