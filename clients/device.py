@@ -225,6 +225,7 @@ def supernode_command(options: DeviceOptions, training_bundle: Path | None = Non
 
 # The SuperLink answers both "key not registered" and "still online" (a previous session of this device
 # that crashed, listed online until its heartbeat lapses, up to a minute) with the same code.
+ACTIVATED = "SuperNode ID: "  # what Flower 1.42's SuperNode logs once the coordinator accepted its key
 REFUSED = {"[code: 2004]": "the coordinator did not activate this device: either it does not know this device's key "
                            "(not registered) or a previous session of this device is still listed online (up to a "
                            "minute after a crash)",
@@ -278,12 +279,13 @@ def _run_device(options: DeviceOptions, state: Path) -> int:
     delay = 1.0
     while True:
         began = time.monotonic()
-        code, refusal = _run_supernode(options, state, training_bundle)
+        code, refusal, activated = _run_supernode(options, state, training_bundle)
         if refusal is None:
-            if time.monotonic() - began < 10:  # it did not get going: its status is the answer
+            if not activated and time.monotonic() - began < 10:  # it did not get going: its status is the answer
                 return code
-            # A SuperNode that ran a while and ended on its own: the coordinator went away or revoked this
-            # device's key (Flower ends it "gracefully" then). Connect again: a revoked key is refused below.
+            # A SuperNode that was activated, or ran a while, and ended on its own: the coordinator went away
+            # or revoked this device's key (Flower ends it "gracefully" then, however soon after activation).
+            # Connect again: a revoked key is refused below.
             print(f"the SuperNode ended on its own (status {code}); connecting again", file=sys.stderr, flush=True)
             started, delay = time.monotonic(), 1.0
             wait_reachable(host, port, options.max_wait_s)
@@ -312,8 +314,10 @@ def _divert_echo(path: Path) -> None:
     _ECHO[:] = [path.open("w", encoding="utf-8")]
 
 
-def _run_supernode(options: DeviceOptions, state: Path, training_bundle: Path | None) -> tuple[int, str | None]:
-    """Run the SuperNode, echoing its output; return its status and any key refusal seen."""
+def _run_supernode(options: DeviceOptions, state: Path,
+                   training_bundle: Path | None) -> tuple[int, str | None, bool]:
+    """Run the SuperNode, echoing its output; return its status, any key refusal seen and
+    whether the coordinator activated it (Flower logs the node id it was given)."""
     from fedge.process import flower_env
 
     # A session of its own: a terminal's Ctrl-C reaches fedge only, which stops everything in order
@@ -323,6 +327,7 @@ def _run_supernode(options: DeviceOptions, state: Path, training_bundle: Path | 
                                start_new_session=True)
     _SUPERNODE[:] = [process]
     refusals: list[str] = []
+    activated: list[bool] = []
 
     def echo(stream: IO[str]) -> None:
         # Helpers the SuperNode spawns (its SuperExec) may hold the pipe open after it
@@ -332,13 +337,14 @@ def _run_supernode(options: DeviceOptions, state: Path, training_bundle: Path | 
             sink.write(line)
             sink.flush()
             refusals.extend(why for code, why in REFUSED.items() if code in line)
+            activated.extend([True] if ACTIVATED in line else [])
 
     assert process.stdout is not None
     threading.Thread(target=echo, args=(process.stdout,), daemon=True).start()
     code = process.wait()
     time.sleep(0.2)  # let the last lines through
     _stop_supernode(state)  # a SuperNode that ended (gave up, or was cut off) leaves no helper behind
-    return code, refusals[0] if refusals else None
+    return code, refusals[0] if refusals else None, bool(activated)
 
 
 def _stop_supernode(state: Path, grace_s: float = 10.0) -> None:

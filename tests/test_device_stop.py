@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 # A stand-in SuperNode whose shutdown prints the traceback Flower's helper printed in CI
 NOISY_SUPERNODE = """
 import signal, sys, time
@@ -67,3 +69,43 @@ def test_a_stopped_device_prints_one_line_and_keeps_the_helpers_noise_in_a_file(
     assert rest.count("device stopped (SIGINT)") == 1, rest
     assert str(tmp_path / "last-stop.log") in rest
     assert "KeyboardInterrupt" in (tmp_path / "last-stop.log").read_text()
+
+
+# Stand-in SuperNodes for the reconnect rule: Flower's SuperNode whose key is revoked right after
+# activation raises SIGINT in itself and exits 0 ("terminated gracefully"); reconnecting is refused.
+CUT_OFF_AFTER_ACTIVATION = 'print("INFO :      SuperNode ID: 8888153329252361707", flush=True)'
+REFUSED_ON_RECONNECT = 'import sys; print("[code: 2004] Failed to activate SuperNode.", flush=True); sys.exit(1)'
+NEVER_CONNECTED = 'import sys; print("TLS handshake failed", flush=True); sys.exit(7)'
+
+
+@pytest.mark.parametrize(("runs", "outcome"), [
+    ([CUT_OFF_AFTER_ACTIVATION, REFUSED_ON_RECONNECT], "refused"),
+    ([NEVER_CONNECTED], 7),
+], ids=["revoked within seconds of activation", "did not get going"])
+def test_a_supernode_cut_off_right_after_activation_reconnects_and_is_refused(
+        runs: list[str], outcome: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: each SuperNode start runs the next stand-in (the last one again if more are asked for);
+    # no coordinator to reach or check
+    from fedge.clients import device
+    from fedge.errors import FedgeError
+
+    started: list[str] = []
+
+    def command(options: device.DeviceOptions, bundle: Path | None) -> list[str]:
+        started.append(runs[min(len(started), len(runs) - 1)])
+        return [sys.executable, "-c", started[-1]]
+
+    monkeypatch.setattr(device, "supernode_command", command)
+    monkeypatch.setattr(device, "check_device", lambda options: None)
+    monkeypatch.setattr(device, "wait_reachable", lambda host, port, wait: None)
+    options = device.DeviceOptions(coordinator="127.0.0.1:1", profile="laptop", data=Path("."), key=None,
+                                   ca=None, insecure=True, state_dir=tmp_path, max_wait_s=2.0)
+    # Execute / Assert: the cut-off device connects again and ends refused (the CLI's exit 2), where it used
+    # to end 0 as if its SuperNode had stopped normally; one that never connected ends with its status
+    if outcome == "refused":
+        with pytest.raises(FedgeError, match="did not activate this device"):
+            device._run_device(options, tmp_path)
+        assert started[:2] == runs
+    else:
+        assert device._run_device(options, tmp_path) == outcome
+        assert started == runs
