@@ -327,7 +327,7 @@ def _run_supernode(options: DeviceOptions, state: Path,
                                start_new_session=True)
     _SUPERNODE[:] = [process]
     refusals: list[str] = []
-    activated: list[bool] = []
+    activated = threading.Event()
 
     def echo(stream: IO[str]) -> None:
         # Helpers the SuperNode spawns (its SuperExec) may hold the pipe open after it
@@ -337,14 +337,15 @@ def _run_supernode(options: DeviceOptions, state: Path,
             sink.write(line)
             sink.flush()
             refusals.extend(why for code, why in REFUSED.items() if code in line)
-            activated.extend([True] if ACTIVATED in line else [])
+            if ACTIVATED in line:
+                activated.set()
 
     assert process.stdout is not None
     threading.Thread(target=echo, args=(process.stdout,), daemon=True).start()
     code = process.wait()
     time.sleep(0.2)  # let the last lines through
     _stop_supernode(state)  # a SuperNode that ended (gave up, or was cut off) leaves no helper behind
-    return code, refusals[0] if refusals else None, bool(activated)
+    return code, refusals[0] if refusals else None, activated.is_set()
 
 
 def _stop_supernode(state: Path, grace_s: float = 10.0) -> None:

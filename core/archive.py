@@ -10,8 +10,15 @@ arrives from elsewhere (bundles, training bundles, checkpoints) refuses such cla
 
 from __future__ import annotations
 
+import lzma
+import struct
 import zipfile
+import zlib
 
+# What reading a damaged or forged zip can raise, from zipfile and the decompressors under it.
+# Every reader of an archive from elsewhere catches these to name the file instead of crashing.
+ZIP_READ_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, RuntimeError,
+                   NotImplementedError, OverflowError, struct.error, zlib.error, lzma.LZMAError)
 # Deflate cannot expand data more than ~1032 times: a member claiming more is lying.
 MAX_DEFLATE_RATIO = 1032
 _SLACK = 1024  # headers and rounding

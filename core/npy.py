@@ -11,18 +11,18 @@ which turns all of them into one ``ValueError`` naming the problem.
 from __future__ import annotations
 
 import tokenize
-import zipfile
-import zlib
 from typing import IO
 
 import numpy as np
+
+from fedge.archive import ZIP_READ_ERRORS
 
 # What numpy's header parsing lets escape on hostile text (found by tests/test_fuzz_parsers.py).
 _PARSE_ERRORS = (ValueError, SyntaxError, tokenize.TokenError, TypeError, KeyError, RecursionError, MemoryError,
                  OverflowError)
 # What ``np.load`` of a damaged or hostile .npy/.npz file can raise: the parse errors above, plus
 # the file's and the zip's own. Loaders of the user's files catch these to name the file.
-UNREADABLE_FILE_ERRORS = (*_PARSE_ERRORS, OSError, EOFError, zipfile.BadZipFile, zlib.error)
+UNREADABLE_FILE_ERRORS = (*_PARSE_ERRORS, *ZIP_READ_ERRORS)
 _READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 

@@ -35,13 +35,10 @@ import datetime as dt
 import hashlib
 import json
 import logging
-import lzma
 import math
 import re
-import struct
 import sys
 import zipfile
-import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,7 +47,7 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from fedge.archive import impossible_sizes
+from fedge.archive import ZIP_READ_ERRORS, impossible_sizes
 from fedge.edge.signing import ensure_private_dir, fingerprint, load_public_key
 from fedge.errors import BundleVerificationError, ConfigError
 from fedge.files import exclusive_lock, write_bytes_atomic
@@ -71,8 +68,6 @@ MAX_RANK = 16
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 REEXPORT = "re-export the bundle with `fedge export` (or upgrade fedge on the device)"
 # Everything zipfile and its decompressors raise on a damaged archive.
-ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, RuntimeError,
-              struct.error, zlib.error, lzma.LZMAError)
 # Zip compression methods a bundle may use: stored and deflate (what ``write_bundle`` writes).
 # Others (bzip2, LZMA with its attacker-chosen dictionary size, unknown ids) are refused unread.
 COMPRESSION = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
@@ -152,7 +147,7 @@ def read_bundle(path: str | Path) -> dict[str, bytes]:
             members = archive.infolist()
             _check_members(path, members, path.stat().st_size)
             return {m.filename: archive.read(m) for m in members}
-    except ZIP_ERRORS as exc:
+    except ZIP_READ_ERRORS as exc:
         raise BundleVerificationError(
             f"bundle '{path}' is not a valid zip (truncated or corrupt: {_short(exc)}); fetch it again"
         ) from None
@@ -611,7 +606,7 @@ def zip_lineage(data: bytes | Path) -> tuple[str | None, int | None]:
     try:
         with zipfile.ZipFile(io.BytesIO(data) if isinstance(data, bytes) else data) as archive:
             manifest = json.loads(archive.read(MANIFEST))
-    except (*ZIP_ERRORS, KeyError):
+    except (*ZIP_READ_ERRORS, KeyError):
         return None, None
     if not isinstance(manifest, dict):
         return None, None

@@ -37,12 +37,12 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from fedge.archive import ZIP_READ_ERRORS
 from fedge.edge.bundle import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_VERSION,
     SIGNATURE,
-    ZIP_ERRORS,
     FreshnessStore,
     TrustedKey,
     _bad,
@@ -289,7 +289,7 @@ def _read_files(path: str | Path | bytes) -> dict[str, bytes]:
             members = archive.infolist()
             _check_members(where, members, len(path))
             return {m.filename: archive.read(m) for m in members}
-    except ZIP_ERRORS as exc:
+    except ZIP_READ_ERRORS as exc:
         raise BundleVerificationError(f"training bundle is not a valid zip (truncated or corrupt: {_short(exc)}); "
                                       "fetch it again") from None
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 import zipfile
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -21,7 +19,7 @@ from typing import IO, Any
 import numpy as np
 from numpy.typing import NDArray
 
-from fedge.archive import impossible_sizes
+from fedge.archive import ZIP_READ_ERRORS, impossible_sizes
 from fedge.errors import CheckpointMismatch
 from fedge.files import write_atomic
 from fedge.npy import read_npy_header
@@ -72,7 +70,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointMismatch(f"checkpoint '{path}' does not exist") from None
     except CheckpointMismatch:  # a ValueError too: already says what is wrong
         raise
-    except _UNREADABLE as exc:
+    except ZIP_READ_ERRORS as exc:
         raise CheckpointMismatch(f"cannot read checkpoint '{path}': {exc}; the file is damaged or not a "
                                  f"fedge checkpoint (.npz): {_INTACT}") from None
     if _META not in members:
@@ -85,8 +83,6 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
 
 # What a damaged .npz can raise from zipfile, zlib and numpy's .npy header parser.
-_UNREADABLE = (OSError, ValueError, EOFError, OverflowError, RuntimeError, NotImplementedError, struct.error,
-               zlib.error, zipfile.BadZipFile, zipfile.LargeZipFile)
 _INTACT = "use an intact one (a run directory keeps one per round in checkpoints/)"
 
 
