@@ -2,7 +2,7 @@
 
 :mod:`fedge.config` derives its defaults, choices and range checks from :data:`KNOBS`;
 ``tests/test_config.py`` checks that ``pyproject.toml``'s ``[tool.flwr.app.config]`` holds
-the same defaults and that README's run-config reference is :func:`markdown_table`'s output
+the same defaults and that docs/configuration.md's run-config reference is :func:`markdown_table`'s output
 (``python -m fedge.knobs`` prints it). Strategy names are not listed here: the strategy
 registry (:mod:`fedge.strategies.registry`) owns them.
 """
@@ -187,7 +187,7 @@ def _allowed(knob: Knob) -> str:
 
 
 def markdown_table() -> str:
-    """README's run-config reference, made from :data:`KNOBS`."""
+    """docs/configuration.md's run-config reference, made from :data:`KNOBS`."""
     lines = ["| key | default | allowed | meaning | read by |", "|---|---|---|---|---|"]
     for key, knob in KNOBS.items():
         default = str(knob.default).lower() if isinstance(knob.default, bool) else knob.default
