@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fedge.cli import deploy, edge, new
+from fedge.cli import compare, deploy, edge, new
 from fedge.errors import FedgeError
 
 EXIT_USAGE = 2
@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     _dashboard_parser(sub)
     edge.add_parsers(sub)
     new.add_parsers(sub)
+    compare.add_parsers(sub)
     deploy.add_parsers(sub)
     return parser
 
