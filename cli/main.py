@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fedge.cli import compare, deploy, edge, new
+from fedge.cli.catalogue import catalogue, describe, no_abbreviations, strategy_names
 from fedge.errors import FedgeError
 
 EXIT_USAGE = 2
@@ -30,7 +31,9 @@ def _simulate_parser(sub: Any) -> None:
                    "package.module:object (importable from the current directory)")
     p.add_argument("--dataset", help="digits | synthetic | npz | csv")
     p.add_argument("--model", help="mlp | cnn | logreg")
-    p.add_argument("--strategy", help="fedavg")
+    describe(p.add_argument("--strategy", metavar="NAME",
+                            help="aggregation strategy: %(names)s (default fedavg; docs/strategies.md). "
+                            "Also: %(more)s"), names=strategy_names, more=catalogue)
     p.add_argument("--seed", type=int, help="run-config seed")
     p.add_argument("--run-dir", help="where to write the run (default runs/<name>)")
     p.add_argument("--resume", metavar="RUN_DIR",
@@ -143,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_parsers(sub)
     compare.add_parsers(sub)
     deploy.add_parsers(sub)
+    no_abbreviations(parser)
     return parser
 
 

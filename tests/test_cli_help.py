@@ -1,0 +1,53 @@
+"""The command line lists what is registered and takes no abbreviations (issue 26, items 1-2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedge.cli.main import build_parser, main
+
+
+def test_simulate_help_lists_every_registered_strategy_policy_and_codec(capsys: pytest.CaptureFixture[str]) -> None:
+    # Prepare
+    import fedge.strategies  # noqa: F401
+    from fedge.codec import QUANTISERS
+    from fedge.strategies.registry import REGISTRY
+
+    # Execute
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    # Assert
+    for name in [*REGISTRY, *QUANTISERS, "sync", "deadline", "oort", "docs/strategies.md", "docs/compression.md"]:
+        assert name in help_text, name
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "--round", "5"],           # --rounds
+    ["simulate", "--strat", "fedavg"],       # --strategy
+    ["compare", "x", "--ou", "y"],           # --out
+])
+def test_abbreviated_options_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # Execute
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(argv)
+    # Assert
+    assert stop.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_every_subcommand_refuses_abbreviations() -> None:
+    # Prepare
+    import argparse
+
+    def parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+        found = [parser]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    found += parsers(child)
+        return found
+
+    # Execute
+    every = parsers(build_parser())
+    # Assert: the coordinator's and keys' nested sub-commands included
+    assert len(every) > 10 and not any(p.allow_abbrev for p in every)
