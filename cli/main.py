@@ -40,7 +40,7 @@ def _simulate_parser(sub: Any) -> None:
                    help="continue RUN_DIR after its last completed round (its config.json, plus overrides)")
     p.add_argument("--run-config", default="",
                    help="more overrides, Flower style: \"key=value key2='text'\"")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no log lines below warnings")
     p.add_argument("--verbose", action="store_true", help="show Flower's own log lines")
 
 
@@ -80,6 +80,8 @@ def _simulate_run(args: argparse.Namespace) -> int:
         overrides[key] = args.fleet
     if not args.verbose:
         quiet_third_party_logs()
+    if args.quiet:  # the final lines only (they are printed, not logged)
+        logging.getLogger("fedge").setLevel(logging.WARNING)
     run_dir, summary = simulate(overrides, backend=args.backend, progress=not args.quiet,
                                 ray_address=args.ray_address)
     onnx = summary.get("onnx", {})

@@ -30,7 +30,7 @@ from fedge.server.compression import DownlinkEncoder, check_codecs
 from fedge.server.metering import MeteredGrid, reply_seconds
 from fedge.server.privacy import CLIENT_CLIPPING, build_privacy
 from fedge.server.recorder import RoundRecorder
-from fedge.server.report import run_dir_for, write_json_atomic
+from fedge.server.report import config_summary, run_dir_for, write_json_atomic
 from fedge.strategies import FedAvg, strategy_spec
 from fedge.strategies.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
 from fedge.strategies.secure import MIN_DEVICES, secure_variant
@@ -287,14 +287,15 @@ def run_coordinator(
     strategy.downlink = downlink if downlink.active else None
     check_deadline(config, fleet, sum(len(array.data) for array in model_arrays(model).values()))
     training = training_graph_for(task, model, config, fleet, simulated=simulated)
-    run_dir = run_dir_for(config)
+    run_dir = run_dir_for(config, task.name)
     history = _resume_into(model, strategy, run_dir, config) if config["resume"] else None
     if history is None and (run_dir / "checkpoint.npz").exists():
         raise ConfigError(f"run directory '{run_dir}' already holds a run; continue it with "
                           "--resume or choose another --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir / "config.json", config)
-    log.info("effective run config: %s", json.dumps(config, sort_keys=True))
+    log.info("%s", config_summary(config, run_dir))
+    log.debug("effective run config: %s", json.dumps(config, sort_keys=True))
     log.info("%s", task.describe())
     log.info("run directory: %s", run_dir)
 

@@ -19,7 +19,7 @@ from fedge.config import RunConfig, config_fingerprint, model_keys
 from fedge.server.checkpoint import Checkpoint, save_checkpoint
 from fedge.server.metering import MeteredGrid
 from fedge.server.progress import RoundProgress
-from fedge.server.report import append_jsonl, plot_headline, write_json_atomic
+from fedge.server.report import append_jsonl, plot_headline, run_title, write_json_atomic
 from fedge.strategies import FedAvg
 from fedge.task.api import Task, best, headline_of
 from fedge.task.models import load_arrays
@@ -169,8 +169,7 @@ class RoundRecorder:
         }
         if self.strategy.privacy is not None:
             summary["dp"] = self.strategy.privacy.summary()  # type: ignore[attr-defined]
-        plot_headline(self.rows, self.run_dir / "headline.png", f"{self.config['strategy']} on {self.task.name}",
-                      headline)
+        plot_headline(self.rows, self.run_dir / "headline.png", run_title(self.config, self.task.name), headline)
         if self.config["export-onnx"]:
             summary.update(self._final_export(last["round"]))
         write_json_atomic(self.run_dir / "summary.json", summary)

@@ -27,14 +27,56 @@ from fedge.config import RunConfig
 from fedge.files import write_bytes_atomic
 
 
-def run_dir_for(config: RunConfig) -> Path:
-    """The run directory a config names (``run-dir``, else ``runs-root/run-name``)."""
+def run_label(config: RunConfig) -> str:
+    """What a run does, for names and titles: the strategy, with its round policy unless the
+    default synchronous one, and secure aggregation when on (``fedavg-deadline-secure``)."""
+    parts = [config.text("strategy")]
+    if config.text("round-policy") != "sync":
+        parts.append(config.text("round-policy"))
+    if config["secure-aggregation"]:
+        parts.append("secure")
+    return "-".join(parts)
+
+
+def run_title(config: RunConfig, task_name: str) -> str:
+    """A plot's title: ``fedavg-deadline on houses``."""
+    return f"{run_label(config)} on {task_name}"
+
+
+def task_label(config: RunConfig) -> str:
+    """The task a config names, without loading it: a registered name, the package of a
+    ``package.module:object`` task (``houses`` for ``houses.task:HousesTask``), or the built-in
+    ``dataset-model``."""
+    named = config.text("task")
+    if named:
+        return named.split(":", 1)[0].split(".", 1)[0] if ":" in named else named
+    return f"{config.text('dataset')}-{config.text('model')}"
+
+
+def run_dir_for(config: RunConfig, task_name: str | None = None) -> Path:
+    """The run directory a config names (``run-dir``, else ``runs-root/run-name``; without a
+    name, ``<run label>-<task>-<time>``, e.g. ``fedavg-deadline-houses-20261204-203500``; the
+    task is ``task_name`` or, not given, :func:`task_label`)."""
     if config["run-dir"]:
         return Path(config.text("run-dir"))
-    name = config.text("run-name") or (
-        f"{config['strategy']}-{config['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
+    task_name = task_name or task_label(config)
+    safe_task = "".join(c if c.isalnum() or c in "-_." else "-" for c in task_name).strip("-.") or "task"
+    name = config.text("run-name") or f"{run_label(config)}-{safe_task}-{time.strftime('%Y%m%d-%H%M%S')}"
     return Path(config.text("runs-root")) / name
+
+
+def config_summary(config: RunConfig, run_dir: Path) -> str:
+    """One short line for the console: the keys changed from the defaults (the whole effective
+    config is ``run_dir/config.json``)."""
+    from fedge.config import DEFAULTS
+
+    changed = [f"{key}={config[key]!r}" for key in sorted(config)
+               if key in DEFAULTS and config[key] != DEFAULTS[key] and key not in _LOCATION_KEYS]
+    shown = ", ".join(changed) if changed else "all defaults"
+    return f"run config: {shown} (every key: {run_dir / 'config.json'})"
+
+
+_LOCATION_KEYS = frozenset({"run-dir", "runs-root", "run-name"})  # the line names the directory itself
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:

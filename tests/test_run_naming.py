@@ -1,0 +1,66 @@
+"""Run directories and plot titles name the task and what the run did (issue 26 items 4-5);
+the console gets a short config line, the run directory the whole config."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedge.config import resolve_run_config
+from fedge.server.report import config_summary, run_dir_for, run_title, task_label
+
+
+@pytest.mark.parametrize(("overrides", "label", "task"), [
+    ({}, "fedavg", "digits-cnn"),
+    ({"task": "houses.task:HousesTask", "round-policy": "deadline"}, "fedavg-deadline", "houses"),
+    ({"task": "images", "strategy": "fedprox", "secure-aggregation": True}, "fedprox-secure", "images"),
+    ({"dataset": "synthetic", "model": "logreg", "strategy": "median"}, "median", "synthetic-logreg"),
+])
+def test_run_directory_and_title_name_the_task_and_the_run(overrides: dict[str, Any], label: str,
+                                                           task: str) -> None:
+    # Prepare
+    config = resolve_run_config(overrides)
+    # Execute
+    name = run_dir_for(config).name
+    # Assert
+    assert task_label(config) == task
+    assert name.startswith(f"{label}-{task}-") and run_title(config, task) == f"{label} on {task}"
+
+
+def test_an_explicit_run_dir_or_name_wins(tmp_path: Path) -> None:
+    assert run_dir_for(resolve_run_config({"run-dir": str(tmp_path / "x")})) == tmp_path / "x"
+    assert run_dir_for(resolve_run_config({"run-name": "mine"})) == Path("runs") / "mine"
+
+
+def test_config_summary_is_one_short_line_of_what_changed(tmp_path: Path) -> None:
+    # Prepare
+    config = resolve_run_config({"num-rounds": 3, "strategy": "fedprox", "run-dir": str(tmp_path)})
+    # Execute
+    line = config_summary(config, tmp_path)
+    # Assert: the changed keys, not the ~90 defaults; the full config's path
+    assert line == (f"run config: num-rounds=3, strategy='fedprox' (every key: {tmp_path / 'config.json'})")
+
+
+def test_quiet_simulation_prints_only_the_final_lines(tmp_path: Path, fast_config: dict[str, Any],
+                                                     capsys: pytest.CaptureFixture[str],
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # Prepare
+    from fedge.cli.main import main
+
+    run_dir = tmp_path / "run"
+    argv = ["simulate", "--quiet", "--rounds", "1", "--fleet", "phone=4", "--clients-per-round", "2",
+            "--model", "logreg", "--run-dir", str(run_dir), "--run-config", "export-onnx=false"]
+    # Execute
+    try:
+        with caplog.at_level(logging.INFO):
+            code = main(argv)
+    finally:
+        logging.getLogger("fedge").setLevel(logging.NOTSET)  # main() quietened it for this process
+    # Assert: no config line (nor any other INFO line of fedge's), the config in the run directory
+    assert code == 0 and "final accuracy" in capsys.readouterr().out
+    assert not [r for r in caplog.records if r.name.startswith("fedge") and r.levelno < logging.WARNING]
+    assert json.loads((run_dir / "config.json").read_text())["num-rounds"] == 1
