@@ -10,10 +10,11 @@ Two backends run the *same* two apps:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +93,9 @@ def _run_on_ray(config: RunConfig, num_nodes: int, *, progress: bool, task: Task
                 ray_address: str | None = None, client_app: ClientApp | None = None) -> Path:
     """Flower's simulation engine; its Contexts carry no run config, so bind it here.
 
-    Without ``ray_address`` Flower starts a local Ray instance on 2 CPUs; with it, Ray joins
-    the cluster at that address and Flower spreads its actors over the cluster's CPUs.
+    Without ``ray_address`` Flower starts a local Ray instance on 2 CPUs, listening on loopback
+    only (:func:`_loopback_only_ray`); with it, Ray joins the cluster at that address and Flower
+    spreads its actors over the cluster's CPUs.
     """
     from flwr.simulation import run_simulation
 
@@ -106,20 +108,52 @@ def _run_on_ray(config: RunConfig, num_nodes: int, *, progress: bool, task: Task
     # so every subprocess started later (another virtualenv's python, say) would import from this
     # one's site-packages: put it back once the run is over.
     pythonpath = os.environ.get("PYTHONPATH")
+    local = contextlib.nullcontext() if ray_address else _loopback_only_ray()
     try:
-        run_simulation(
-            server_app=make_server_app(config, progress=progress, task=task),
-            client_app=client_app or _client_app(config, num_nodes, defaults=config, task=task),
-            num_supernodes=num_nodes,
-            backend_name="ray",
-            backend_config={"client_resources": {"num_cpus": 1.0}, "init_args": init_args},
-        )
+        with local:
+            run_simulation(
+                server_app=make_server_app(config, progress=progress, task=task),
+                client_app=client_app or _client_app(config, num_nodes, defaults=config, task=task),
+                num_supernodes=num_nodes,
+                backend_name="ray",
+                backend_config={"client_resources": {"num_cpus": 1.0}, "init_args": init_args},
+            )
     finally:
         if pythonpath is None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = pythonpath
     return Path(config.text("run-dir"))
+
+
+@contextlib.contextmanager
+def _loopback_only_ray() -> Iterator[None]:
+    """Within: a Ray instance this process starts listens on 127.0.0.1 only.
+
+    Threat model: Ray has no authentication; anyone who reaches its GCS or raylet port can
+    join as a driver and run code as this user. On Linux Ray replaces a loopback node address
+    by the machine's own address (``ray._private.services.resolve_ip_for_localhost``), and its
+    GCS, raylet and workers then listen on every interface. The exception is Ray's own
+    single-machine mode (what it uses on macOS and Windows): with
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` the node address is 127.0.0.1 and every Ray server
+    binds loopback only, and no other machine can join. The variable is read when Ray is
+    imported, here and in Ray's own processes (they inherit it), so both the environment and
+    the already imported constant are set, and both are put back afterwards: a later run in
+    this process may join a real cluster.
+    """
+    from ray._private import ray_constants  # noqa: PLC0415 - Ray is imported only for the Ray backend
+
+    variable = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    before_env, before_constant = os.environ.get(variable), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[variable], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before_constant
+        if before_env is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = before_env
 
 
 def _client_app(config: RunConfig, num_nodes: int,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,11 +13,60 @@ import pytest
 from fedge.simulation.runner import simulate
 
 
+def _noting_listeners(inner: Any, driver_pid: int, record_dir: str) -> Any:
+    """fedge's ClientApp, wrapped to write, from Ray's worker during each call, every TCP socket
+    that a process of the driver's tree (the driver, Ray's GCS, raylet, agents, workers) listens on."""
+    from flwr.clientapp import ClientApp  # noqa: PLC0415 - the wrapper is pickled by value to Ray's workers
+
+    app = ClientApp()
+
+    def note() -> None:
+        import contextlib  # noqa: PLC0415
+        import uuid  # noqa: PLC0415
+
+        import psutil  # noqa: PLC0415
+
+        driver = psutil.Process(driver_pid)
+        seen = []
+        for proc in [driver, *driver.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                seen += [[proc.name(), sock.laddr.ip, sock.laddr.port] for sock in proc.net_connections("tcp")
+                         if sock.status == psutil.CONN_LISTEN]
+        (Path(record_dir) / uuid.uuid4().hex).write_text(json.dumps(seen))
+
+    @app.train()
+    def train(msg: Any, context: Any) -> Any:
+        note()
+        return inner(message=msg, context=context)
+
+    return app
+
+
+def _loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
 @pytest.mark.slow
-def test_ray_backend_runs_the_same_apps_for_two_rounds(fast_config: dict[str, Any]) -> None:
+def test_ray_backend_runs_the_same_apps_for_two_rounds(fast_config: dict[str, Any], tmp_path: Path) -> None:
+    # Prepare: fedge's device app, wrapped to note the sockets Ray's processes listen on mid-run
+    from fedge.clients.app import make_client_app  # noqa: PLC0415
+    from fedge.config import resolve_run_config  # noqa: PLC0415
+
     fast_config.update({"num-rounds": 2, "export-onnx": False})
     pythonpath = os.environ.get("PYTHONPATH")
-    run_dir, summary = simulate(fast_config, backend="ray", progress=False)
+    record_dir = tmp_path / "listeners"
+    record_dir.mkdir()
+    app = _noting_listeners(make_client_app(config_defaults=resolve_run_config(fast_config)), os.getpid(),
+                            str(record_dir))
+    # Execute
+    run_dir, summary = simulate(fast_config, backend="ray", progress=False, client_app=app)
+    # Assert: the local Ray instance (GCS, raylet, workers) listened on loopback only; no peer could join
+    listening = [entry for path in record_dir.iterdir() for entry in json.loads(path.read_text())]
+    assert {"gcs_server", "raylet"} <= {name for name, _, _ in listening}, listening
+    assert [entry for entry in listening if not _loopback(entry[1])] == []
+    assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") is None  # a later run may join a cluster
     # Flower's Ray backend puts this process's sys.path on PYTHONPATH; fedge puts it back
     assert os.environ.get("PYTHONPATH") == pythonpath
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
