@@ -54,3 +54,22 @@ def no_abbreviations(parser: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse._SubParsersAction):
             for child in action.choices.values():
                 no_abbreviations(child)
+
+
+# The extra that brings what each command needs (pyproject's [project.optional-dependencies]).
+EXTRA_OF_COMMAND = {"simulate": "sim", "coordinator": "sim", "dashboard": "dashboard", "export": "torch",
+                    "new": "sim", "compare": "sim", "device": "device", "pull": "edge", "verify": "edge",
+                    "predict": "edge"}
+# Modules that only an extra installs (the base install has numpy and cryptography).
+OPTIONAL_MODULES = frozenset({"torch", "flwr", "onnx", "onnxruntime", "onnxscript", "ray", "sklearn", "matplotlib",
+                              "rich", "starlette", "uvicorn", "psutil"})
+
+
+def missing_extra(command: str, exc: ModuleNotFoundError) -> str | None:
+    """One line naming the extra to install, when ``exc`` is a module an extra brings (else None)."""
+    module = (exc.name or "").split(".", 1)[0]
+    if module not in OPTIONAL_MODULES:
+        return None
+    extra = EXTRA_OF_COMMAND.get(command, "all")
+    return (f"'fedge {command}' needs {module}, which this install lacks: install the '{extra}' extra "
+            f"(pip install 'fedge[{extra}]')")

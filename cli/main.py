@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fedge.cli import compare, deploy, edge, new
-from fedge.cli.catalogue import catalogue, describe, no_abbreviations, strategy_names
+from fedge.cli.catalogue import catalogue, describe, missing_extra, no_abbreviations, strategy_names
 from fedge.errors import FedgeError
 
 EXIT_USAGE = 2
@@ -162,6 +162,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = int(handler(args))
     except FedgeError as exc:
         print(f"fedge: error: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    except ModuleNotFoundError as exc:  # a command of an extra this install does not have
+        line = missing_extra(args.command, exc)
+        if line is None:
+            raise
+        print(f"fedge: error: {line}", file=sys.stderr)
         code = EXIT_USAGE
     if argv is None and args.command == "simulate":
         exit_now(code)

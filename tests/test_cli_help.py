@@ -1,6 +1,9 @@
-"""The command line lists what is registered and takes no abbreviations (issue 26, items 1-2)."""
+"""The command line lists what is registered, takes no abbreviations, and names the extra a command
+needs when its install lacks it (issue 26, items 1, 2 and 9)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -51,3 +54,21 @@ def test_every_subcommand_refuses_abbreviations() -> None:
     every = parsers(build_parser())
     # Assert: the coordinator's and keys' nested sub-commands included
     assert len(every) > 10 and not any(p.allow_abbrev for p in every)
+
+
+@pytest.mark.parametrize(("argv", "extra"), [
+    (["simulate", "--rounds", "1"], "sim"),
+    (["export", "runs/x", "--key", "k", "-o", "out"], "torch"),
+])
+def test_a_command_whose_extra_is_missing_names_the_extra(tmp_path: Any, argv: list[str], extra: str) -> None:
+    # Prepare: a process in which `import torch` fails, as in the `edge` install
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            f"from fedge.cli.main import main\nsys.exit(main({argv!r}))\n")
+    # Execute
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    # Assert: one line, exit 2, no traceback
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"pip install 'fedge[{extra}]'" in done.stderr and len(done.stderr.strip().splitlines()) == 1
