@@ -235,7 +235,8 @@ class Coordinator:
         """Serve ``STATE_DIR/published`` to registered devices (a busy default port only warns)."""
         from fedge.server.publish import BundleService
 
-        service = BundleService(self.published, self.keys, host=self.host, port=port)
+        service = BundleService(self.published, self.keys, host=self.host, port=port,
+                                revoked=self.fleet.revoked_keys if self.fleet else ())
         try:
             service.start()
         except ConfigError as exc:
@@ -377,6 +378,8 @@ class Coordinator:
             write_bytes_atomic(self.names_file, (json.dumps(names, indent=2, sort_keys=True) + "\n").encode())
         self._write_revoked(sorted(n["node_id"] for n in out["nodes"] if n["status"] == "unregistered"))
         self.fleet = FleetStatus(nodes=out["nodes"], revoked_keys=set(out["revoked_keys"]))
+        if self.bundles is not None:  # the bundle service admits the devices the SuperLink admits
+            self.bundles.follow(revoked=self.fleet.revoked_keys)
         return self.fleet
 
     def _write_revoked(self, nodes: list[str]) -> None:

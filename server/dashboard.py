@@ -10,7 +10,11 @@ that do not parse (a run still writing its last line) are skipped and counted.
 Threat model: the dashboard is read-only and shows metrics, device ids and profiles, not
 updates or data. It binds to 127.0.0.1 by default; on any other address a token is
 required (``?token=`` once, then a cookie, or ``Authorization: Bearer``), compared in
-constant time; on loopback the Host header must name loopback (no DNS rebinding). It has
+constant time; on loopback the Host header must name loopback (no DNS rebinding). Its
+listener has :mod:`fedge.server.listeners`' connection limits. ``/metrics`` escapes every
+label value (device-sent reasons included) as the Prometheus text format asks, keeps at
+most :data:`MAX_REASONS` reason labels, and reads only what ``devices.jsonl`` gained since
+the last scrape (a scrape costs O(new lines + metrics), not O(device replies)). It has
 no TLS of its own: put it behind a TLS proxy when it leaves loopback. A bundle's signature
 is shown as present, not verified: ``fedge verify`` does that against a trusted key.
 """
@@ -20,8 +24,11 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import os
 import secrets
 import socket
+import threading
+import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,10 +43,14 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from fedge.errors import ConfigError
+from fedge.server.listeners import ListenerLimits, uvicorn_options
 
 STATIC = Path(__file__).resolve().parent / "dashboard_static"
 LOOPBACK_NAMES = ["127.0.0.1", "localhost", "::1", "[::1]"]
 COOKIE = "fedge-dashboard-token"
+MAX_REASONS = 100  # distinct (status, reason) labels of fedge_replies_failed_total; more are counted as "other"
+LIMITS = ListenerLimits(max_header_bytes=16 * 1024, header_timeout_s=10.0, idle_timeout_s=5, per_address=16,
+                        concurrency=256)
 
 
 def is_loopback(host: str) -> bool:
@@ -92,6 +103,7 @@ class RunView:
 
     def __init__(self, run_dir: Path, state_dir: Path | None = None, live: Live | None = None) -> None:
         self.run_dir, self.state_dir, self.live = run_dir, state_dir, live
+        self.replies = ReplyTally(run_dir / "devices.jsonl")
 
     def names(self) -> dict[str, str]:
         """``{node id: device name}`` from the coordinator's registered keys (``STATE_DIR/device-names.json``)."""
@@ -186,14 +198,15 @@ class RunView:
     def metrics(self) -> str:
         """Prometheus text format: rounds, participants, rejected and failed replies by reason, bytes,
         round latency, devices that replied in the last round and, from a coordinator, devices online."""
-        rows = [row for row in self.rounds()["rounds"] if int(row.get("round", 0)) > 0]
+        summary_rows = self.rounds()["rounds"]
+        rows = [row for row in summary_rows if int(row.get("round", 0)) > 0]
         summary = self.summary()
-        events, _ = read_lines(self.run_dir / "devices.jsonl")
+        tally = self.replies.update()
         last = rows[-1] if rows else {}
         lines = []
 
         def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-            lines.extend([f"# HELP fedge_{name} {help_text}", f"# TYPE fedge_{name} {kind}"])
+            lines.extend([f"# HELP fedge_{name} {_help(help_text)}", f"# TYPE fedge_{name} {kind}"])
             lines.extend(f"fedge_{name}{labels} {value:g}" for labels, value in samples)
 
         metric("rounds_completed", "gauge", "Rounds completed by the current run.", [("", len(rows))])
@@ -203,23 +216,17 @@ class RunView:
                [("", last.get("participants", 0))])
         metric("participants_total", "counter", "Updates kept over the run.",
                [("", sum(r.get("participants", 0) for r in rows))])
-        by_reason: dict[tuple[str, str], int] = {}
-        for event in events:
-            if event.get("status") in ("rejected", "error"):
-                key = (str(event["status"]), _label(str(event.get("reason", ""))[:80]))
-                by_reason[key] = by_reason.get(key, 0) + 1
         metric("replies_failed_total", "counter", "Device replies rejected or failed, by reason.",
-               [(f'{{status="{status}",reason="{reason}"}}', count)
-                for (status, reason), count in sorted(by_reason.items())])
+               [(f'{{status="{_label(status)}",reason="{_label(reason)}"}}', count)
+                for (status, reason), count in sorted(tally.by_reason.items())])
         metric("bytes_total", "counter", "Model bytes moved over the run.",
                [('{direction="up"}', sum(r.get("bytes_up", 0) for r in rows)),
                 ('{direction="down"}', sum(r.get("bytes_down", 0) for r in rows))])
-        walls = [float(r.get("wall_time_s") or 0.0) for r in self.rounds()["rounds"]]
+        walls = [float(r.get("wall_time_s") or 0.0) for r in summary_rows]
         latency = walls[-1] - walls[-2] if len(walls) >= 2 else 0.0
         metric("round_latency_seconds", "gauge", "Wall-clock seconds of the last round.", [("", latency)])
-        devices = {str(e.get("node_id", e.get("node"))) for e in events if e.get("round") == last.get("round")}
         metric("devices_replied_last_round", "gauge", "Devices that replied (any status) in the last round.",
-               [("", len(devices))])
+               [("", len(tally.by_round.get(last.get("round"), ())))])
         live = self.live() if self.live is not None else {}
         if live:
             metric("superlink_up", "gauge", "1 while the coordinator's SuperLink runs.",
@@ -245,8 +252,86 @@ class RunView:
 
 
 def _label(value: str) -> str:
-    """A Prometheus label value (backslashes, quotes and newlines escaped)."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+    """A Prometheus label value: backslash, double quote and line feed escaped as the text format asks.
+
+    Any other control character (a carriage return, ...) has no escape in the format and is
+    replaced with U+FFFD, so a device-sent value can never end a line or forge a sample.
+    """
+    value = "".join("\ufffd" if ch != "\n" and unicodedata.category(ch) == "Cc" else ch for ch in value)
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _help(text: str) -> str:
+    """A ``# HELP`` text: backslash and line feed escaped (and other control characters replaced)."""
+    return _label(text).replace('\\"', '"')
+
+
+class ReplyTally:
+    """What ``/metrics`` needs from ``devices.jsonl``, kept current by reading only the lines appended since.
+
+    ``by_reason``: replies rejected or failed per ``(status, reason)`` (reasons cut to 80
+    characters; beyond :data:`MAX_REASONS` distinct ones, ``"other"``). ``by_round``: node ids
+    that replied in each of the last few rounds. A file replaced or cut short is read again
+    from its start; a last line without its newline yet waits for the next look.
+    """
+
+    KEEP_ROUNDS = 4
+    BLOCK = 1 << 20
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.by_reason: dict[tuple[str, str], int] = {}
+        self.by_round: dict[Any, set[str]] = {}
+        self._offset, self._identity = 0, (0, 0)
+        self._lock = threading.Lock()
+
+    def update(self) -> ReplyTally:
+        """Fold in the lines appended since the last call; returns ``self``."""
+        with self._lock:
+            try:
+                handle = self.path.open("rb")
+            except FileNotFoundError:
+                self._restart((0, 0))
+                return self
+            with handle:
+                info = os.fstat(handle.fileno())
+                if (info.st_dev, info.st_ino) != self._identity or info.st_size < self._offset:
+                    self._restart((info.st_dev, info.st_ino))
+                handle.seek(self._offset)
+                while block := handle.read(self.BLOCK):
+                    end = block.rfind(b"\n") + 1
+                    if end == 0:
+                        break
+                    self._offset += end
+                    handle.seek(self._offset)
+                    for line in block[:end].splitlines():
+                        self._fold(line)
+        return self
+
+    def _restart(self, identity: tuple[int, int]) -> None:
+        self.by_reason, self.by_round = {}, {}
+        self._offset, self._identity = 0, identity
+
+    def _fold(self, line: bytes) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(event, dict):
+            return
+        status = event.get("status")
+        if status in ("rejected", "error"):
+            key = (str(status), str(event.get("reason", ""))[:80])
+            if key not in self.by_reason and len(self.by_reason) >= MAX_REASONS:
+                key = (str(status), "other")
+            self.by_reason[key] = self.by_reason.get(key, 0) + 1
+        round_ = event.get("round")
+        if isinstance(round_, int) and not isinstance(round_, bool):
+            if round_ not in self.by_round:
+                self.by_round[round_] = set()
+                for old in sorted(self.by_round)[:-self.KEEP_ROUNDS]:
+                    del self.by_round[old]
+            self.by_round.get(round_, set()).add(str(event.get("node_id", event.get("node"))))
 
 
 def check_exposure(host: str, token: str | None, what: str, fix: str) -> None:
@@ -365,7 +450,7 @@ def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 8765, token: st
         token = new_token()
     app = create_app(run_dir, host=host, token=token)
     print(f"fedge dashboard for {run_dir}: http://{host}:{port}/" + (f"?token={token}" if token else ""), flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.run(app, host=host, port=port, log_level="warning", **uvicorn_options(LIMITS))
 
 
 def listen(host: str, port: int, what: str, flag: str) -> socket.socket:
@@ -392,7 +477,8 @@ def serve_in_background(app: Starlette, sock: socket.socket, name: str) -> Any:
     import uvicorn
 
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           **uvicorn_options(LIMITS)))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=name, daemon=True).start()
     return server
 

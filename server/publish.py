@@ -24,11 +24,16 @@ Threat model: the bundle bytes need no transport integrity: each bundle is signe
 (Ed25519) and a device verifies the signature against keys it trusts, and refuses older
 versions, whoever served it. Device authentication keeps parties without a registered
 device key (the same ``keys/devices/*.pub`` the coordinator registers with the SuperLink,
-read at start) from fetching the model: each request is signed with the device's ECDSA
-P-384 key over method, path, timestamp and nonce; timestamps more than 300 s off are
-refused, and a nonce seen within the window is refused (replay). The signature is checked
-before a nonce is remembered, so strangers cannot fill the replay cache. TLS with the
-coordinator's certificate hides the model in transit. ``insecure`` (only when the
+followed as the SuperLink follows them: re-read, less the keys whose node the SuperLink
+holds revoked, at each device sync of the coordinator, every 10 s) from fetching the
+model: each request is signed with the device's ECDSA P-384 key over method, path,
+timestamp and nonce; timestamps more than 300 s off, or not a plain number, are refused,
+and a nonce seen within the window is refused (replay). The signature is checked before a
+nonce is remembered, so strangers cannot fill the replay cache, and each device key has a
+replay quota of its own (:data:`MAX_NONCES_PER_DEVICE` requests in the window; more are
+answered 429): one device's flood refuses only that device. TLS with the coordinator's
+certificate hides the model in transit. The listener's connection limits (header size and
+deadline, idle timeout, connections per client address) are :mod:`fedge.server.listeners`'. ``insecure`` (only when the
 coordinator itself was started ``--insecure``) serves plain HTTP to anyone and says so on
 start; devices still verify every bundle's signature.
 """
@@ -38,6 +43,7 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime as dt
+import heapq
 import io
 import json
 import logging
@@ -47,7 +53,7 @@ import sys
 import threading
 import time
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,17 +75,18 @@ from fedge.edge.delivery import (
 )
 from fedge.errors import BundleVerificationError, ConfigError, FedgeError
 from fedge.files import exclusive_lock, write_bytes_atomic
+from fedge.server.listeners import ListenerLimits, uvicorn_options
 from fedge.server.pki import CoordinatorKeys
-
-if sys.platform != "win32":
-    pass
 
 log = logging.getLogger("fedge.server.publish")
 
 PUBLISH_ENV = "FEDGE_PUBLISH_DIR"
 WINDOW_S = 300.0
-MAX_NONCES = 100_000
-_NONCE = re.compile(r"^[A-Za-z0-9_-]{16,64}$")
+MAX_NONCES_PER_DEVICE = 1_000  # requests one device key may make in a window (3 a second, sustained)
+_NONCE = re.compile(r"[A-Za-z0-9_-]{16,64}")
+_STAMP = re.compile(r"[0-9]{1,12}")  # ASCII digits only: str.isdigit() also takes '\xb2' and int() 5,000 digits
+LIMITS = ListenerLimits(max_header_bytes=16 * 1024, header_timeout_s=10.0, idle_timeout_s=5, per_address=16,
+                        concurrency=512)
 _ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 INSECURE_WARNING = (
     "WARNING: INSECURE MODE. The bundle service speaks plain HTTP and asks no device key: anyone on the "
@@ -210,10 +217,17 @@ def publish_from_environment(kind: str, source: Path) -> str | None:
 # --------------------------------------------------------------------------- device authentication
 
 
-def registered_device_keys(keys: CoordinatorKeys) -> dict[str, ec.EllipticCurvePublicKey]:
-    """Every registered device key (``keys/devices/*.pub``) by its name and by its fingerprint."""
+def registered_device_keys(keys: CoordinatorKeys, *,
+                           revoked: Collection[str] = ()) -> dict[str, ec.EllipticCurvePublicKey]:
+    """Every registered device key (``keys/devices/*.pub``) by its name and by its fingerprint.
+
+    ``revoked``: names of keys whose node the SuperLink holds unregistered (the coordinator's
+    device sync reports them); they are left out although their file is still there.
+    """
     found: dict[str, ec.EllipticCurvePublicKey] = {}
     for path in keys.device_public_keys():
+        if path.stem in revoked:
+            continue
         try:
             key = serialization.load_ssh_public_key(path.read_bytes())
         except (ValueError, OSError) as exc:
@@ -228,6 +242,14 @@ def registered_device_keys(keys: CoordinatorKeys) -> dict[str, ec.EllipticCurveP
 class Refused(FedgeError):
     """A request that fails authentication (the message says what to do)."""
 
+    status = 401
+
+
+class OverQuota(Refused):
+    """A device key that made more requests in the window than its replay quota allows."""
+
+    status = 429
+
 
 @dataclass
 class DeviceAuthenticator:
@@ -240,15 +262,28 @@ class DeviceAuthenticator:
         Largest accepted difference between the request's timestamp and this clock.
     clock : callable
         Seconds since the epoch (tests move it).
+    quota : int, optional
+        Requests one device key may make within a window (its replay cache holds that many
+        nonces); more are refused with :class:`OverQuota` for that key only. Default
+        :data:`MAX_NONCES_PER_DEVICE`.
+
+    Threat model: the keys' holders are authenticated, not trusted: a registered device
+    flooding signed requests fills only its own replay cache. Memory is bounded by
+    registered keys x quota. Strangers reach no cache (the signature is checked first).
     """
 
     keys: Mapping[str, ec.EllipticCurvePublicKey]
     window_s: float = WINDOW_S
     clock: Callable[[], float] = time.time
+    quota: int | None = None  # requests per device key in a window; None: MAX_NONCES_PER_DEVICE
 
     def __post_init__(self) -> None:
-        self._nonces: dict[tuple[str, str], float] = {}
+        self._seen: dict[str, tuple[list[tuple[float, str]], set[str]]] = {}  # fingerprint -> (heap, nonces)
         self._lock = threading.Lock()
+
+    def use_keys(self, keys: Mapping[str, ec.EllipticCurvePublicKey]) -> None:
+        """Admit exactly ``keys`` from now on (the allow-list changed); remembered nonces are kept."""
+        self.keys = dict(keys)
 
     def check(self, method: str, path: str, headers: Mapping[str, str]) -> str:
         """The authenticated device's id, or :class:`Refused`."""
@@ -260,10 +295,11 @@ class DeviceAuthenticator:
                           "fedge.edge.delivery.pull")
         key = self.keys.get(device)
         if key is None:
-            raise Refused(f"device key {device[:80]} is not registered with this coordinator; the operator adds it "
-                          "with `fedge keys add-device NAME` and restarts the coordinator")
-        if not stamp.isdigit() or not _NONCE.match(nonce):
-            raise Refused("malformed timestamp or nonce; use fedge's pull client")
+            raise Refused(f"device key {device[:80]} is not registered with this coordinator (or was revoked); "
+                          "the operator adds it with `fedge keys add-device NAME` (taken within 10 s, no restart)")
+        if not _STAMP.fullmatch(stamp) or not _NONCE.fullmatch(nonce):
+            raise Refused("malformed timestamp or nonce (the timestamp is whole seconds since the epoch, ASCII "
+                          "digits); use fedge's pull client")
         now = self.clock()
         if abs(now - int(stamp)) > self.window_s:
             raise Refused(f"the request's timestamp is {int(stamp) - now:+.0f} s off the coordinator's clock "
@@ -275,19 +311,23 @@ class DeviceAuthenticator:
             raise Refused("the request's signature does not verify with the registered key of "
                           f"{device[:80]}; sign with that device's own key (NAME.key of `fedge keys add-device`)") \
                 from None
-        with self._lock:
-            self._forget_before(now - self.window_s)
-            if (device, nonce) in self._nonces:
-                raise Refused("this request was already used (replayed nonce); send a new request")
-            if len(self._nonces) >= MAX_NONCES:
-                raise Refused("too many requests in the last few minutes; try again later")
-            self._nonces[(device, nonce)] = float(stamp)
+        self._remember(key_fingerprint(key), nonce, float(stamp), now)
         return device
 
-    def _forget_before(self, limit: float) -> None:
-        stale = [entry for entry, stamp in self._nonces.items() if stamp < limit]
-        for entry in stale:
-            del self._nonces[entry]
+    def _remember(self, identity: str, nonce: str, stamp: float, now: float) -> None:
+        """Record ``nonce`` in the key's own replay cache; refuse a replay or a key over its quota."""
+        with self._lock:
+            heap, nonces = self._seen.setdefault(identity, ([], set()))
+            while heap and heap[0][0] < now - self.window_s:  # outside the window: refused by timestamp anyway
+                nonces.discard(heapq.heappop(heap)[1])
+            if nonce in nonces:
+                raise Refused("this request was already used (replayed nonce); send a new request")
+            quota = MAX_NONCES_PER_DEVICE if self.quota is None else self.quota
+            if len(nonces) >= quota:
+                raise OverQuota(f"this device made {quota} requests within {self.window_s:.0f} s, the most one "
+                                "device may; wait a few minutes (pull less often)")
+            heapq.heappush(heap, (stamp, nonce))
+            nonces.add(nonce)
 
 
 # --------------------------------------------------------------------------- the service
@@ -340,7 +380,8 @@ def create_app(published: Path, *, authenticator: DeviceAuthenticator | None) ->
             except Refused as exc:
                 log.warning("bundle request %s %s from %s refused: %s", request.method, request.url.path, client,
                             exc)
-                return JSONResponse({"error": str(exc)}, status_code=401)
+                return JSONResponse({"error": str(exc)}, status_code=exc.status,
+                                    headers={"Retry-After": "60"} if exc.status == 429 else None)
         kind = request.path_params["kind"]
         if kind not in KINDS:
             return JSONResponse({"error": f"no bundle kind '{kind}'; ask for {' or '.join(KINDS)}"},
@@ -385,12 +426,23 @@ class BundleService:
     """
 
     def __init__(self, published: Path, keys: CoordinatorKeys | None, *, host: str = "127.0.0.1",
-                 port: int = 0, window_s: float = WINDOW_S, clock: Callable[[], float] = time.time) -> None:
-        self.published, self.keys, self.host, self.port = published, keys, host, port
+                 port: int = 0, window_s: float = WINDOW_S, clock: Callable[[], float] = time.time,
+                 revoked: Collection[str] = (), limits: ListenerLimits = LIMITS) -> None:
+        self.published, self.keys, self.host, self.port, self.limits = published, keys, host, port, limits
         self.authenticator = None if keys is None else \
-            DeviceAuthenticator(registered_device_keys(keys), window_s=window_s, clock=clock)
+            DeviceAuthenticator(registered_device_keys(keys, revoked=revoked), window_s=window_s, clock=clock)
         self._server: Any = None
         self._thread: threading.Thread | None = None
+
+    def follow(self, *, revoked: Collection[str]) -> None:
+        """Admit the allow-list as it is now: ``KEYS/devices/*.pub`` re-read, less the ``revoked`` key names.
+
+        The coordinator calls this after each device sync (:meth:`Coordinator.sync_devices`, every
+        10 s), so the bundle service admits exactly the devices the SuperLink admits: a key added is
+        served, a key removed (or whose node was revoked) is refused, without a restart.
+        """
+        if self.authenticator is not None and self.keys is not None:
+            self.authenticator.use_keys(registered_device_keys(self.keys, revoked=revoked))
 
     @property
     def url(self) -> str:
@@ -421,7 +473,7 @@ class BundleService:
                               f"({exc.strerror or exc}); pass another --bundle-port") from None
         self.port = int(sock.getsockname()[1])
         config = uvicorn.Config(create_app(self.published, authenticator=self.authenticator), log_level="warning",
-                                access_log=False, limit_concurrency=256, timeout_keep_alive=5,
+                                access_log=False, **uvicorn_options(self.limits),
                                 ssl_certfile=None if self.keys is None else str(self.keys.cert),
                                 ssl_keyfile=None if self.keys is None else str(self.keys.key))
         self._server = uvicorn.Server(config)

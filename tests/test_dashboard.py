@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import threading
@@ -253,3 +254,76 @@ def test_the_cli_refuses_a_missing_run_directory(tmp_path: Path, capsys: pytest.
 
     assert main(["dashboard", str(tmp_path / "nope")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- issue 23 item 14: /metrics
+
+
+@pytest.fixture
+def metrics_url(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """The coordinator's metrics endpoint, served for real on 127.0.0.1 over an empty run directory."""
+    from fedge.server.dashboard import create_service_app, listen, serve_in_background, url_of
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    sock = listen("127.0.0.1", 0, "the metrics endpoint", "--metrics-port")
+    server = serve_in_background(create_service_app(run_dir), sock, "test-metrics")
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield url_of(sock) + "/metrics", run_dir
+    server.should_exit = True
+
+
+def _scrape(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        return bytes(reply.read()).decode()
+
+
+def _failed(text: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.split("\n")
+            if line.startswith("fedge_replies_failed_total{")}
+
+
+def test_a_device_sent_carriage_return_cannot_forge_a_metric(metrics_url: tuple[str, Path]) -> None:
+    from fedge.server.dashboard import MAX_REASONS
+
+    # Prepare: replies whose reasons a device chose: line breaks, a forged sample, quotes; then 150 distinct ones
+    url, run_dir = metrics_url
+    forged = 'bad\rfedge_participants 1e9\r\nfedge_run_finished 1\n"\\'
+    events = [{"round": 1, "node_id": 7, "status": "error", "reason": forged}]
+    events += [{"round": 1, "node_id": 8 + i, "status": "rejected", "reason": f"reason {i}"} for i in range(150)]
+    (run_dir / "devices.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    # Execute
+    text = _scrape(url)
+    # Assert: no raw control character; every sample line is one well-formed sample; labels bounded
+    assert "\r" not in text
+    sample = re.compile(r'^fedge_[a-z_]+(\{([a-z_]+="([^"\\\n]|\\[\\"n])*",?)*\})? [-+0-9.e]+$')
+    for line in text.rstrip("\n").split("\n"):
+        assert line.startswith("# ") or sample.match(line), repr(line)
+    failed = _failed(text)
+    assert 'fedge_replies_failed_total{status="error",reason="bad\ufffdfedge_participants 1e9\ufffd\\n' \
+           'fedge_run_finished 1\\n\\"\\\\"}' in failed
+    assert len(failed) <= MAX_REASONS + 1 and sum(failed.values()) == 151
+
+
+def test_a_scrape_reads_only_what_devices_jsonl_gained(metrics_url: tuple[str, Path]) -> None:
+    # Prepare: 1,000 rejected replies, scraped once
+    url, run_dir = metrics_url
+    path = run_dir / "devices.jsonl"
+    line = json.dumps({"round": 1, "node_id": 7, "status": "rejected", "reason": "norm"}) + "\n"
+    path.write_text(line * 1000)
+    first = _failed(_scrape(url))
+    # Execute: the first 500 lines blanked in place (same file, same size: a scrape that re-reads them sees 500
+    # fewer), one line appended
+    with path.open("r+b") as stream:
+        stream.write(b" " * (len(line) - 1) + b"\n")
+        stream.write((b" " * (len(line) - 1) + b"\n") * 499)
+    with path.open("a") as stream:
+        stream.write(line)
+    second = _failed(_scrape(url))
+    # Assert: the second scrape folded in the new line only (O(new lines), not O(device replies))
+    key = 'fedge_replies_failed_total{status="rejected",reason="norm"}'
+    assert first[key] == 1000 and second[key] == 1001

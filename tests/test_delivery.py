@@ -449,3 +449,79 @@ def test_a_coordinator_publishes_and_a_device_pulls(tmp_path: Path) -> None:
     assert not second.changed and second.bytes_downloaded == 0 and second.version == 1
     model = EdgeModel.load(tmp_path / "phone" / "inference.zip", trusted_keys=[trust])
     assert model.manifest["version"] == 1
+
+
+# --------------------------------------------------------------------------- issue 23: timestamps, quota, allow-list
+
+
+@pytest.mark.parametrize("stamp", [b"\xb2", b"9" * 5000, b"1" * 13])
+def test_odd_timestamps_get_401_not_500(service: BundleService, pki: CoordinatorKeys, stamp: bytes) -> None:
+    # Prepare: dev0's genuine headers with the timestamp swapped for one str.isdigit() takes but int() chokes on
+    headers: dict[str, Any] = signed_headers(load_device_key(pki.devices / "dev0.key"), "GET",
+                                             API_PREFIX + "inference")
+    headers["X-Fedge-Timestamp"] = stamp
+    # Execute
+    status, _, body = _raw(service, pki, headers)
+    # Assert: refused like any bad signature (before: 500 with a traceback)
+    assert status == 401, body
+    assert "malformed timestamp" in json.loads(body)["error"]
+
+
+def _flood(service: BundleService, pki: CoordinatorKeys, key: str, count: int) -> list[int]:
+    """``count`` genuinely signed requests of device ``key`` on one TLS connection; their statuses."""
+    device = load_device_key(pki.devices / f"{key}.key")
+    context = ssl.create_default_context(cafile=str(pki.ca_cert))
+    connection = http.client.HTTPSConnection("127.0.0.1", service.port, context=context, timeout=30)
+    statuses = []
+    try:
+        for _ in range(count):
+            connection.request("GET", API_PREFIX + "inference", headers=signed_headers(device, "GET",
+                                                                                       API_PREFIX + "inference"))
+            response = connection.getresponse()
+            response.read()
+            statuses.append(response.status)
+    finally:
+        connection.close()
+    return statuses
+
+
+def test_one_devices_flood_never_refuses_another_device(service: BundleService, pki: CoordinatorKeys,
+                                                        signer: tuple[Ed25519PrivateKey, Path], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: a bundle; the replay quota made small so the flood fits in a test (the rule is the same)
+    import fedge.server.publish as publish
+
+    monkeypatch.setattr(publish, "MAX_NONCES_PER_DEVICE", 150)
+    _publish(service, signer, tmp_path, 1)
+    # Execute: dev0 floods with valid signed requests past its quota, then dev1 pulls
+    flood = _flood(service, pki, "dev0", 160)
+    other = _pull(service, pki, signer, tmp_path / "dev1", key="dev1")
+    # Assert: dev0 alone is held back (429 once over quota); dev1 is served
+    assert flood[:150] == [200] * 150 and set(flood[150:]) == {429}
+    assert other.changed and other.version == 1
+
+
+def test_the_bundle_service_follows_the_allow_list_without_a_restart(
+        signer: tuple[Ed25519PrivateKey, Path], tmp_path: Path) -> None:
+    # Prepare: a coordinator's keys with one device, its bundle service running
+    keys = init_keys(tmp_path / "keys")
+    add_device(keys.directory, "old")
+    served = BundleService(tmp_path / "published", keys)
+    served.start()
+    try:
+        _publish(served, signer, tmp_path, 1)
+        assert _pull(served, keys, signer, tmp_path / "old-device", key="old").version == 1
+        # Execute: the operator adds a device and removes the old key; the coordinator's device sync runs
+        add_device(keys.directory, "new")
+        (keys.devices / "old.pub").unlink()
+        served.follow(revoked=())
+        # Assert: the new device pulls, the removed one is refused, without a restart
+        assert _pull(served, keys, signer, tmp_path / "new-device", key="new").version == 1
+        with pytest.raises(DeliveryError, match="not registered with this coordinator"):
+            _pull(served, keys, signer, tmp_path / "old-device-2", key="old")
+        # Execute / Assert: a key whose node the SuperLink revoked is refused although its file is there
+        served.follow(revoked={"new"})
+        with pytest.raises(DeliveryError, match="not registered with this coordinator"):
+            _pull(served, keys, signer, tmp_path / "new-device-2", key="new")
+    finally:
+        served.stop()
