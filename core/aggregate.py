@@ -74,9 +74,18 @@ def _add_scaled(total: NDArray[np.float64], value: NDArray[np.generic], weight: 
 
 
 def _cast(values: NDArray[np.float64], dtype: np.dtype[np.generic]) -> NDArray[np.generic]:
+    """``values`` as ``dtype`` (integers rounded), an array even when 0-d (numpy's arithmetic on a
+    0-d array gives a scalar)."""
     if np.issubdtype(dtype, np.integer):
         values = np.rint(values)
-    return values.astype(dtype)
+    return np.asarray(values).astype(dtype)
+
+
+def c_contiguous(array: NDArray[np.generic]) -> NDArray[np.generic]:
+    """``array`` in C order, shape kept: unlike ``np.ascontiguousarray``, which returns at least
+    1-d, a 0-d array (BatchNorm's ``num_batches_tracked``, any scalar buffer) stays 0-d."""
+    array = np.asarray(array)  # a numpy scalar becomes a 0-d array
+    return array if array.flags.c_contiguous else np.array(array, order="C")
 
 
 def weighted_mean(updates: Iterable[Arrays], weights: Iterable[float]) -> dict[str, NDArray[np.generic]]:

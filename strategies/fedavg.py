@@ -18,7 +18,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from numpy.typing import NDArray
 
 from fedge import wire
-from fedge.aggregate import WeightedMeanAccumulator, weighted_mean_metrics
+from fedge.aggregate import WeightedMeanAccumulator, c_contiguous, weighted_mean_metrics
 from fedge.errors import ConfigError
 from fedge.strategies.policies import RoundPolicy, SyncPolicy, let_go
 from fedge.strategies.registry import register
@@ -380,7 +380,7 @@ class FedAvg(FlowerFedAvg):
         report.aggregated = True
         if self.privacy is not None:
             aggregate = self._fixed_denominator(aggregate, report.accepted)
-        return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in aggregate.items()}), metrics
+        return ArrayRecord({k: Array(c_contiguous(v)) for k, v in aggregate.items()}), metrics
 
     def _fixed_denominator(self, mean: dict[str, NDArray[np.generic]], count: int) -> dict[str, NDArray[np.generic]]:
         """DP-FedAvg's fixed denominator: ``global + sum(delta) / K`` instead of the mean of the

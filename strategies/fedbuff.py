@@ -16,7 +16,7 @@ from flwr.serverapp.strategy import Result
 from numpy.typing import NDArray
 
 from fedge import wire
-from fedge.aggregate import apply_buffer, staleness_weight
+from fedge.aggregate import apply_buffer, c_contiguous, staleness_weight
 from fedge.errors import ConfigError, UpdateRejected
 from fedge.strategies.fedavg import FedAvg, RoundReport
 from fedge.strategies.registry import register
@@ -263,7 +263,7 @@ class _AsyncRun:
         new = apply_buffer(self.snapshots[self.version], list(deltas), list(weights),
                            self.strategy.server_learning_rate)
         self.version += 1
-        self.arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in new.items()})
+        self.arrays = ArrayRecord({k: Array(c_contiguous(v)) for k, v in new.items()})
         self.snapshots[self.version] = new
         live = self.arrivals.versions() | {self.version}
         self.snapshots = {v: a for v, a in self.snapshots.items() if v in live}
