@@ -12,8 +12,10 @@ for devices without torch. Importing this module does not import torch, so the s
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import Context, Message, RecordDict
@@ -28,6 +30,7 @@ from fedge.clients.common import (
     dp_clipping_mod,
     effective_config,
     evaluation_content,
+    is_deployed,
     num_partitions,
     received_weights,
     reply_content,
@@ -35,13 +38,17 @@ from fedge.clients.common import (
 )
 from fedge.clients.secure import add_secure_handlers
 from fedge.config import RunConfig
-from fedge.errors import ConfigError
+from fedge.errors import ConfigError, FedgeError
 
 if TYPE_CHECKING:
     from fedge.clients.onnx_client import DeviceArrays
     from fedge.task.api import Task, TaskData
 
 log = logging.getLogger("fedge.clients")
+
+# The one reason a deployed device gives the coordinator for any failure (see private_failures)
+PRIVATE_FAILURE = ("the device could not take part in this round; the reason is in the device's own log "
+                   "(its owner sees it on the `fedge device` console)")
 
 
 def make_client_app(
@@ -76,6 +83,7 @@ def make_client_app(
         chosen = task if task is not None else device_task(context, config)
         return chosen, local_data(chosen, context, config)
 
+    @private_failures
     def train_content(msg: Message, context: Context) -> RecordDict:
         """Train on the instruction in ``msg``; the reply's content (arrays, metrics, meta)."""
         config = effective_config(context, config_defaults)
@@ -99,6 +107,7 @@ def make_client_app(
     add_secure_handlers(app, train_content)
 
     @app.evaluate()
+    @private_failures
     def evaluate_(msg: Message, context: Context) -> Message:
         config = effective_config(context, config_defaults)
         if device_runtime(context, config) == "onnx":
@@ -114,12 +123,33 @@ def make_client_app(
     return app
 
 
+def private_failures(handler: Callable[[Message, Context], Any]) -> Callable[[Message, Context], Any]:
+    """On a deployed device, a failure reaches the coordinator as one generic reason.
+
+    Threat model: Flower sends the text of a ClientApp's exception to the coordinator. A
+    device's reasons name its files (no such file, a directory, not TOML, a bad signature),
+    so a coordinator could probe which paths exist on the device. The device prints the
+    detailed reason on its own console and the coordinator gets :data:`PRIVATE_FAILURE`.
+    Simulated devices (one trusted process with the coordinator) keep the detailed error.
+    """
+    @functools.wraps(handler)
+    def guarded(msg: Message, context: Context) -> Any:
+        try:
+            return handler(msg, context)
+        except Exception as exc:
+            if not is_deployed(context):
+                raise
+            print(f"this device refused the round: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            raise FedgeError(PRIVATE_FAILURE) from exc  # the chain stays in this process's log
+    return guarded
+
+
 def report_work(context: Context, content: RecordDict) -> None:
     """One line per round on a deployed device's console: round, samples, steps, loss, bytes sent.
 
     Simulated devices (hundreds in one process) log it at debug level instead.
     """
-    deployed = "data-path" in context.node_config
+    deployed = is_deployed(context)
     if not deployed and not log.isEnabledFor(logging.DEBUG):
         return  # simulated devices: nothing to build on the hot path
     meta, metrics = content.config_records[wire.REPLY_META], content.metric_records[wire.METRICS]
@@ -143,7 +173,7 @@ def onnx_data(task: Task | None, context: Context, config: RunConfig) -> DeviceA
     """An onnx device's examples: its own file (read without torch), else the simulated partition."""
     from fedge.clients.onnx_client import device_arrays, load_trainer  # noqa: PLC0415
 
-    if "data-path" in context.node_config:
+    if is_deployed(context):
         bundle, _ = load_trainer(context, config, None)
         return device_arrays(str(context.node_config["data-path"]), bundle.manifest)
     chosen = task if task is not None else device_task(context, config)  # simulation: torch is there
@@ -171,7 +201,7 @@ def device_task(context: Context, config: RunConfig) -> Task:
     if own and own != wanted:
         raise ConfigError(f"this device runs task '{own}', but the run asks for '{wanted}'; start the device "
                           f"with --task '{wanted}' to join this run")
-    if not own and "data-path" in context.node_config and ":" in wanted:
+    if not own and is_deployed(context) and ":" in wanted:
         raise ConfigError(f"the run names task '{wanted}', which this device did not choose; start the device "
                           f"with --task '{wanted}' if you trust that code")
     return load_task(config)
@@ -179,7 +209,7 @@ def device_task(context: Context, config: RunConfig) -> Task:
 
 def local_data(task: Task, context: Context, config: RunConfig) -> TaskData:
     """A real device's own file (``data-path``), else the simulated device's partition."""
-    if "data-path" in context.node_config:
+    if is_deployed(context):
         return task.device_data(str(context.node_config["data-path"]))
     return task.partition(int(context.node_config.get("partition-id", 0)), num_partitions(context, config), config)
 

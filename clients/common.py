@@ -17,11 +17,35 @@ from flwr.clientapp.typing import ClientAppCallable
 
 from fedge import wire
 from fedge.codec import Codec, codec_for, decode_update, encode_update, is_encoded
-from fedge.config import RunConfig, resolve_run_config
-from fedge.profiles import parse_fleet, time_budget_steps
+from fedge.config import RunConfig, Scalar, resolve_run_config
+from fedge.profiles import BUILTIN_PROFILES, DeviceProfile, load_profiles_toml, parse_fleet, time_budget_steps
 from fedge.wire import LocalWork
 
 RESIDUAL = "codec-residual"
+
+# What a deployed device decides for itself, never the coordinator: what trains (torch runs the task's
+# Python, onnx a graph), where its trust anchors and graph are (a run directory), which profiles file
+# it reads, which data it trains on.
+DEVICE_OWNED = ("runtime", "run-dir", "fleet-file", "data-path")
+
+
+def is_deployed(context: Context) -> bool:
+    """A real device under a SuperNode: ``fedge device`` names its own ``data-path`` in the node config."""
+    return "data-path" in context.node_config
+
+
+def own_settings(context: Context) -> dict[str, Scalar]:
+    """A deployed device's runtime and paths, from its own node config (``fedge device`` sets them).
+
+    Threat model: the run config and every instruction come from the coordinator. Taking a
+    runtime, a run directory (where an onnx device would find its training graph *and* the
+    key that verifies it), a fleet file or a data path from there would let a coordinator,
+    or whoever holds its Control API, switch a torch device to a graph it chose, make the
+    device read any of its files, or probe which paths exist on it.
+    """
+    node = context.node_config
+    return {"runtime": str(node.get("runtime", "torch")), "run-dir": "",
+            "fleet-file": str(node.get("fleet-file", "")), "data-path": str(node["data-path"])}
 
 
 @dataclass(frozen=True)
@@ -53,9 +77,10 @@ class TrainOrder:
 
 
 def train_order(msg: Message, context: Context, config: RunConfig) -> TrainOrder:
-    """The instruction in ``msg`` merged over the run config (the coordinator's instruction wins)."""
+    """The instruction in ``msg`` merged over the run config (the coordinator's instruction wins,
+    except for :data:`DEVICE_OWNED` settings)."""
     instruction = msg.content[wire.CONFIG]
-    setting = {**config, **instruction}
+    setting = {**config, **instruction, **{key: config[key] for key in DEVICE_OWNED}}  # never from the instruction
     server_round = int(setting.get(wire.SERVER_ROUND, 0))
     return TrainOrder(
         setting=setting,
@@ -129,10 +154,18 @@ def step_budget(context: Context, setting: Mapping[str, Any]) -> int | None:
     """With ``local-budget = "time"``: the SGD steps that fit ``time-budget-s`` on this device's profile."""
     if setting.get("local-budget") != "time":
         return None
-    fleet = parse_fleet(str(setting["fleet"]), str(setting["fleet-file"]))
-    profile = fleet.profiles.get(device_profile_name(context, setting))
+    profile = device_profiles(context, setting).get(device_profile_name(context, setting))
     rate = profile.compute_rate if profile else 1.0
     return time_budget_steps(float(setting["time-budget-s"]), rate, int(setting["batch-size"]))
+
+
+def device_profiles(context: Context, config: Mapping[str, Any]) -> dict[str, DeviceProfile]:
+    """The profiles this device knows: a deployed device's built-ins and its own fleet file
+    (``fedge device --fleet-file``), a simulated device's the run's fleet."""
+    if is_deployed(context):
+        own = str(context.node_config.get("fleet-file", ""))
+        return {**BUILTIN_PROFILES, **(load_profiles_toml(own)[0] if own else {})}
+    return dict(parse_fleet(str(config["fleet"]), str(config["fleet-file"])).profiles)
 
 
 def training_seed(context: Context, seed: int, server_round: int) -> int:
@@ -142,9 +175,12 @@ def training_seed(context: Context, seed: int, server_round: int) -> int:
 
 
 def effective_config(context: Context, defaults: Mapping[str, Any] | None) -> RunConfig:
-    """The run config as this device sees it: ``defaults`` under the run's own values."""
+    """The run config as this device sees it: ``defaults`` under the run's own values; a deployed
+    device's :data:`DEVICE_OWNED` settings from its own node config (:func:`own_settings`)."""
     merged = dict(defaults or {})
     merged.update(context.run_config)
+    if is_deployed(context):
+        merged.update(own_settings(context))
     return resolve_run_config(merged)
 
 
@@ -161,13 +197,13 @@ def device_profile_name(context: Context, config: Mapping[str, Any]) -> str:
 def device_runtime(context: Context, config: RunConfig) -> str:
     """What trains on this device: ``"torch"`` or ``"onnx"``.
 
-    A deployed device's own choice (``fedge device --runtime``, in its node config) wins;
-    else the run's ``runtime`` knob when it names one for every device; else the device
+    A deployed device's own choice (``fedge device --runtime``, in its node config; torch when
+    it names none) and nothing else; else the run's ``runtime`` knob when it names one for every device; else the device
     profile's ``runtime`` (built-in profiles: torch).
     """
     own = context.node_config.get("runtime")
-    if own:
-        return str(own)
+    if own or is_deployed(context):
+        return str(own or "torch")
     if config.text("runtime") != "profile":
         return config.text("runtime")
     fleet = parse_fleet(config.text("fleet"), config.text("fleet-file"))

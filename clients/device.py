@@ -208,11 +208,14 @@ def supernode_command(options: DeviceOptions, training_bundle: Path | None = Non
     """The ``flower-supernode`` command line for ``options``."""
     from fedge.process import flower_bin
 
-    node_config = f'profile="{options.profile}" data-path="{options.data.resolve()}"'
+    # The device's runtime, paths and trust anchors, always its own (fedge.clients.common.own_settings)
+    node_config = f'profile="{options.profile}" data-path="{options.data.resolve()}" runtime="{options.runtime}"'
+    if options.fleet_file:
+        node_config += f' fleet-file="{Path(options.fleet_file).resolve()}"'
     if options.task:
         node_config += f' task="{options.task}"'
     if options.runtime == "onnx" and training_bundle is not None and options.trust is not None:
-        node_config += (f' runtime="onnx" training-bundle="{training_bundle.resolve()}" '
+        node_config += (f' training-bundle="{training_bundle.resolve()}" '
                         f'trusted-key="{options.trust.resolve()}"')
     command = [flower_bin("flower-supernode"), "--superlink", options.coordinator,
                "--node-config", node_config, "--port", str(_free_port())]

@@ -44,8 +44,8 @@ _lock = threading.Lock()
 def bundle_location(context: Context, config: RunConfig) -> tuple[Path, Path]:
     """The training bundle this device uses and the public key it trusts for it."""
     node = context.node_config
-    if "training-bundle" in node:
-        return Path(str(node["training-bundle"])), Path(str(node.get("trusted-key", "")))
+    if "training-bundle" in node or "data-path" in node:  # deployed: its own files only, never the run's
+        return Path(str(node.get("training-bundle", ""))), Path(str(node.get("trusted-key", "")))
     run_dir = Path(config.text("run-dir"))
     return run_dir / TRAINING_BUNDLE, run_dir / SIGNING_PUBLIC_KEY
 

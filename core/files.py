@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+from fedge.errors import ConfigError
 
 if sys.platform != "win32":
     import fcntl
@@ -62,3 +65,33 @@ def exclusive_lock(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def read_regular_file(path: str | Path, *, limit: int, what: str) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    Threat model: a path that someone else chose (a config value) may name a device
+    (``/dev/zero`` reads without end), a FIFO (opening blocks) or a huge file. The file is
+    opened without blocking, checked to be a regular file on the open descriptor (no race
+    with a swap after a check) and read up to ``limit`` bytes; anything else is refused.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``what`` and ``path``: missing, unreadable, not a regular file, or larger than ``limit``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise ConfigError(f"{what} '{path}' does not exist") from None
+    except (OSError, ValueError) as exc:  # no permission, a NUL in the path
+        raise ConfigError(f"cannot read {what} '{path}': {exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"cannot read {what} '{path}': not a regular file (a directory, device or "
+                          "pipe); name a file")
+    with os.fdopen(fd, "rb") as handle:
+        content = handle.read(limit + 1)
+    if len(content) > limit:
+        raise ConfigError(f"cannot read {what} '{path}': larger than {limit:,} bytes; is it the right file?")
+    return content

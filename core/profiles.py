@@ -22,6 +22,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedge.errors import ConfigError
+from fedge.files import read_regular_file
 
 RUNTIMES = ("torch", "onnx")  # what trains on a device (see DeviceProfile.runtime)
 
@@ -132,6 +133,7 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
 # code in Fleet.profile_codes) and materialises only the selected ones; a count beyond this is
 # a typo, not a fleet.
 MAX_FLEET_SIZE = 1_000_000
+MAX_FLEET_FILE_BYTES = 1 << 20  # a fleet file is a few profile tables; 1 MiB is far beyond any real one
 
 _TOML_FIELDS = {
     "compute-rate": "compute_rate",
@@ -252,12 +254,7 @@ def load_profiles_toml(path: str | Path) -> tuple[dict[str, DeviceProfile], dict
         The file cannot be read, is not UTF-8 TOML, or its tables are not those of a
         fleet file.
     """
-    try:
-        content = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"fleet file '{path}' does not exist") from None
-    except (OSError, ValueError) as exc:  # a directory, no permission, a NUL in the path
-        raise ConfigError(f"cannot read fleet file '{path}': {exc}") from None
+    content = read_regular_file(path, limit=MAX_FLEET_FILE_BYTES, what="fleet file")  # not /dev/zero, not 1 GB
     try:
         data = tomllib.loads(content.decode("utf-8"))
     except UnicodeDecodeError as exc:
