@@ -7,11 +7,17 @@ Ed25519 signing key pair for this round, send the public halves. ``secagg_share`
 check the threshold (``t >= 2`` and ``t > neighbours / 2``) and that the neighbours'
 keys are distinct, Shamir-share the self-mask seed and the mask key among the
 neighbours, each share sealed for its recipient (the coordinator relays ciphertext
-only). ``secagg_masked``: refuse with shares from fewer than ``t`` neighbours, else
-train, encode ``w * (local - global)`` and ``w`` in fixed point, add the masks, send.
+only). ``secagg_masked``: open each relayed share; if any does not open or is malformed
+(AES-GCM bound to sender, receiver and round), name its senders and mask nothing (the
+coordinator starts the round again without them); refuse with shares from fewer than
+``t`` neighbours; else train, encode ``w * (local - global)`` and ``w`` in fixed point,
+add the masks, send with a signature over ``(round, SHA-256 of the global arrays,
+SHA-256 of the training config)`` it was sent; the plaintext meta keeps the round and
+profile only (samples processed and steps would give the weight away).
 ``secagg_consistency`` (the paper's ConsistencyCheck): refuse a survivor set that
 leaves this device out, names a neighbour whose shares never arrived or holds fewer
-than ``t`` neighbours, else sign ``(round, survivors)``; at most once a round.
+than ``t`` neighbours, or holds a neighbour whose signature over what it was sent is
+missing or over other digests; else sign ``(round, survivors)``; at most once a round.
 ``secagg_unmask``: refuse without ``t`` neighbours' valid signatures over the set this
 device signed, else reveal, for each neighbour whose shares it holds, the self-mask
 share if that neighbour is in the set and the mask-key share if not: decided here,
@@ -21,15 +27,17 @@ deleted after the unmask step.
 
 Threat model: a coordinator that deviates from the protocol on its own (withholds or
 alters shares, sends different survivor sets to different devices, asks for a threshold
-of 1) learns no more than the sum; with ``c`` colluding devices among a device's ``k``
-neighbours this holds while ``c < 2t - k``. Not stopped (see :mod:`fedge.secagg`): key
-substitution in the share step without a PKI (the signing keys included), Sybil devices,
-a neighbourhood made of colluders, and weaker per-neighbourhood guarantees with sparse
-SecAgg+ graphs.
+of 1, sends one device a different model or config than its neighbours) learns no more
+than the sum; with ``c`` colluding devices among a device's ``k`` neighbours this holds
+while ``c < 2t - k``. A device that seals bad shares is named by its recipients and left
+out of the round. Not stopped (see :mod:`fedge.secagg`): key substitution in the share
+step without a PKI (the signing keys included), Sybil devices, a neighbourhood made of
+colluders, and weaker per-neighbourhood guarantees with sparse SecAgg+ graphs.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -49,7 +57,10 @@ from fedge.secagg import (
     STEPS,
     FixedPoint,
     ProtocolViolation,
+    Received,
     Vector,
+    arrays_digest,
+    config_digest,
     derive,
     masked_input,
     minimum_threshold,
@@ -57,11 +68,14 @@ from fedge.secagg import (
     public_bytes,
     seal,
     share_secret,
+    sign_received,
     sign_survivors,
     signing_public_bytes,
+    valid_received_signature,
     valid_survivors_signature,
 )
 
+log = logging.getLogger("fedge.clients.secure")
 STATE = "secagg"
 TrainContent = Callable[[Message, Context], RecordDict]
 
@@ -154,6 +168,81 @@ def check_survivors(*, survivors: list[int], me: int, holding: list[int], neighb
                                 f"fewer than the threshold {threshold}")
 
 
+def check_same_received(state: ConfigRecord, check: ConfigRecord, *, survivors: list[int]) -> None:
+    """Refuse a survivor set unless every surviving neighbour signed the model and config this device got.
+
+    Threat model: a coordinator that sends every device but a target a different global model
+    or config (learning rate 0, or a zero-update config: the model-inconsistency attack,
+    Pasquini et al., CCS 2022) makes the masked sum the target's update alone. Each device
+    signs the digests of what it received at its masked step (:class:`fedge.secagg.Received`);
+    the coordinator relays each surviving neighbour's signature here. One missing or over
+    other digests, and this device signs nothing, so it never unmasks: every neighbour of a
+    target that was sent something else refuses, and the target's self mask stays secret.
+    Every neighbour, not ``t`` of them: the coordinator could otherwise withhold the target's
+    signature and let its other neighbours unmask it.
+
+    Raises
+    ------
+    ProtocolViolation
+        Naming the first neighbour whose signature is missing or over other digests.
+    """
+    received = Received(bytes(state["r-arrays"]), bytes(state["r-config"]))  # type: ignore[arg-type]
+    server_round = int(state["round"])  # type: ignore[arg-type]
+    for peer in sorted(set(survivors) & set(_ids(state["neighbours"]))):
+        if not valid_received_signature(bytes(state[f"g-pk/{peer}"]), check.get(f"received/{peer}"),  # type: ignore[arg-type]
+                                        server_round=server_round, received=received):
+            log.warning("round %d: neighbour %d did not sign the global model and training config this device "
+                        "received; refusing to sign the survivor set (nothing will be unmasked)", server_round, peer)
+            raise ProtocolViolation(
+                f"refusing the survivor set: neighbour {peer} did not sign the global model and training config "
+                "this device received (it was sent a different model or config: a coordinator isolating one "
+                "device's update, Pasquini et al., CCS 2022)")
+
+
+def _open_shares(state: ConfigRecord, inbox: ConfigRecord, *, me: int,
+                 server_round: int) -> tuple[list[int], list[int]]:
+    """Neighbours whose relayed shares open and are well formed (kept in ``state``), and those whose do not.
+
+    A share is sealed with AES-GCM under the pair's X25519 key, with the sender, receiver and
+    round as associated data: one that was altered, cut, emptied, sealed for another device
+    or another round does not open, and one that opens but is not two shares of the same
+    index is malformed. Either is attributed to its sender (the coordinator, which relays,
+    could also have altered it: it can drop any device from a round anyway).
+    """
+    cipher_key = X25519PrivateKey.from_private_bytes(bytes(state["c-sk"]))  # type: ignore[arg-type]
+    holding, bad = [], []
+    for peer in _ids(state["neighbours"]):
+        sealed = inbox.get(f"from/{peer}")
+        if sealed is None:  # not relayed: the peer did not share (a dropout)
+            continue
+        key = derive(cipher_key, bytes(state[f"c-pk/{peer}"]), "share")  # type: ignore[arg-type]
+        if isinstance(sealed, bytes) and _well_formed(_opened(key, sealed, _ad(peer, me, server_round))):
+            holding.append(peer)
+            state[f"from/{peer}"] = sealed
+        else:
+            bad.append(peer)
+    return holding, bad
+
+
+def _opened(key: bytes, sealed: bytes, associated: bytes) -> bytes | None:
+    try:
+        return open_sealed(key, sealed, associated)
+    except (InvalidTag, ValueError):  # ValueError: a nonce shorter than 8 bytes (an empty or cut share)
+        return None
+
+
+def _well_formed(opened: bytes | None) -> bool:
+    """Two Shamir shares (self-mask seed, mask key) of one nonzero index."""
+    return (opened is not None and len(opened) == 2 * SHARE_BYTES and opened[:2] == opened[SHARE_BYTES:SHARE_BYTES + 2]
+            and int.from_bytes(opened[:2], "big") >= 1)
+
+
+def _public_meta(meta: ConfigRecord) -> ConfigRecord:
+    """The reply meta a masked input may carry: round and profile, not the samples processed or the
+    steps (either would reveal the device's weight, which travels masked)."""
+    return ConfigRecord({key: meta[key] for key in (wire.SERVER_ROUND, wire.PROFILE) if key in meta})
+
+
 def _encode_update(global_arrays: ArrayRecord, trained: RecordDict, params: ConfigRecord) -> Vector:
     """``w * delta / a`` on the update's scale, then ``w`` and ``w * a`` each on its own scale.
 
@@ -225,35 +314,35 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
         _advance(state, "secagg_masked", int(msg.content.config_records["config"][wire.SERVER_ROUND]))  # type: ignore[arg-type]
         me, server_round = context.node_id, int(state["round"])  # type: ignore[arg-type]
         threshold = int(state["threshold"])  # type: ignore[arg-type]
-        # pair masks only with neighbours that completed the share step (their shares reached us)
-        holding = [peer for peer in _ids(state["neighbours"]) if isinstance(inbox.get(f"from/{peer}"), bytes)]
+        holding, bad = _open_shares(state, inbox, me=me, server_round=server_round)
+        if bad:  # name the senders and mask nothing: the coordinator reruns the round without them
+            del context.state[STATE]
+            log.warning("round %d: the shares relayed from neighbours %s do not open or are malformed; reported, "
+                        "nothing masked", server_round, bad)
+            return Message(RecordDict({wire.SECAGG_BAD_SHARES: ConfigRecord({"senders": bad})}), reply_to=msg)
         if len(holding) < threshold:  # Bonawitz et al. round 2: |U2| >= t, else the self-mask alone hides x
             raise ProtocolViolation(f"refusing secagg_masked: shares from only {len(holding)} neighbours reached "
                                     f"this device, fewer than the threshold {threshold}")
-        cipher_key = X25519PrivateKey.from_private_bytes(bytes(state["c-sk"]))  # type: ignore[arg-type]
-        for peer in holding:  # a share counts only if it opens: what was relayed is what the peer sealed for us
-            sealed = bytes(inbox[f"from/{peer}"])  # type: ignore[arg-type]
-            key = derive(cipher_key, bytes(state[f"c-pk/{peer}"]), "share")  # type: ignore[arg-type]
-            try:
-                opened = open_sealed(key, sealed, _ad(peer, me, server_round))
-            except InvalidTag:
-                raise ProtocolViolation(f"refusing secagg_masked: the share relayed from neighbour {peer} does not "
-                                        "open (altered or not sealed for this device)") from None
-            if len(opened) != 2 * SHARE_BYTES:
-                raise ProtocolViolation(f"refusing secagg_masked: the share from neighbour {peer} has "
-                                        f"{len(opened)} bytes, not {2 * SHARE_BYTES}")
-            state[f"from/{peer}"] = sealed
         state["holding"] = holding
         trained = train_content(msg, context)
         bits = int(params["bits"])  # type: ignore[arg-type]
-        encoded = _encode_update(msg.content.array_records[wire.ARRAYS], trained, params)
+        global_arrays = msg.content.array_records[wire.ARRAYS]
+        encoded = _encode_update(global_arrays, trained, params)
         mask_key = X25519PrivateKey.from_private_bytes(bytes(state["s-sk"]))  # type: ignore[arg-type]
         pair_seeds = {peer: derive(mask_key, bytes(state[f"s-pk/{peer}"]), "mask",  # type: ignore[arg-type]
                                    str(server_round).encode())
                       for peer in holding}
         vector = masked_input(encoded, bytes(state["b"]), pair_seeds, me, bits)  # type: ignore[arg-type]
-        content = RecordDict({"masked": ArrayRecord({"vector": Array(vector)}),
-                              wire.REPLY_META: trained.config_records[wire.REPLY_META]})
+        received = Received(arrays_digest({name: array.numpy() for name, array in global_arrays.items()}),
+                            config_digest(msg.content.config_records[wire.CONFIG], params))
+        state["r-arrays"], state["r-config"] = received.arrays, received.config
+        signing_key = Ed25519PrivateKey.from_private_bytes(bytes(state["g-sk"]))  # type: ignore[arg-type]
+        content = RecordDict({
+            "masked": ArrayRecord({"vector": Array(vector)}),
+            wire.SECAGG_RECEIVED: ConfigRecord({"arrays": received.arrays, "config": received.config,
+                                                "signature": sign_received(signing_key, server_round=server_round,
+                                                                           received=received)}),
+            wire.REPLY_META: _public_meta(trained.config_records[wire.REPLY_META])})
         return Message(content, reply_to=msg)
 
     @app.train("secagg_consistency")
@@ -263,6 +352,7 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
         survivors = sorted(set(_ids(check["survivors"])))
         check_survivors(survivors=survivors, me=context.node_id, holding=_ids(state["holding"]),
                         neighbours=_ids(state["neighbours"]), threshold=int(state["threshold"]))  # type: ignore[arg-type]
+        check_same_received(state, check, survivors=survivors)
         signing_key = Ed25519PrivateKey.from_private_bytes(bytes(state["g-sk"]))  # type: ignore[arg-type]
         signature = sign_survivors(signing_key, server_round=int(state["round"]), survivors=survivors)  # type: ignore[arg-type]
         state["signed"] = survivors

@@ -29,11 +29,40 @@ floor(k/2) + 1``): below that, no device's self-mask seed and mask key are both 
 The coordinator also chooses each device's neighbours (devices accept any list of 2 or
 more), so it can surround a target with colluders.
 
+Model inconsistency (Pasquini et al., "Eluding Secure Aggregation in Federated Learning
+via Model Inconsistency", CCS 2022): a coordinator that sends every device but a target a
+zero-update model or config (learning rate 0) would get the target's update as the sum.
+Each device signs, with its round's Ed25519 key, ``(round, SHA-256 of the global arrays,
+SHA-256 of the canonical training config)`` it was sent (:class:`Received`; per-device
+keys, :data:`PER_DEVICE_CONFIG`, left out) and signs the survivor set only if every
+surviving neighbour signed the same digests; so no neighbour of a device that was sent
+something else unmasks, and its self mask stays secret. Every surviving neighbour, not
+``t``: with ``t`` the coordinator could withhold the target's signature and let its other
+neighbours unmask it. No dropout tolerance is lost: the signature travels with the
+masked input, so every survivor has one. The per-device weight (examples, FedNova's
+work) travels in the masked vector; only its sum is revealed. The coordinator may still
+give each connected part of a graph it made disconnected its own model: the guarantee is
+then per connected part, like (3) below.
+
+Bad shares: each share is sealed with AES-256-GCM under the X25519 key of its sender and
+recipient, with ``sender->recipient/round`` as associated data, so a share that was
+altered, cut, emptied, swapped between recipients or replayed from another round does not
+open; its recipient names the sender (:mod:`fedge.clients.secure`) and the coordinator
+starts the round again without it. A recipient's word is not proof (the coordinator
+cannot check a share sealed for someone else): a lying device can have up to ``k - t``
+honest neighbours sit one round out; naming more gets itself left out. A share that opens
+but holds a wrong value (well-formed, not on the sender's polynomial) is not detected
+before unmasking: without verifiable secret sharing (Feldman, FOCS 1987) the round then
+fails when the rebuilt secrets disagree, with no one named.
+
 Out of scope. (1) Without a PKI that binds the X25519 and Ed25519 keys to registered
 devices, a coordinator that substitutes public keys in the share step (a
 man-in-the-middle of the key exchange) or simulates Sybil devices is not stopped:
 Bonawitz et al.'s active security assumes such a PKI. fedge's SuperNode authentication
-keys identify devices to the SuperLink only; devices do not see each other's. (2)
+keys identify devices to the SuperLink only; devices do not see each other's. So the
+signing keys behind the consistency check and the model-inconsistency check are per-round
+keys the coordinator relays; a coordinator that substitutes them can forge every signature
+a device checks. (2)
 ``t > neighbours / 2`` means an honest majority among each device's neighbours, not among
 all devices. (3) SecAgg+'s sparse neighbourhoods give Bell et al.'s per-neighbourhood
 guarantee (with high probability over a random graph), not the global one of the complete
@@ -43,6 +72,7 @@ graph; and the coordinator picks the graph, so a graph it chose adversarially we
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
 import random
@@ -395,14 +425,87 @@ def sign_survivors(key: Ed25519PrivateKey, *, server_round: int, survivors: Iter
 def valid_survivors_signature(public: bytes, signature: object, *, server_round: int,
                               survivors: Iterable[int]) -> bool:
     """Whether ``signature`` is ``public``'s signature over this round's ``survivors``."""
+    return _valid_signature(public, signature, survivors_message(server_round=server_round, survivors=survivors))
+
+
+def _valid_signature(public: bytes, signature: object, message: bytes) -> bool:
+    """Whether ``signature`` is ``public``'s Ed25519 signature over ``message``."""
     if not isinstance(signature, bytes) or len(signature) != 64:
         return False
     try:
-        Ed25519PublicKey.from_public_bytes(public).verify(
-            signature, survivors_message(server_round=server_round, survivors=survivors))
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, message)
     except (InvalidSignature, ValueError):
         return False
     return True
+
+
+# --------------------------------------------------------------------------- what a device received
+
+
+PER_DEVICE_CONFIG = frozenset({"local-epochs"})
+"""Training-config keys a coordinator may legitimately set per device, left out of
+:func:`config_digest`: FedProx's simulated stragglers train a random 1..E-1 of the E epochs."""
+
+
+@dataclass(frozen=True)
+class Received:
+    """SHA-256 digests of what one device was sent for a round's masked step.
+
+    ``arrays``: the global arrays (name, dtype, shape and bytes, by name); ``config``: its
+    training config and the secure-aggregation parameters, canonically encoded, without
+    :data:`PER_DEVICE_CONFIG`. Devices sign these with their round signing key, and one signs
+    the survivor set only if every surviving neighbour signed the same two digests: a
+    coordinator that sends one device a different model or config than its neighbours (the
+    model-inconsistency attack, Pasquini et al., CCS 2022) gets no unmasking around it.
+    """
+
+    arrays: bytes
+    config: bytes
+
+
+def arrays_digest(arrays: Mapping[str, NDArray[Any]]) -> bytes:
+    """SHA-256 over the named arrays, in name order (each name, dtype, shape and bytes, length-prefixed)."""
+    digest = hashlib.sha256(b"fedge-secagg/arrays/v1")
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        for part in (name.encode(), array.dtype.str.encode(), repr(array.shape).encode()):
+            _absorb(digest, part)
+        digest.update(array.nbytes.to_bytes(8, "big"))
+        digest.update(array.reshape(-1).view(np.uint8).data)
+    return digest.digest()
+
+
+def config_digest(*records: Mapping[str, object]) -> bytes:
+    """SHA-256 over config records in order, each key in sorted order with its type and value
+    (``repr``: exact for floats), leaving out :data:`PER_DEVICE_CONFIG`."""
+    digest = hashlib.sha256(b"fedge-secagg/config/v1")
+    for record in records:
+        _absorb(digest, b"record")
+        for key in sorted(k for k in record if k not in PER_DEVICE_CONFIG):
+            value = record[key]
+            for part in (key.encode(), type(value).__name__.encode(), repr(value).encode()):
+                _absorb(digest, part)
+    return digest.digest()
+
+
+def _absorb(digest: Any, part: bytes) -> None:
+    digest.update(len(part).to_bytes(8, "big"))
+    digest.update(part)
+
+
+def received_message(*, server_round: int, received: Received) -> bytes:
+    """What a device signs at its masked step: the round and the digests of what it was sent."""
+    return f"fedge-secagg/received/{server_round}/{received.arrays.hex()}/{received.config.hex()}".encode()
+
+
+def sign_received(key: Ed25519PrivateKey, *, server_round: int, received: Received) -> bytes:
+    """An Ed25519 signature over :func:`received_message` (64 bytes)."""
+    return key.sign(received_message(server_round=server_round, received=received))
+
+
+def valid_received_signature(public: bytes, signature: object, *, server_round: int, received: Received) -> bool:
+    """Whether ``signature`` is ``public``'s signature over this round's ``received`` digests."""
+    return _valid_signature(public, signature, received_message(server_round=server_round, received=received))
 
 
 # --------------------------------------------------------------------------- Shamir

@@ -32,6 +32,10 @@ TRAIN_LOSS = "train-loss"
 EVAL_PREFIX = "eval-"  # a device's evaluation reply names each task metric "eval-<metric>"
 # the architecture hash of the run's signed training graph (onnx devices check theirs matches)
 TRAINING_GRAPH = "training-graph"
+# secure aggregation's masked step: the device's signed digests of the model and config it was
+# sent ("arrays", "config", "signature"), or instead, the neighbours whose shares did not open ("senders")
+SECAGG_RECEIVED = "secagg-received"
+SECAGG_BAD_SHARES = "secagg-bad-shares"
 
 @dataclass(frozen=True)
 class LocalWork:

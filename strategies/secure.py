@@ -6,9 +6,13 @@ so fedge runs its own five steps (``train.secagg_setup|share|masked|consistency|
 actions of the same ClientApp), after Bonawitz et al. (CCS 2017, §4: AdvertiseKeys,
 ShareKeys, MaskedInputCollection, ConsistencyCheck, Unmasking) and Bell et al. (CCS
 2020: sparse neighbourhoods), with the math in :mod:`fedge.secagg`. The coordinator
-checks and relays public keys and sealed shares, sums masked vectors, collects the
-survivors' signatures over the survivor set, asks the signers to unmask, removes the
-masks and applies ``sum(w * delta) / sum(w)`` to the model.
+checks and relays public keys and sealed shares, sums masked vectors (each signed over
+the digests of the model and config its device was sent, checked against what was sent),
+relays those signatures to each survivor's neighbours, collects the survivors'
+signatures over the survivor set, asks the signers to unmask, removes the masks and
+applies ``sum(w * delta) / sum(w)`` to the model: the weights ``w`` travel masked, so
+only their sum is revealed. Devices that name a neighbour whose sealed shares do not
+open make the round start again without that neighbour (:meth:`SecureAggregation._attempts`).
 
 Threat model: see :mod:`fedge.secagg`. Devices enforce the protocol themselves
 (:mod:`fedge.clients.secure`), so this side cannot make them reveal more than the sum
@@ -30,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -37,6 +42,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
+from fedge import wire
 from fedge.errors import ConfigError, ProtocolError, SecureRoundFailed, UpdateRejected
 from fedge.secagg import (
     PUBLIC_KEYS,
@@ -44,9 +50,12 @@ from fedge.secagg import (
     STEPS,
     FixedPoint,
     InvalidPublicKey,
+    Received,
+    arrays_digest,
     bits_needed,
     check_ed25519_public,
     check_x25519_public,
+    config_digest,
     derive,
     minimum_threshold,
     neighbour_graph,
@@ -54,6 +63,7 @@ from fedge.secagg import (
     ring_accumulate,
     ring_dtype,
     unmask,
+    valid_received_signature,
     valid_survivors_signature,
 )
 from fedge.strategies import FedAvg, FedNova, FedProx
@@ -126,7 +136,7 @@ class SecureAggregation(FedAvg):
         report = self.reports[-1]
         codecs = self._codecs(len(instructions))
         try:
-            total, survivors = self._protocol(grid, server_round, instructions, codecs, timeout, report)
+            total, survivors = self._attempts(grid, server_round, instructions, codecs, timeout, report)
             summed, weight, weighted_work = self._decoded(total, codecs, len(survivors))
         except SecureRoundFailed as exc:  # malformed messages were handled where they were read
             log.warning("round %d: secure aggregation failed (%s); global model kept", server_round, exc)
@@ -135,6 +145,28 @@ class SecureAggregation(FedAvg):
         delta = summed / weight * (weighted_work / weight)
         return self._apply(arrays, delta), MetricRecord(
             {"accepted": len(survivors), "failed": len(report.failed), "late": report.late, "weight": weight})
+
+    def _attempts(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
+                  codecs: tuple[FixedPoint, FixedPoint, FixedPoint], timeout: float,
+                  report: RoundReport) -> tuple[Any, list[int]]:
+        """:meth:`_protocol`, run again without the devices whose sealed shares did not open.
+
+        A device that gets a share that does not open or is malformed names its sender at the
+        masked step and masks nothing (:func:`fedge.clients.secure._open_shares`); the devices
+        blamed (:func:`_blame`) are named in the round's failures and the protocol starts
+        again without them (fresh keys and shares; devices train again), at most
+        :data:`RERUNS` times. Nothing was unmasked in the attempt given up.
+        """
+        for _ in range(RERUNS + 1):
+            try:
+                return self._protocol(grid, server_round, instructions, codecs, timeout, report)
+            except _BadShares as exc:
+                for node, reason in sorted(exc.blamed.items()):
+                    report.rejected.append(Rejection(node, reason))
+                instructions = {n: content for n, content in instructions.items() if n not in exc.blamed}
+                log.warning("round %d: devices %s sent shares that do not open (or reported too many); secure "
+                            "aggregation starts again without them", server_round, sorted(exc.blamed))
+        raise SecureRoundFailed(f"bad shares in {RERUNS + 1} attempts in a row")
 
     def _decoded(self, total: Any, codecs: tuple[FixedPoint, FixedPoint, FixedPoint],
                  count: int) -> tuple[Any, float, float]:
@@ -188,15 +220,19 @@ class SecureAggregation(FedAvg):
             log.warning("round %d: devices %s got shares from fewer than %d neighbours; left out", server_round,
                         few, threshold)
         maskers = {n: inbox for n, inbox in inboxes.items() if n not in few}
-        masked = self._masked_step(grid, server_round, instructions, maskers, codecs, timeout, report)
+        masked, expected = self._masked_step(grid, server_round, instructions, maskers, codecs, timeout, report)
         length = sum(int(np.prod(a.shape)) for a in self.global_numpy().values()) + 2  # update, w, w * a
-        total, summed = self._sum_masked(masked, set(maskers), length, server_round, report)
+        checks = _Expected(set(maskers), expected, keys, graph, server_round)
+        folded = self._sum_masked(masked, checks, length, server_round, report)
+        total, summed = folded.total, folded.received
+        if folded.bad_shares:
+            raise _BadShares(_blame(folded.bad_shares, graph, threshold))
         survivors = [n for n in shared if n in summed]
         if len(survivors) < max(MIN_DEVICES, self.min_train_replies):
             raise SecureRoundFailed(f"{len(survivors)} devices sent masked inputs, need {MIN_DEVICES} and "
                                     f"min-train-replies {self.min_train_replies}")
         _enough_holders(graph, shared, survivors, threshold, "sent masked inputs")
-        signatures = self._consistency(grid, server_round, survivors, keys, timeout, report)
+        signatures = self._consistency(grid, server_round, survivors, keys, summed, graph, timeout, report)
         signers = set(signatures)
         unmaskers = [n for n in survivors if n in signers and len(graph[n] & signers) >= threshold]
         _enough_holders(graph, shared, unmaskers, threshold, "signed the survivor set")
@@ -218,22 +254,27 @@ class SecureAggregation(FedAvg):
         return unmask(total, seeds, leftovers, self.bits), survivors
 
     def _consistency(self, grid: Grid, server_round: int, survivors: list[int], keys: Mapping[int, Keys],
-                     timeout: float, report: RoundReport) -> dict[int, bytes]:
+                     received: Mapping[int, bytes], graph: Mapping[int, set[int]], timeout: float,
+                     report: RoundReport) -> dict[int, bytes]:
         """The ConsistencyCheck round: every survivor signs the survivor set; the valid signatures.
 
-        A survivor that does not answer stays in the sum (its self-mask is rebuilt from
+        Each survivor also gets its surviving neighbours' signatures over what they were sent
+        (``received/<node>``, from the masked step): it signs only if they match what it was
+        sent. A survivor that does not answer stays in the sum (its self-mask is rebuilt from
         its neighbours' shares) but cannot unmask; a signature that does not verify is
         recorded as a failure of its sender.
         """
-        check = ConfigRecord({"survivors": survivors, "server-round": server_round})
-        replies = self._step(grid, "secagg_consistency", {n: RecordDict({"check": check}) for n in survivors},
-                             timeout, report)
+        alive = set(survivors)
+        checks = {n: RecordDict({"check": ConfigRecord({
+            "survivors": survivors, "server-round": server_round,
+            **{f"received/{p}": received[p] for p in sorted(graph[n] & alive)}})}) for n in survivors}
+        replies = self._step(grid, "secagg_consistency", checks, timeout, report)
         return _read_each(
             replies, lambda node, reply: _read_signature(node, reply, keys[node]["g-pk"], server_round, survivors),
             "secagg_consistency", "it cannot unmask; its input stays in the sum", server_round, report)
 
-    def _sum_masked(self, replies: Iterable[Message], senders: set[int], length: int, server_round: int,
-                    report: RoundReport) -> tuple[Any, set[int]]:
+    def _sum_masked(self, replies: Iterable[Message], expected: _Expected, length: int, server_round: int,
+                    report: RoundReport) -> _Folded:
         """The sum in Z_{2^bits} of the well-formed masked inputs of ``senders`` (each once), folded
         in one at a time; who is in it.
 
@@ -241,32 +282,46 @@ class SecureAggregation(FedAvg):
         let go (its payload is dropped from the reply), so the coordinator never holds a
         decoded array per device: at 1,000 devices and a 1M-parameter model that is 4 GB
         it does not need. A malformed input is named in the round's failures and left out,
-        as :func:`_read_each` does; its sender then counts as a dropout.
+        as :func:`_read_each` does; its sender then counts as a dropout. So is one whose
+        signed digests of what it was sent (:class:`fedge.secagg.Received`) are not those of what
+        this coordinator sent it. A device that names neighbours whose shares did not open
+        (and masks nothing) is noted in ``bad_shares``.
         """
-        total, summed = np.zeros(length, ring_dtype(self.bits)), set()
+        folded = _Folded(np.zeros(length, ring_dtype(self.bits)), {}, {})
         for reply in replies:
             node = reply.metadata.src_node_id
             if reply.has_error():
                 report.failed.append(Rejection(node, f"secagg_masked: {reply.error.reason}"))
                 continue
-            vector = _read_each({node: reply}, lambda node, reply: _read_masked(node, reply, length, self.bits),
-                                "secagg_masked", "it is left out of the sum", server_round, report).get(node)
-            if vector is not None and node in senders and node not in summed:
-                ring_accumulate(total, vector, self.bits)
-                summed.add(node)
-            vector = None  # a view of the reply's bytes
+            if node in expected.senders and node not in folded.received and node not in folded.bad_shares:
+                self._fold(reply, node, folded, expected, length, server_round, report)  # never twice
             let_go(reply)  # the only copy the coordinator kept of this input: freed now, not at the next gc
             if "masked" in reply.content:
                 del reply.content["masked"]
-        return total, summed
+        return folded
+
+    def _fold(self, reply: Message, node: int, folded: _Folded, expected: _Expected, length: int,
+              server_round: int, report: RoundReport) -> None:
+        """Add ``node``'s masked input to ``folded`` or note its bad-share report; a malformed one is named."""
+        if wire.SECAGG_BAD_SHARES in reply.content.config_records:
+            folded.bad_shares.update(_read_each(
+                {node: reply}, lambda node, reply: _read_bad_shares(node, reply, expected.graph[node]),
+                "secagg_masked", "its report is ignored", server_round, report))
+            return
+        read = _read_each({node: reply}, lambda node, reply: _read_masked(node, reply, length, self.bits, expected),
+                          "secagg_masked", "it is left out of the sum", server_round, report).get(node)
+        if read is not None:
+            ring_accumulate(folded.total, read[0], self.bits)
+            folded.received[node] = read[1]
 
     def _masked_step(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
                      inboxes: dict[int, ConfigRecord], codecs: tuple[FixedPoint, FixedPoint, FixedPoint],
-                     timeout: float, report: RoundReport) -> Iterator[Message]:
+                     timeout: float, report: RoundReport) -> tuple[Iterator[Message], dict[int, Received]]:
         """Train and send masked inputs, under the round policy (late or dropped: a dropout).
 
         The replies, errors included, one at a time as they arrive, for :meth:`_sum_masked`
-        to fold in and let go: the coordinator never holds a round's masked inputs.
+        to fold in and let go: the coordinator never holds a round's masked inputs. And the
+        digests of what each device was sent, which it must sign back.
         """
         values, weights, works = codecs
         params = ConfigRecord({"clip": values.clip, "scale": values.scale, "bits": self.bits,
@@ -278,8 +333,10 @@ class SecureAggregation(FedAvg):
         messages = [Message(RecordDict({"arrays": instructions[n]["arrays"], "config": instructions[n]["config"],
                                         "inbox": inboxes[n], "secagg": params}),
                             dst_node_id=n, message_type=f"{MessageType.TRAIN}.secagg_masked") for n in targets]
+        expected = _sent_digests(instructions, targets, params)
         # masked replies carry no metrics (a device's loss would leak): the selector learns nothing here
-        return _counting_late(self.policy.stream(grid, messages, timeout, self.round_target), len(messages), report)
+        return _counting_late(self.policy.stream(grid, messages, timeout, self.round_target), len(messages),
+                              report), expected
 
     def _step(self, grid: Grid, action: str, contents: dict[int, RecordDict], timeout: float,
               report: RoundReport) -> dict[int, Message]:
@@ -328,6 +385,73 @@ class SecureAggregation(FedAvg):
 
 
 MIN_DEVICES = 3  # with 2, each device learns the other's update from the sum
+RERUNS = 2  # times a round starts again without devices whose shares did not open
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """What the masked step's replies are checked against."""
+
+    senders: set[int]  # asked for a masked input
+    digests: Mapping[int, Received]  # of what each was sent
+    keys: Mapping[int, Keys]
+    graph: Mapping[int, set[int]]
+    server_round: int
+
+
+@dataclass
+class _Folded:
+    """The masked step's outcome: the sum, who is in it (with its signature over what it was sent),
+    and who reported bad shares instead (with the senders it named)."""
+
+    total: Any
+    received: dict[int, bytes]
+    bad_shares: dict[int, list[int]]
+
+
+class _BadShares(Exception):  # noqa: N818 - control flow inside this module, never escapes it
+    """Devices reported shares that do not open: the round starts again without ``blamed``."""
+
+    def __init__(self, blamed: dict[int, str]) -> None:
+        super().__init__(sorted(blamed))
+        self.blamed = blamed
+
+
+def _blame(reports: Mapping[int, list[int]], graph: Mapping[int, set[int]], threshold: int) -> dict[int, str]:
+    """Who leaves the round for bad shares, and why: the senders named, except that a device
+    naming more than ``k - t`` of its ``k`` neighbours is left out itself, its report ignored.
+
+    An honest device names only neighbours that sealed it bad shares; more than ``k - t`` of
+    them would be a dishonest majority around it, which the protocol assumes away
+    (:func:`fedge.secagg.minimum_threshold`). So one lying device cannot clear its whole
+    neighbourhood out of a round; it can name up to ``k - t`` honest neighbours, who then
+    sit this round out (see the module's threat model).
+    """
+    blamed: dict[int, str] = {}
+    for reporter, senders in sorted(reports.items()):
+        if len(senders) > len(graph[reporter]) - threshold:
+            blamed[reporter] = (f"secagg_masked: it reported bad shares from {len(senders)} of its "
+                                f"{len(graph[reporter])} neighbours, more than {len(graph[reporter]) - threshold} "
+                                "(an honest majority allows); report ignored")
+    for reporter, senders in sorted(reports.items()):
+        if reporter not in blamed:
+            for sender in senders:
+                blamed.setdefault(sender, f"secagg_share: the share it sealed for device {reporter} does not open "
+                                          "or is malformed (reported by that device)")
+    return blamed
+
+
+def _sent_digests(instructions: Mapping[int, RecordDict], targets: Iterable[int],
+                  params: ConfigRecord) -> dict[int, Received]:
+    """The digests of the model and config each target is sent (the model hashed once per distinct record)."""
+    by_record: dict[int, bytes] = {}
+    digests = {}
+    for node in targets:
+        arrays = instructions[node]["arrays"]
+        if id(arrays) not in by_record:
+            by_record[id(arrays)] = arrays_digest({name: array.numpy() for name, array in arrays.items()})  # type: ignore[union-attr]
+        digests[node] = Received(by_record[id(arrays)], config_digest(instructions[node]["config"], params))  # type: ignore[arg-type]
+    return digests
 
 
 def shares_needed(fraction: float, neighbours: int) -> int:
@@ -419,16 +543,47 @@ def _read_sealed(node: int, reply: Message, neighbours: set[int]) -> dict[int, b
     return sealed  # type: ignore[return-value]  # every value checked to be bytes
 
 
-def _read_masked(node: int, reply: Message, length: int, bits: int) -> np.ndarray:
-    """``node``'s masked input: ``length`` ring elements of Z_{2^bits}, header checked before decoding."""
+def _read_masked(node: int, reply: Message, length: int, bits: int,
+                 expected: _Expected) -> tuple[np.ndarray, bytes]:
+    """``node``'s masked input (``length`` ring elements of Z_{2^bits}, header checked before
+    decoding) and its signature over the digests of what it was sent (:func:`_read_received`)."""
     record = reply.content.array_records.get("masked")
     if record is None:
         raise ProtocolError("invalid masked input: the reply has no masked record", node_id=node)
+    signature = _read_received(node, reply, expected)
     try:
         decoded = decode_arrays(record, {"vector": ((length,), np.dtype(ring_dtype(bits)).name)})
     except UpdateRejected as exc:
         raise ProtocolError(f"invalid masked input: {exc.reason}", node_id=node) from None
-    return decoded["vector"]
+    return decoded["vector"], signature
+
+
+def _read_received(node: int, reply: Message, expected: _Expected) -> bytes:
+    """``node``'s signature over the digests of the model and config this coordinator sent it.
+
+    A device that signs other digests would make every neighbour refuse the survivor set
+    (and the round fail); named here, it is left out of the sum instead.
+    """
+    record = reply.content.config_records.get(wire.SECAGG_RECEIVED)
+    if record is None:
+        raise ProtocolError("invalid masked input: no signed digests of what it was sent", node_id=node)
+    sent, signature = expected.digests[node], record.get("signature")
+    if record.get("arrays") != sent.arrays or record.get("config") != sent.config:
+        raise ProtocolError("invalid masked input: its digests are not those of the model and config it was sent",
+                            node_id=node)
+    if not valid_received_signature(expected.keys[node]["g-pk"], signature, server_round=expected.server_round,
+                                    received=sent):
+        raise ProtocolError("invalid masked input: its signature over what it was sent does not verify", node_id=node)
+    return signature  # type: ignore[return-value]  # a valid signature is bytes
+
+
+def _read_bad_shares(node: int, reply: Message, neighbours: set[int]) -> list[int]:
+    """The neighbours ``node`` says sealed it shares that do not open: node ids among its neighbours."""
+    senders = reply.content.config_records[wire.SECAGG_BAD_SHARES].get("senders")
+    if (not isinstance(senders, list) or not senders or len(set(senders)) != len(senders)
+            or not all(isinstance(p, int) and not isinstance(p, bool) and p in neighbours for p in senders)):
+        raise ProtocolError("invalid bad-share report: not a list of distinct neighbours", node_id=node)
+    return [int(p) for p in senders]
 
 
 def _read_signature(node: int, reply: Message, public: bytes, server_round: int, survivors: list[int]) -> bytes:

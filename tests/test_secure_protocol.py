@@ -27,6 +27,7 @@ from fedge.config import resolve_run_config
 from fedge.secagg import (
     FixedPoint,
     ProtocolViolation,
+    Received,
     derive,
     expand_mask,
     masked_input,
@@ -36,6 +37,7 @@ from fedge.secagg import (
     rebuild_secret,
     ring_add,
     ring_dtype,
+    sign_received,
     signing_public_bytes,
     unmask,
 )
@@ -43,7 +45,7 @@ from fedge.server.app import run_coordinator
 from fedge.server.report import read_jsonl
 from fedge.simulation.grid import InlineGrid
 from fedge.strategies.fedavg import RoundReport
-from fedge.strategies.secure import SecureAggregation
+from fedge.strategies.secure import SecureAggregation, _Expected
 from replies import tampered_app
 
 BASE = {"fleet": "phone=6,laptop=3,gpu-box=1", "clients-per-round": 6, "num-rounds": 2, "model": "mlp",
@@ -109,9 +111,16 @@ def test_a_masked_input_is_uniform_whatever_the_update() -> None:
 # --------------------------------------------------------------------------- the coordinator's sum
 
 
-def _masked_reply(node: int, vector: np.ndarray) -> Message:
+SENT = Received(arrays=bytes(32), config=bytes(range(32)))  # the digests of what each device was sent
+
+
+def _masked_reply(node: int, vector: np.ndarray, key: Ed25519PrivateKey) -> Message:
+    """A masked input with its sender's signature over :data:`SENT` (round 1)."""
     instruction = Message(RecordDict(), dst_node_id=node, message_type="train.secagg_masked")
-    return Message(RecordDict({"masked": ArrayRecord({"vector": Array(vector)})}), reply_to=instruction)
+    received = ConfigRecord({"arrays": SENT.arrays, "config": SENT.config,
+                             "signature": sign_received(key, server_round=1, received=SENT)})
+    return Message(RecordDict({"masked": ArrayRecord({"vector": Array(vector)}), wire.SECAGG_RECEIVED: received}),
+                   reply_to=instruction)
 
 
 def test_the_coordinator_folds_masked_inputs_in_as_they_come_and_keeps_none_of_them() -> None:
@@ -120,16 +129,22 @@ def test_the_coordinator_folds_masked_inputs_in_as_they_come_and_keeps_none_of_t
     strategy, length = SecureAggregation(clients_per_round=42, min_train_replies=1), 50_000
     rng = np.random.default_rng(0)
     vectors = {10_000 + i: rng.integers(0, 2**32, length, dtype=np.uint64).astype(np.uint32) for i in range(40)}
-    replies = [_masked_reply(node, vector) for node, vector in vectors.items()]
-    replies += [_masked_reply(99_999, vectors[10_000]), _masked_reply(10_001, vectors[10_002]),
-                _masked_reply(10_040, vectors[10_000][:-1]),
+    signing = {node: Ed25519PrivateKey.generate() for node in [*vectors, 10_040, 10_041, 99_999]}
+    replies = [_masked_reply(node, vector, signing[node]) for node, vector in vectors.items()]
+    replies += [_masked_reply(99_999, vectors[10_000], signing[99_999]),
+                _masked_reply(10_001, vectors[10_002], signing[10_001]),
+                _masked_reply(10_040, vectors[10_000][:-1], signing[10_040]),
                 Message(Error(code=2, reason="gone"), reply_to=Message(RecordDict(), dst_node_id=10_041,
                                                                         message_type="train.secagg_masked"))]
     report = RoundReport(server_round=1, selected=42)
     # Execute, measuring what the fold allocates
     tracemalloc.start()
     try:
-        total, summed = strategy._sum_masked(iter(replies), set(vectors) | {10_040, 10_041}, length, 1, report)
+        asked = set(vectors) | {10_040, 10_041}
+        expected_of = _Expected(asked, dict.fromkeys(asked, SENT),
+                                {node: {"g-pk": signing_public_bytes(key)} for node, key in signing.items()}, {}, 1)
+        folded = strategy._sum_masked(iter(replies), expected_of, length, 1, report)
+        total, summed = folded.total, set(folded.received)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -358,12 +373,18 @@ class Fleet:
                          for node in self.nodes}
         self.keys: dict[int, ConfigRecord] = {}
         self.sealed: dict[int, ConfigRecord] = {}
+        self.received: dict[int, bytes] = {}  # each device's signature over what it was sent for its masked step
+        self.metas: dict[int, ConfigRecord] = {}  # the reply meta each masked input carried in plaintext
         self.threshold = 0
 
     def _train(self, msg: Message, context: Context) -> RecordDict:
-        return RecordDict({wire.ARRAYS: ArrayRecord({"w": Array(self.updates[context.node_id])}),  # global is 0
+        """The device's update times the config's learning rate ``lr`` (1 unless the coordinator says)."""
+        rate = float(msg.content.config_records["config"].get("lr", 1.0))  # type: ignore[arg-type]
+        node = context.node_id
+        return RecordDict({wire.ARRAYS: ArrayRecord({"w": Array(rate * self.updates[node])}),  # global is 0
                            wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: 1}),
-                           wire.REPLY_META: ConfigRecord({"steps": 1})})
+                           wire.REPLY_META: ConfigRecord({wire.SERVER_ROUND: self.ROUND, wire.PROFILE: "phone",
+                                                          wire.SAMPLES_PROCESSED: 37 * node, wire.STEPS: 3})})
 
     def send(self, node: int, action: str, **records: ConfigRecord | ArrayRecord) -> RecordDict:
         """Deliver one request to ``node``'s ClientApp; a refusal raises."""
@@ -384,19 +405,27 @@ class Fleet:
         self.sealed[node] = self.send(node, "secagg_share", peers=peers).config_records["sealed"]
         self.threshold = threshold
 
-    def masked(self, node: int, senders: list[int] | None = None) -> np.ndarray:
-        """``node``'s masked input, given the sealed shares of ``senders`` (default: all its neighbours)."""
+    def masked(self, node: int, senders: list[int] | None = None, *, lr: float = 1.0) -> np.ndarray:
+        """``node``'s masked input, given the sealed shares of ``senders`` (default: all its neighbours),
+        trained at learning rate ``lr``."""
         senders = [p for p in self.nodes if p != node] if senders is None else senders
         inbox = ConfigRecord({f"from/{p}": self.sealed[p][f"to/{node}"] for p in senders})
         params = ConfigRecord({"clip": self.codec.clip, "scale": self.codec.scale, "bits": 32, "weight-clip": 10.0,
                                "weight-scale": 2.0**16, "work-clip": 10.0, "work-scale": 2.0**16, "work-cap": 1.0,
                                "work-momentum": -1.0})
         reply = self.send(node, "secagg_masked", arrays=ArrayRecord({"w": Array(np.zeros_like(self.updates[node]))}),
-                          config=ConfigRecord({"server-round": self.ROUND}), inbox=inbox, secagg=params)
+                          config=ConfigRecord({"server-round": self.ROUND, "lr": lr}), inbox=inbox, secagg=params)
+        if wire.SECAGG_RECEIVED in reply.config_records:
+            self.received[node] = bytes(reply.config_records[wire.SECAGG_RECEIVED]["signature"])  # type: ignore[arg-type]
+        self.metas[node] = reply.config_records[wire.REPLY_META]
         return reply.array_records["masked"]["vector"].numpy()
 
     def consistency(self, node: int, survivors: list[int]) -> bytes:
-        check = ConfigRecord({"survivors": survivors, "server-round": self.ROUND})
+        """``node``'s signature over ``survivors``, shown its surviving neighbours' signatures over what
+        they were sent (as an honest coordinator relays them)."""
+        check = ConfigRecord({"survivors": survivors, "server-round": self.ROUND,
+                              **{f"received/{p}": self.received[p] for p in survivors
+                                 if p != node and p in self.received}})
         return bytes(self.send(node, "secagg_consistency", check=check).config_records["consistency"]["signature"])  # type: ignore[arg-type]
 
     def unmask(self, node: int, survivors: list[int], signatures: dict[int, bytes]) -> ConfigRecord:
@@ -609,15 +638,21 @@ def test_a_device_signs_once_and_unmasks_once_a_round() -> None:
 @pytest.mark.parametrize("relay", [
     lambda sealed: sealed[:-1] + bytes([sealed[-1] ^ 1]),   # altered in transit
     lambda sealed: b"\x00" * len(sealed),                    # made up
+    lambda sealed: sealed[:5],                               # cut (shorter than a nonce)
 ])
-def test_a_device_refuses_to_mask_with_a_share_that_does_not_open(relay: Any) -> None:
-    # Prepare: 5 devices, t = 3; the coordinator alters one of device 1's five shares, so the
-    # device would pair masks with (and later vouch for) a peer whose share it never really got
+def test_a_device_names_the_sender_of_a_share_that_does_not_open_and_masks_nothing(relay: Any) -> None:
+    # Prepare: 5 devices, t = 3; device 2's share for device 1 is altered, so device 1 would pair
+    # masks with (and later vouch for) a peer whose share it never really got
     fleet = Fleet(5)
     fleet.setup()
     for node in fleet.nodes:
         fleet.share(node, 3)
     fleet.sealed[2] = ConfigRecord({**fleet.sealed[2], "to/1": relay(bytes(fleet.sealed[2]["to/1"]))})  # type: ignore[arg-type]
-    # Execute / Assert: refused at the masked step, naming the neighbour (before: InvalidTag only at unmask)
-    with pytest.raises(ProtocolViolation, match="share relayed from neighbour 2 does not open"):
-        fleet.masked(1)
+    inbox = ConfigRecord({f"from/{p}": fleet.sealed[p]["to/1"] for p in (2, 3, 4, 5)})
+    # Execute
+    reply = fleet.send(1, "secagg_masked", arrays=ArrayRecord({"w": Array(np.zeros(6))}),
+                       config=ConfigRecord({"server-round": Fleet.ROUND}), inbox=inbox, secagg=ConfigRecord())
+    # Assert: it names neighbour 2, sends no masked input, and this round's secrets are gone
+    assert reply.config_records[wire.SECAGG_BAD_SHARES]["senders"] == [2] and "masked" not in reply
+    with pytest.raises(ProtocolViolation, match="no secure-aggregation round in progress"):
+        fleet.consistency(1, fleet.nodes)
