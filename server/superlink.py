@@ -19,6 +19,13 @@ Flower's own argument parser) with two changes:
    stored 0600 in it and handed to the operator's ``flwr`` CLI through Flower's own
    credential store (``FLWR_HOME/credentials.yaml``, 0600).
 
+3. **Connection limits** (:mod:`fedge.server.listeners`) on both listeners: request headers
+   at most 32 KiB (431 beyond), complete within 10 s of connecting, idle connections closed
+   after 5 s, at most 128 connections per client address. Flower 1.42 serves the Fleet API
+   over HTTPS through uvicorn; its gRPC servers (legacy Fleet and Control APIs) start only
+   when ``FLWR_INTERNAL_GRPC_*`` asks for them, which this launcher clears, so there is no
+   gRPC port whose options (``grpc.max_metadata_size``, keepalive) would need setting.
+
 Threat model: network attackers and devices reach only the Fleet API, where SuperNode
 authentication admits only keys the operator registered (Flower refuses self-registration
 when ``--enable-supernode-auth`` is on). Local users of the coordinator host who cannot read
@@ -41,9 +48,13 @@ from pathlib import Path
 from typing import Any
 
 from fedge.errors import ConfigError
+from fedge.server.listeners import ListenerLimits, uvicorn_options
 
 PUBLIC_PATHS = ("/v1/fleet/", "/health")
 AUTHN_TYPE = "oidc"  # the CLI-side plugin that sends a stored bearer token (Flower's own)
+# Devices behind one NAT share an address (and a loopback federation runs every device on one): a wide cap
+LIMITS = ListenerLimits(max_header_bytes=32 * 1024, header_timeout_s=10.0, idle_timeout_s=5, per_address=128,
+                        concurrency=2048)
 
 
 class OperatorTokenAuthn:
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     server = uvicorn.Server(uvicorn.Config(
         app=app, reload=False, access_log=True, workers=1,
         log_config=get_uvicorn_log_config(console_handler.level),
-        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile))
+        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile, **uvicorn_options(LIMITS)))
     server.run(sockets=sockets)
 
 

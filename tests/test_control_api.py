@@ -21,10 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from http_attacks import ATTACK_BYTES, idle_tls_connections, never_ending_headers, open_connections, wait_until
+from tiny_bundles import tiny_bundle, write_dir
 
+from fedge.edge.delivery import DeliveryError, pull
 from fedge.process import flower_bin
 from fedge.server.coordinator import Coordinator
 from fedge.server.pki import CoordinatorKeys, add_device, init_keys
+from fedge.server.publish import publish_bundle
+from fedge.server.superlink import LIMITS
 from fedge.simulation.loopback import free_port
 
 pytestmark = pytest.mark.slow
@@ -51,7 +58,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     root = tmp_path_factory.mktemp("control")
     keys = init_keys(root / "keys")
     add_device(root / "keys", "phone-1")
-    coordinator = Coordinator(root / "state", keys, port=free_port())
+    coordinator = Coordinator(root / "state", keys, port=free_port(), bundle_port=0)
     coordinator.start()
     try:
         yield Setup(coordinator, keys, root)
@@ -160,3 +167,51 @@ def test_the_operator_keeps_control(setup: Setup) -> None:
     assert registered == ["phone-1", "phone-2"]
     assert len(setup.coordinator.devices()) == 2  # only the operator's two: no outsider got in
     assert oct(os.stat(setup.root / "state" / "operator-token").st_mode & 0o777) == "0o600"
+
+
+# --------------------------------------------------------------------------- issue 23: the device port's limits
+
+
+def test_never_ending_headers_on_the_device_port_get_431(setup: Setup) -> None:
+    # Execute: a Fleet API request whose headers never end, on the address devices use
+    context = ssl.create_default_context(cafile=str(setup.keys.ca_cert))
+    outcome = never_ending_headers(setup.coordinator.port, context, path="/v1/fleet/pull-messages")
+    # Assert: stopped near the limit (Flower's SuperLink used to read it all: +663 MiB for 512 MB), 431
+    assert outcome.closed, f"the SuperLink still read headers after {ATTACK_BYTES} bytes"
+    assert outcome.sent <= LIMITS.max_header_bytes + 512 * 1024
+    assert outcome.status in (431, None)
+
+
+def test_an_idle_connection_on_the_device_port_is_dropped(setup: Setup) -> None:
+    # Prepare: a TLS connection that never sends a request
+    held = idle_tls_connections(setup.coordinator.port, ssl.create_default_context(cafile=str(setup.keys.ca_cert)),
+                                1, source="127.0.0.1")
+    # Execute / Assert: closed at the header deadline (an event; the bound is generous for a loaded machine)
+    wait_until(lambda: open_connections(held) == 0, LIMITS.header_timeout_s + 50, "dropping the idle connection")
+
+
+def test_the_bundle_service_follows_the_device_sync(setup: Setup) -> None:
+    # Prepare: a published bundle; a device key the operator adds while the coordinator runs
+    signer = Ed25519PrivateKey.generate()
+    trusted = setup.root / "bundle-signing.pub"
+    trusted.write_bytes(signer.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo))
+    bundle = write_dir(tiny_bundle(signer, version=1), setup.root / "bundle")
+    publish_bundle("inference", bundle, setup.coordinator.published)
+    key, public = add_device(setup.root / "keys", "puller")
+    assert setup.coordinator.bundles_url is not None
+
+    def pull_as_puller() -> int:
+        result = pull(url_or_address=setup.coordinator.bundles_url or "", kind="inference",
+                      directory=setup.root / "puller-device", device_key=key, ca=setup.keys.ca_cert,
+                      trusted_keys=[trusted])
+        return int(result.version or 0)
+
+    # Execute: the coordinator's device sync (FleetWatch runs it every 10 s), then the key removed and synced again
+    setup.coordinator.sync_devices()
+    first = pull_as_puller()
+    public.unlink()
+    setup.coordinator.sync_devices()
+    # Assert: served once its key was synced (before: only after a restart), refused once revoked (before: served)
+    assert first == 1
+    with pytest.raises(DeliveryError, match="not registered with this coordinator"):
+        pull_as_puller()
