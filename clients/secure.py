@@ -77,6 +77,7 @@ from fedge.secagg import (
 
 log = logging.getLogger("fedge.clients.secure")
 STATE = "secagg"
+UNMASKED = "secagg-unmasked"  # the last round this device unmasked in (outlives the round's secrets)
 TrainContent = Callable[[Message, Context], RecordDict]
 
 
@@ -166,6 +167,27 @@ def check_survivors(*, survivors: list[int], me: int, holding: list[int], neighb
     if count < threshold:
         raise ProtocolViolation(f"refusing the survivor set: it holds {count} of this device's neighbours, "
                                 f"fewer than the threshold {threshold}")
+
+
+def check_not_unmasked(context: Context, *, server_round: int) -> None:
+    """Refuse to start the protocol for a round at or before the last one this device unmasked in.
+
+    Threat model: a coordinator that runs the protocol twice in one round (the device trains
+    the same update twice) over two device sets, unmasks both sums and subtracts them, learns
+    the updates of the devices in one set only. fedge's coordinator starts a round again only
+    when devices named bad shares, before anything was unmasked. The record lives in the
+    node's state: a device that restarts forgets it.
+
+    Raises
+    ------
+    ProtocolViolation
+        If this device already unmasked in ``server_round`` or a later round.
+    """
+    done = context.state.config_records.get(UNMASKED)
+    if done is not None and server_round <= int(done["round"]):  # type: ignore[arg-type]
+        raise ProtocolViolation(f"refusing secagg_setup for round {server_round}: this device already unmasked "
+                                f"in round {done['round']!s} (a second sum of the same updates would reveal "
+                                "differences between device sets)")
 
 
 def check_same_received(state: ConfigRecord, check: ConfigRecord, *, survivors: list[int]) -> None:
@@ -269,9 +291,10 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
 
     @app.train("secagg_setup")
     def setup(msg: Message, context: Context) -> Message:
+        server_round = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
+        check_not_unmasked(context, server_round=server_round)
         cipher_key, mask_key = X25519PrivateKey.generate(), X25519PrivateKey.generate()
         signing_key = Ed25519PrivateKey.generate()
-        server_round = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
         context.state[STATE] = ConfigRecord({"c-sk": _raw(cipher_key), "s-sk": _raw(mask_key),
                                              "g-sk": _raw(signing_key), "round": server_round,
                                              "stage": "secagg_setup"})
@@ -389,4 +412,5 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
             else:
                 revealed[f"s/{peer}"] = shares[SHARE_BYTES:]
         del context.state[STATE]  # this round's secrets are spent
+        context.state[UNMASKED] = ConfigRecord({"round": server_round})
         return Message(RecordDict({"revealed": revealed}), reply_to=msg)

@@ -108,6 +108,33 @@ def test_a_masked_input_carries_no_plaintext_weight() -> None:
     assert all(dict(meta) == {wire.SERVER_ROUND: Fleet.ROUND, wire.PROFILE: "phone"} for meta in fleet.metas.values())
 
 
+def _unmasked_sum(fleet: Fleet, nodes: list[int], threshold: int) -> np.ndarray:
+    """One honest run of the protocol among ``nodes`` (all pairs): the decoded sum of their updates."""
+    fleet.setup()
+    for node in nodes:
+        fleet.share(node, threshold, [p for p in nodes if p != node])
+    vectors = {node: fleet.masked(node, [p for p in nodes if p != node]) for node in nodes}
+    signatures = {node: fleet.consistency(node, nodes) for node in nodes}
+    revealed = [fleet.unmask(node, nodes, signatures) for node in nodes]
+    total = np.zeros(len(vectors[nodes[0]]), np.uint32)
+    for vector in vectors.values():
+        total = ring_add(total, vector, 32)
+    seeds = [rebuild_secret([bytes(r[f"b/{u}"]) for r in revealed if f"b/{u}" in r]) for u in nodes]  # type: ignore[arg-type]
+    return fleet.codec.decode_sum(unmask(total, seeds, [], 32)[:-2], len(nodes))
+
+
+def test_a_coordinator_cannot_run_a_round_twice_and_subtract_the_sums() -> None:
+    # Prepare: 5 devices unmask an honest sum (t = 3); the coordinator then starts the same round again
+    # without device 5 (the devices would train the same updates again)
+    fleet = Fleet(5)
+    everyone = _unmasked_sum(fleet, fleet.nodes, 3)
+    # Execute / Assert: the devices refuse the second setup (before: the second sum, subtracted from the
+    # first, gave device 5's update)
+    with pytest.raises(ProtocolViolation, match="this device already unmasked in round 3"):
+        recovered = everyone - _unmasked_sum(fleet, fleet.nodes[:-1], 2)
+        pytest.fail(f"the coordinator recovered device 5's update {recovered} (true {fleet.updates[5]})")
+
+
 class MetaRecordingGrid(InlineGrid):
     """fedge's inline grid, keeping the plaintext reply meta of every masked input."""
 
