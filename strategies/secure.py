@@ -409,8 +409,9 @@ class _Folded:
     bad_shares: dict[int, list[int]]
 
 
-class _BadShares(Exception):  # noqa: N818 - control flow inside this module, never escapes it
-    """Devices reported shares that do not open: the round starts again without ``blamed``."""
+class _BadShares(SecureRoundFailed):
+    """Devices reported shares that do not open: the round starts again without ``blamed``
+    (:meth:`SecureAggregation._attempts` catches it; this attempt failed, the round may not)."""
 
     def __init__(self, blamed: dict[int, str]) -> None:
         super().__init__(sorted(blamed))
