@@ -3,9 +3,11 @@
 Threat model: see :mod:`fedge.edge.bundle`. :meth:`EdgeModel.load` verifies the
 signature, the signer's trust, the manifest, every file hash, the expiry and
 (with a :class:`~fedge.edge.bundle.FreshnessStore`) that the bundle is not older
-than one this device already ran, all *before* creating the onnxruntime session;
-it builds the session from the verified bytes, and raises the freshness record
-only once the session exists.
+than one this device already ran, and then that the model references no external
+data and uses standard ONNX ops only (:mod:`fedge.edge.graph_check`: a signature says
+who shipped a model, not that it leaves the device's files alone), all *before*
+creating the onnxruntime session; it builds the session from the checked bytes, and
+raises the freshness record only once the session exists.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from fedge.edge.bundle import SIGNATURE, FreshnessStore, TrustedKey, read_bundle, verify_bundle
+from fedge.edge.graph_check import check_graph, session_of
 from fedge.errors import BundleVerificationError, ConfigError
 from fedge.signature import InputSpec, check_inputs
 
@@ -144,7 +147,8 @@ class EdgeModel:
         manifest = verify_bundle(files, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned,
                                  freshness=freshness, model_id=model_id, now=now)
         chosen = _variant(manifest, variant)
-        model = cls(_open_session(files[manifest["variants"][chosen]["file"]], manifest, threads), manifest, chosen)
+        name = manifest["variants"][chosen]["file"]
+        model = cls(_open_session(files[name], manifest, threads, name), manifest, chosen)
         if freshness is not None and SIGNATURE in files:
             freshness.record(manifest, now=now)
         return model
@@ -322,15 +326,16 @@ def _kind(dtype: np.dtype[Any]) -> str:
     return "i" if dtype.kind == "u" else dtype.kind
 
 
-def _open_session(model_bytes: bytes, manifest: dict[str, Any], threads: int) -> Any:
-    """An onnxruntime session of verified bytes that must match what the manifest says of them."""
-    import onnxruntime as ort
+def _open_session(model_bytes: bytes, manifest: dict[str, Any], threads: int, what: str) -> Any:
+    """An onnxruntime session of verified bytes that must match what the manifest says of them.
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
+    The graph is checked first (:func:`fedge.edge.graph_check.check_graph`: no external
+    data, standard ONNX ops only): a signed model that would read the device's files is
+    refused before any session exists.
+    """
+    checked = check_graph(model_bytes, what=what)
     try:
-        session = ort.InferenceSession(model_bytes, sess_options=options, providers=["CPUExecutionProvider"])
+        session = session_of(checked, threads=threads)
     except Exception as exc:  # onnxruntime raises its own types, all from a signed but broken model
         raise BundleVerificationError(f"onnxruntime cannot load the signed model ({type(exc).__name__}); "
                                       "re-export the bundle with `fedge export`") from None

@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 
 from fedge.batching import batch_order
+from fedge.edge.graph_check import CheckedGraph, check_graph, check_op_list, session_of
+from fedge.edge.training_bundle import EVAL_FILE, GRAPH_OPS, TRAIN_FILE
 from fedge.errors import ConfigError
 from fedge.signature import InputSpec, check_inputs
 from fedge.wire import LocalWork as LocalTrainStats  # what a train reply reports
@@ -101,27 +103,34 @@ class OnnxTrainer:
     threads : int
         onnxruntime's intra-op threads (1 keeps results reproducible and a phone cool).
 
+    Threat model: the graphs are code from the coordinator; a signature says who shipped
+    them, not what they do. Before any session exists both are checked
+    (:func:`fedge.edge.graph_check.check_graph`): a graph referencing external data (a
+    file on the device, returned inside the update) or an op outside the standard ONNX
+    domain is refused, and, when the manifest lists each graph's ops (``graph_ops``, as
+    every signed training bundle does), a graph whose ops differ from that list is refused.
+    What a graph *can* legitimately compute from the device's examples, it can send: only
+    secure aggregation and differential privacy bound what one update reveals.
+
     Raises
     ------
     ConfigError
         When the manifest lacks what training needs or the graphs do not take what it says.
+    BundleVerificationError
+        When a graph references external data, uses a non-standard op, or differs from the
+        manifest's op list (no session is created).
     """
 
     def __init__(self, train_onnx: bytes, eval_onnx: bytes, manifest: Mapping[str, Any], *, threads: int = 1) -> None:
-        import onnxruntime as ort  # noqa: PLC0415 - only a device that trains pays for it
-
         self.state, self.inputs, self.target_shape, self.target_dtype = _read_manifest(manifest)
         listed = [str(name) for name in manifest.get("metrics", [])]
         self.metrics = tuple(name for name in listed if name in NUMPY_METRICS)
         skipped = sorted(set(listed) - set(NUMPY_METRICS) - {LOSS})
         if skipped:
             log.info("metrics %s have no numpy version on this device; evaluate() leaves them out", skipped)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        providers = ["CPUExecutionProvider"]
-        self._train = ort.InferenceSession(train_onnx, options, providers=providers)
-        self._eval = ort.InferenceSession(eval_onnx, options, providers=providers)
+        train, evaluation = _checked_graphs(train_onnx, eval_onnx, manifest)
+        self._train = session_of(train, threads=threads)
+        self._eval = session_of(evaluation, threads=threads)
         self._trainable = tuple(entry for entry in self.state if entry.trainable)
         self._check_graph(self._train, [LOSS, *(GRAD_PREFIX + e.name for e in self._trainable)], "train.onnx")
         self._check_graph(self._eval, [LOSS, OUTPUT], "eval.onnx")
@@ -259,6 +268,18 @@ class MomentumUpdate:
             else:
                 velocity = grad
             state[name] = param - param.dtype.type(self.learning_rate) * velocity
+
+
+def _checked_graphs(train_onnx: bytes, eval_onnx: bytes,
+                    manifest: Mapping[str, Any]) -> tuple[CheckedGraph, CheckedGraph]:
+    """Both graphs checked (no external data, standard ops) and, when listed, against the manifest's op lists."""
+    checked = (check_graph(train_onnx, what=TRAIN_FILE), check_graph(eval_onnx, what=EVAL_FILE))
+    declared = manifest.get(GRAPH_OPS)
+    if declared is not None:
+        listed = declared if isinstance(declared, Mapping) else {}
+        for graph, name in zip(checked, (TRAIN_FILE, EVAL_FILE), strict=True):
+            check_op_list(graph, listed.get(name), what=name)
+    return checked
 
 
 def _read_manifest(manifest: Mapping[str, Any]) -> tuple[tuple[_Entry, ...], tuple[InputSpec, ...],

@@ -10,8 +10,11 @@ A training bundle is a zip of four files:
   (name, shape, dtype, trainable), the inputs (as inference manifests write them), the
   targets (shape, dtype), the metrics a device can compute, the optimiser
   (``sgd-momentum``), the parity of the export, the opset, the library versions, every
-  file's SHA-256 and size, and ``architecture``: the SHA-256 of ``train.onnx`` followed by
-  ``eval.onnx``, by which devices cache the graphs (they do not change with the weights);
+  file's SHA-256 and size, ``architecture``: the SHA-256 of ``train.onnx`` followed by
+  ``eval.onnx``, by which devices cache the graphs (they do not change with the weights),
+  and ``graph_ops``: each graph's op types (all in the standard ONNX domain), which a
+  device owner can read and pin, and which the device enforces (a graph whose ops differ
+  is refused before any session, :class:`fedge.edge.trainer.OnnxTrainer`);
 * ``manifest.sig``: the Ed25519 signature envelope of :mod:`fedge.edge.bundle`.
 
 Threat model: the same as inference bundles (see :mod:`fedge.edge.bundle`): a device
@@ -19,8 +22,12 @@ accepts a training bundle only when a key it trusts signed the manifest, every l
 has its listed hash, no other file is there, it has not expired and (with a
 :class:`~fedge.edge.bundle.FreshnessStore`) it is not older than one it accepted. The
 signing, zip-safety, hash and freshness checks are :mod:`fedge.edge.bundle`'s own; only
-the manifest's fields differ. The weights are not in the bundle: they come with each
-round's instructions.
+the manifest's fields differ. A signature says who shipped a graph, not what it does:
+the trainer refuses graphs that reference external data (device files) or non-standard
+ops (:mod:`fedge.edge.graph_check`), yet a graph can still compute anything from the
+examples it trains on and return it in the update, as any federated client code could;
+only secure aggregation and differential privacy bound what one update reveals. The
+weights are not in the bundle: they come with each round's instructions.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ from fedge.edge.bundle import (
     sha256,
     sign_manifest,
 )
+from fedge.edge.graph_check import check_graph
 from fedge.errors import BundleVerificationError, ConfigError
 from fedge.files import write_bytes_atomic
 from fedge.signature import DTYPES, InputSpec
@@ -72,6 +80,8 @@ TRAINING_FORMAT = "fedge-training-bundle/1"
 KIND = "training"
 TRAIN_FILE = "train.onnx"
 EVAL_FILE = "eval.onnx"
+GRAPH_OPS = "graph_ops"  # each graph's op list: {file: {"domains": ["ai.onnx"], "ops": [op types]}}
+MAX_OPS_LISTED = 1024
 OPTIMIZER = "sgd-momentum"
 MAX_STATE = 4096  # most state entries a manifest may declare
 _VERSIONED = ("fedge", "torch", "onnx", "onnxruntime", "onnxscript")
@@ -191,8 +201,18 @@ def training_manifest(values: Mapping[str, Any], *, task: str, metrics: Sequence
         "parity": _parity(values),
         "opset": int(values["opset"]),
         "architecture": architecture_of(values["train_onnx"], values["eval_onnx"]),
+        GRAPH_OPS: {TRAIN_FILE: _op_list(values["train_onnx"], TRAIN_FILE),
+                    EVAL_FILE: _op_list(values["eval_onnx"], EVAL_FILE)},
         "versions": _versions(),
     }
+
+
+def _op_list(graph: bytes, name: str) -> dict[str, list[str]]:
+    """The graph's op list for the manifest; a graph devices would refuse is refused here already."""
+    try:
+        return check_graph(graph, what=name).op_list()
+    except BundleVerificationError as exc:
+        raise ConfigError(f"every device would refuse this training graph: {exc}") from None
 
 
 def _parity(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -323,7 +343,22 @@ def _parse_training_manifest(data: bytes) -> dict[str, Any]:
         raise _bad("parity", "must be {\"max_abs_diff\": <number>}")
     if not isinstance(manifest.get("architecture"), str):
         raise _bad("architecture", "must be the graphs' SHA-256")
+    _check_graph_ops(manifest.get(GRAPH_OPS))
     return manifest
+
+
+def _check_graph_ops(listed: object) -> None:
+    """Each graph's op list: what a device owner can read in the signed manifest, and what the device enforces."""
+    shape = "must list each graph's ops ({\"train.onnx\": {\"domains\": [...], \"ops\": [...]}, ...}; bundles " \
+            "made before fedge recorded them: re-export on the coordinator)"
+    if not isinstance(listed, dict) or set(listed) != {TRAIN_FILE, EVAL_FILE}:
+        raise _bad(GRAPH_OPS, shape)
+    for entry in listed.values():
+        if not isinstance(entry, dict) or set(entry) != {"domains", "ops"} or not all(
+                isinstance(names, list) and len(names) <= MAX_OPS_LISTED
+                and all(isinstance(name, str) and 0 < len(name) <= 128 for name in names)
+                for names in entry.values()):
+            raise _bad(GRAPH_OPS, shape)
 
 
 def _check_state(state: object) -> None:

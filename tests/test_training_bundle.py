@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from tiny_bundles import tiny_model
 from torch import nn
 
 from fedge.edge.bundle import FreshnessStore
@@ -37,8 +38,8 @@ def graphs() -> TrainingGraphs:
 
 
 def fake_graphs() -> dict[str, Any]:
-    """The fields of a TrainingGraphs with stand-in graph bytes (the format does not parse them)."""
-    return {"train_onnx": b"train graph", "eval_onnx": b"eval graph",
+    """The fields of a TrainingGraphs with stand-in graphs (valid ONNX: the manifest lists their ops)."""
+    return {"train_onnx": tiny_model(), "eval_onnx": tiny_model(2.0),
             "state": [{"name": "weight", "shape": [3, 5], "dtype": "float32", "trainable": True}],
             "inputs": [InputSpec("features", ("batch", 5))], "target_shape": ("batch",), "target_dtype": "int64",
             "max_abs_diff": 1e-8, "opset": 20}
