@@ -236,3 +236,29 @@ def test_malformed_shares_from_one_device_leave_it_out_and_the_round_completes(
     secure = load_checkpoint(run_dir / "checkpoint.npz").arrays
     for name, value in honest_five.items():
         np.testing.assert_allclose(secure[name], value, atol=1e-4)
+
+
+def test_a_device_naming_every_neighbour_as_a_bad_sender_is_left_out_itself(
+    honest_five: dict[str, np.ndarray], tmp_path: Path
+) -> None:
+    # Prepare: 6 laptops (t = 3 of 5); partition 3 gets good shares but reports all 5 neighbours'
+    # as bad, to have the honest devices thrown out of the round
+    config = resolve_run_config({**BASE, "secure-aggregation": True, "run-dir": str(tmp_path / "r")})
+    honest = [FIRST_NODE_ID + i for i in range(6) if i != 3]
+
+    def frame(content: RecordDict) -> None:
+        content.clear()
+        content.config_records[wire.SECAGG_BAD_SHARES] = ConfigRecord({"senders": honest})
+
+    # Execute
+    run_dir = run_coordinator(InlineGrid(tampered_app(3, "secagg_masked", frame), NODES, config), config,
+                              progress=False)
+    # Assert: more than k - t = 2 neighbours named: partition 3 is the one left out; the round is the
+    # honest devices' plaintext aggregate
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows[1]["aggregated"]
+    assert [rejection["node_id"] for rejection in rows[1]["rejections"]] == [FIRST_NODE_ID + 3]
+    assert "more than 2 (an honest majority allows)" in rows[1]["rejections"][0]["reason"]
+    secure = load_checkpoint(run_dir / "checkpoint.npz").arrays
+    for name, value in honest_five.items():
+        np.testing.assert_allclose(secure[name], value, atol=1e-4)
