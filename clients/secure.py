@@ -356,6 +356,8 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
                                    str(server_round).encode())
                       for peer in holding}
         vector = masked_input(encoded, bytes(state["b"]), pair_seeds, me, bits)  # type: ignore[arg-type]
+        context.state[wire.LOCAL_WORK] = ConfigRecord(  # kept here, never sent (the simulation's clock reads it)
+            {wire.SAMPLES_PROCESSED: trained.config_records[wire.REPLY_META].get(wire.SAMPLES_PROCESSED, 0)})
         received = Received(arrays_digest({name: array.numpy() for name, array in global_arrays.items()}),
                             config_digest(msg.content.config_records[wire.CONFIG], params))
         state["r-arrays"], state["r-config"] = received.arrays, received.config

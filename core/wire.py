@@ -36,6 +36,9 @@ TRAINING_GRAPH = "training-graph"
 # sent ("arrays", "config", "signature"), or instead, the neighbours whose shares did not open ("senders")
 SECAGG_RECEIVED = "secagg-received"
 SECAGG_BAD_SHARES = "secagg-bad-shares"
+# a device's own state (never sent): the samples its last masked input trained on, which the
+# inline simulation's virtual clock charges (secure aggregation's replies do not carry them)
+LOCAL_WORK = "fedge-local-work"
 
 @dataclass(frozen=True)
 class LocalWork:

@@ -192,7 +192,10 @@ class MeteredGrid(Grid):
         profile = self.fleet.profiles.get(name, self.fallback)
         self.current.bytes_up_by_profile[profile.name] += bytes_up
         self.current.bytes_down_by_profile[profile.name] += bytes_down
-        return reply_seconds(profile, bytes_down, bytes_up, meta.samples_processed if meta else 0)
+        samples = meta.samples_processed if meta else 0
+        if meta and not samples and callable(local := getattr(self.inner, "node_work", None)):
+            samples = local(node) or 0  # a secure masked input: the simulated device's own note of its work
+        return reply_seconds(profile, bytes_down, bytes_up, samples)
 
     def node_profile(self, node: int) -> str | None:
         """The inner grid's idea of ``node``'s profile, if it has one (fedge's simulation does)."""

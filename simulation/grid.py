@@ -25,6 +25,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedge import wire
 from fedge.behaviour import Behaviour
 from fedge.profiles import Fleet
 
@@ -155,6 +156,13 @@ class InlineGrid(Grid):
         if isinstance(self._nodes, FleetNodes):
             return self._names[int(self._codes[index])]
         return str(self._nodes[index]["profile"]) if "profile" in self._nodes[index] else None
+
+    def node_work(self, node: int) -> int | None:
+        """Samples the simulated device's last secure masked input trained on, from its own state
+        (:data:`fedge.wire.LOCAL_WORK`; the reply does not carry them): for the virtual clock only."""
+        context = self.kept.get(node)
+        record = context.state.config_records.get(wire.LOCAL_WORK) if context is not None else None
+        return int(record[wire.SAMPLES_PROCESSED]) if record is not None else None  # type: ignore[arg-type]
 
     def set_run(self, run: Run) -> None:
         """Adopt ``run``'s identity."""
