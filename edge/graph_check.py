@@ -213,6 +213,8 @@ def _check_graph_body(graph: Any, where: str, ops: set[str], what: str) -> None:
     for sparse in graph.sparse_initializer:
         _check_sparse(sparse, f"{where} sparse initializer", what)
     for node in graph.node:
+        if not isinstance(node.op_type, str) or not isinstance(node.domain, str):  # protobuf gives bytes for bad UTF-8
+            raise _refused(what, f"has a node whose op type or domain is not UTF-8 text ({where})")
         if node.domain not in ALLOWED_DOMAINS:
             raise _refused(what, f"has op '{node.op_type}' of domain '{_short(node.domain)}' ({where}); devices run "
                                  "standard ONNX ops only")
