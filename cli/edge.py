@@ -75,6 +75,9 @@ def _add_pull_parser(sub: Any) -> None:
                                                "else ~/.fedge-device/bundles)")
     pull.add_argument("--state-dir", type=Path, metavar="DIR",
                       help="freshness store refusing rollbacks (default: DIR/.freshness)")
+    pull.add_argument("--model-id", metavar="NAME",
+                      help="accept the bundles of this lineage (signed model_id) only, and follow it from now on; "
+                           "without it the lineage of the first pull is pinned and any other refused")
     pull.add_argument("--timeout", type=float, default=60.0, help="seconds a connection or read may stall")
     pull.add_argument("--insecure", action="store_true",
                       help="plain HTTP, no device key: only for a coordinator started --insecure")
@@ -259,13 +262,16 @@ def _pull(args: argparse.Namespace) -> int:
     if not args.insecure and (args.key is None or args.ca is None):
         raise ConfigError("give --key (this device's key from `fedge keys add-device`) and --ca (the coordinator's "
                           "ca.crt), or --insecure against a coordinator started --insecure")
+    if args.model_id is not None and args.kind == "all":
+        raise ConfigError("--model-id names one lineage, and inference and training bundles have their own: "
+                          "use it with --kind inference or --kind training")
     home = Path(os.environ.get("FEDGE_DEVICE_HOME", Path.home() / ".fedge-device"))
     directory = args.dir or home / "bundles"
     for kind in KINDS if args.kind == "all" else (args.kind,):
         try:
             result = pull(url_or_address=args.coordinator, kind=kind, directory=directory, device_key=args.key,
                           ca=args.ca, trusted_keys=args.trust, freshness_dir=args.state_dir, timeout=args.timeout,
-                          insecure=args.insecure)
+                          insecure=args.insecure, model_id=args.model_id)
         except NotPublished:
             if args.kind != "all":
                 raise

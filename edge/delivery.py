@@ -66,8 +66,9 @@ from fedge.edge.bundle import (
     verify_bundle,
     zip_lineage,
 )
+from fedge.edge.signing import ensure_private_dir
 from fedge.errors import BundleVerificationError, FedgeError
-from fedge.files import exclusive_lock
+from fedge.files import exclusive_lock, write_bytes_atomic
 
 if sys.platform != "win32":
     pass
@@ -78,6 +79,7 @@ HEADER_DEVICE = "X-Fedge-Device"
 HEADER_TIMESTAMP = "X-Fedge-Timestamp"
 HEADER_NONCE = "X-Fedge-Nonce"
 HEADER_SIGNATURE = "X-Fedge-Signature"
+LINEAGE_PIN = "lineage.pin"  # in the freshness directory of each kind: the model_id this device follows
 SCHEME = "fedge-bundle-request/1"
 DEFAULT_TIMEOUT = 60.0
 CHUNK = 1 << 20
@@ -181,6 +183,7 @@ def pull(
     timeout: float = DEFAULT_TIMEOUT,
     insecure: bool = False,
     verifier: Verifier | None = None,
+    model_id: str | None = None,
 ) -> PullResult:
     """Fetch the coordinator's ``kind`` bundle if it changed, verify it, and swap it in atomically.
 
@@ -211,12 +214,22 @@ def pull(
         ``verifier(path, trusted_keys, freshness) -> manifest`` for this kind (default: the
         bundle format's own: :func:`fedge.edge.bundle.verify_bundle` for inference,
         ``fedge.edge.training_bundle.read_training_bundle`` for training).
+    model_id : str, optional
+        The lineage (signed ``model_id``) to accept, by name. Without it, the lineage of
+        this kind's first pull is pinned (``LINEAGE_PIN`` in the freshness directory) and a
+        bundle of any other lineage is refused; with it, only that lineage is accepted, and
+        pinned once installed.
+
+    Threat model (lineage): rollback protection orders the versions of one lineage only. A
+    bundle of another lineage (another or an older run's, signed by the same key) would
+    otherwise replace the current model at any version; the pin refuses it unless the
+    device's owner names it.
 
     Raises
     ------
     BundleVerificationError
-        The download failed a check (signature, trust, hash, expiry, rollback); the bundle
-        held before is kept.
+        The download failed a check (signature, trust, hash, expiry, rollback, another
+        lineage than the pinned or asked one); the bundle held before is kept.
     DeliveryError
         The coordinator could not be reached, its certificate did not verify, it refused
         this device (401), or nothing is published (:class:`NotPublished`).
@@ -231,8 +244,7 @@ def pull(
     key = device_key if isinstance(device_key, ec.EllipticCurvePrivateKey) or device_key is None \
         else load_device_key(device_key)
     scheme, host, port, prefix = _endpoint(url_or_address, insecure)
-    folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = ensure_private_dir(directory)  # 0700 whatever the umask: only this device's user swaps bundles
     base_store = Path(freshness_dir) if freshness_dir is not None else folder / ".freshness"
     store = FreshnessStore(base_store if kind == "inference" else base_store / "training")
     check = verifier or _default_verifier(kind)
@@ -251,8 +263,9 @@ def pull(
                 if held is None:
                     raise DeliveryError("the coordinator answered 304 (not modified) to a device that holds no "
                                         "bundle; try again")
-                model_id, version = zip_lineage(target)
-                return PullResult(kind, False, target, version, held, 0, model_id)
+                held_id, version = zip_lineage(target)
+                _check_asked(kind, held_id, model_id)
+                return PullResult(kind, False, target, version, held, 0, held_id)
             _raise_for_status(response, kind, url_or_address)
             scratch, digest, size = _download(response, folder, target.name)
         finally:
@@ -263,10 +276,12 @@ def pull(
                 raise DeliveryError(f"the {kind} bundle arrived damaged (its SHA-256 is not the coordinator's "
                                     "ETag); pull again")
             if digest == held:  # the same bytes again (the coordinator ignored If-None-Match)
-                model_id, version = zip_lineage(target)
-                return PullResult(kind, False, target, version, digest, size, model_id)
+                held_id, version = zip_lineage(target)
+                _check_asked(kind, held_id, model_id)
+                return PullResult(kind, False, target, version, digest, size, held_id)
             try:
                 manifest = dict(check(scratch, trusted_keys, store))
+                _check_lineage(kind, manifest.get("model_id"), model_id, store.directory / LINEAGE_PIN)
             except BundleVerificationError as exc:
                 kept = f"kept the bundle already in {target}" if held is not None else "nothing was installed"
                 raise BundleVerificationError(f"{kind} bundle from {url_or_address} refused: {exc} ({kept})") \
@@ -277,9 +292,50 @@ def pull(
             raise
         if manifest.get("model_id") is not None or manifest.get("version") is not None:
             store.record(manifest)
+        if isinstance(manifest.get("model_id"), str):
+            _pin(store.directory / LINEAGE_PIN, manifest["model_id"])
         version = manifest.get("version")
         return PullResult(kind, True, target, version if isinstance(version, int) else None, digest, size,
                           manifest.get("model_id"))
+
+
+def pinned_lineage(pin: Path) -> str | None:
+    """The ``model_id`` pinned in ``pin``, or None before the first pull; fails closed on a damaged pin."""
+    try:
+        record = json.loads(pin.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError):
+        record = None
+    if not isinstance(record, dict) or not isinstance(record.get("model_id"), str):
+        raise BundleVerificationError(f"lineage pin '{pin}' is damaged; every bundle is refused until it is "
+                                      "deleted and the lineage named again (`fedge pull --model-id NAME`)")
+    return str(record["model_id"])
+
+
+def _check_lineage(kind: str, offered: Any, asked: str | None, pin: Path) -> None:
+    """Refuse a bundle whose lineage is not the one asked for by name, else not the pinned one."""
+    if asked is not None:
+        _check_asked(kind, offered, asked)
+        return
+    pinned = pinned_lineage(pin)
+    if pinned is not None and offered != pinned:
+        raise BundleVerificationError(
+            f"the {kind} bundle is of model '{offered}', but this device follows model '{pinned}' (pinned on its "
+            f"first pull); a bundle of another lineage is not installed unless asked for by name: "
+            f"`fedge pull --kind {kind} --model-id '{offered}'` switches to it")
+
+
+def _check_asked(kind: str, offered: str | None, asked: str | None) -> None:
+    if asked is not None and offered != asked:
+        raise BundleVerificationError(f"the coordinator's {kind} bundle is of model '{offered}', not '{asked}' "
+                                      "that --model-id asks for")
+
+
+def _pin(pin: Path, model_id: str) -> None:
+    if pinned_lineage(pin) != model_id:
+        ensure_private_dir(pin.parent)
+        write_bytes_atomic(pin, (json.dumps({"model_id": model_id}) + "\n").encode())
 
 
 def _default_verifier(kind: str) -> Verifier:
@@ -407,8 +463,8 @@ def _download(response: http.client.HTTPResponse, folder: Path, name: str) -> tu
 
 
 def _install(scratch: Path, target: Path) -> None:
-    """Rename the verified download over ``target`` and make the rename durable."""
-    os.chmod(scratch, 0o644)
+    """Rename the verified download over ``target`` (0600: the device's own state) and make the rename durable."""
+    os.chmod(scratch, 0o600)
     os.replace(scratch, target)
     if sys.platform != "win32":
         directory = os.open(target.parent, os.O_RDONLY)
