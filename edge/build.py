@@ -27,8 +27,9 @@ from torch import nn
 import fedge
 from fedge.edge.bundle import format_time, write_bundle
 from fedge.edge.export import LOGITS_NAME, OUTPUT_NAME, ExportReport, OutputInfo, export_onnx, torch_outputs
+from fedge.edge.graph_check import check_graph
 from fedge.edge.quantize import Int8Model, quantize_int8
-from fedge.errors import ConfigError, ExportError
+from fedge.errors import BundleVerificationError, ConfigError, ExportError
 from fedge.signature import InputSpec, check_inputs
 
 FP32_FILE, INT8_FILE = "model.onnx", "model.int8.onnx"
@@ -152,6 +153,8 @@ def build_bundle(
     manifest = _manifest(spec, specs, report, int8, sample, fp32_out)
     manifest["metrics"] = _metrics(spec, report, score, fp32_out, int8_out)
     files = {FP32_FILE: fp32, **({INT8_FILE: int8.model} if int8.model is not None else {})}
+    for name, data in files.items():
+        _check_devices_accept(data, name)
     path = write_bundle(out_dir, files, manifest, private_key=private_key, make_zip=make_zip)
     return BuiltBundle(path=path, manifest=manifest)
 
@@ -162,6 +165,14 @@ def _check_graph(fp32: bytes) -> None:
     except onnx.checker.ValidationError as exc:
         raise ExportError(f"exported model fails onnx.checker: {exc}; the exporter produced an invalid graph, "
                           "report it with the model's class and the torch and onnx versions") from exc
+
+
+def _check_devices_accept(model_bytes: bytes, name: str) -> None:
+    """The graph passes the check every device runs before loading it (no external data, standard ops)."""
+    try:
+        check_graph(model_bytes, what=name)
+    except BundleVerificationError as exc:
+        raise ExportError(f"every device would refuse this bundle: {exc}") from None
 
 
 def _check_outputs(outputs: list[np.ndarray], examples: int) -> None:
