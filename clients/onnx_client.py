@@ -15,7 +15,14 @@ and names it with its public signing key in its node config (``training-bundle``
 Threat model: the graph is code the device runs, so it is verified (Ed25519 signature by
 a key the device trusts, every file's hash) each time it is loaded, and the train
 instruction names the architecture hash the coordinator expects: a device holding
-another graph refuses the round instead of training the wrong model.
+another graph refuses the round instead of training the wrong model. A signature only
+says who shipped the graph: before any onnxruntime session, :class:`OnnxTrainer` refuses
+a graph that references external data (a file on the device, which onnxruntime would
+read relative to the working directory and the graph would return as the update) or an
+op outside the standard ONNX domain, or whose ops differ from the signed manifest's
+``graph_ops`` list (:mod:`fedge.edge.graph_check`). What a graph legitimately computes
+from the device's examples it can still send, as any federated client code can; secure
+aggregation and differential privacy bound what one update reveals.
 """
 
 from __future__ import annotations
