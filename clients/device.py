@@ -26,6 +26,7 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
+from fedge.edge.signing import ensure_private_dir
 from fedge.errors import ConfigError, FedgeError, Stopped
 from fedge.profiles import RUNTIMES, parse_fleet
 from fedge.task.data import load_local_file
@@ -268,6 +269,7 @@ def run_device(options: DeviceOptions) -> int:
 
 def _run_device(options: DeviceOptions, state: Path) -> int:
     check_device(options)
+    ensure_private_dir(state)  # bundles, freshness records, Flower's home: 0700 whatever the umask
     host, port = split_address(options.coordinator)
     if options.insecure:
         print(INSECURE_WARNING, file=sys.stderr, flush=True)
@@ -275,7 +277,6 @@ def _run_device(options: DeviceOptions, state: Path) -> int:
     if not options.insecure:
         assert options.ca is not None
         check_tls(host, port, options.ca)
-    state.mkdir(parents=True, exist_ok=True)
     training_bundle = pull_training_graph(options, state) if options.runtime == "onnx" else None
     started = time.monotonic()
     wait = options.max_wait_s if options.max_wait_s is not None else 90.0
@@ -325,7 +326,7 @@ def _run_supernode(options: DeviceOptions, state: Path,
 
     # A session of its own: a terminal's Ctrl-C reaches fedge only, which stops everything in order
     process = subprocess.Popen(supernode_command(options, training_bundle),
-                               env=flower_env((state / "flwr-home").resolve()),
+                               env=flower_env((state / "flwr-home").resolve()), umask=0o077,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                start_new_session=True)
     _SUPERNODE[:] = [process]

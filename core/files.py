@@ -9,7 +9,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO, Literal, overload
 
 from fedge.errors import ConfigError
 
@@ -95,3 +95,23 @@ def read_regular_file(path: str | Path, *, limit: int, what: str) -> bytes:
     if len(content) > limit:
         raise ConfigError(f"cannot read {what} '{path}': larger than {limit:,} bytes; is it the right file?")
     return content
+
+
+@overload
+def open_private_append(path: Path, *, text: Literal[False] = False) -> BinaryIO: ...
+@overload
+def open_private_append(path: Path, *, text: Literal[True]) -> IO[str]: ...
+def open_private_append(path: Path, *, text: bool = False) -> BinaryIO | IO[str]:
+    """Open ``path`` for appending, created (or kept) mode 0600 whatever the umask.
+
+    For logs that may name devices, runs and errors: ``open()`` follows the umask (0666
+    under umask 0), and an existing file keeps whatever mode it had.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        if sys.platform != "win32":
+            os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "a", encoding="utf-8") if text else os.fdopen(fd, "ab")
+    except BaseException:
+        os.close(fd)
+        raise

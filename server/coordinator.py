@@ -43,13 +43,16 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
 from fedge.config import DEFAULTS, Scalar
+from fedge.edge.signing import ensure_private_dir
 from fedge.errors import ConfigError, FedgeError
+from fedge.files import open_private_append
 from fedge.process import flower_bin, flower_env, stop_processes
 from fedge.server.pki import CoordinatorKeys
 from fedge.server.rejoins import REVOKED_ENV, revoked_nodes
 
 log = logging.getLogger("fedge.server.coordinator")
 
+PRIVATE_UMASK = 0o077  # what the SuperLink and the run create (database, WAL, logs, run files): its user's only
 NAMES_ENV = "FEDGE_DEVICE_NAMES"  # the ServerApp finds the node id -> device name map here
 # One call to the SuperLink's Control API (loopback, operator token) that lists its nodes and, with
 # "sync", makes them follow the allow-list KEYS/devices/*.pub: a key not registered yet is registered,
@@ -204,8 +207,15 @@ class Coordinator:
         return (self.state_dir / "flwr-home").resolve()
 
     def start(self) -> None:
-        """Start the SuperLink and wait until it answers; register device keys."""
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        """Start the SuperLink and wait until it answers; register device keys.
+
+        Threat model: the state directory holds the SuperLink's database (messages in flight,
+        registered keys), its WAL, the logs, the operator token and the published bundles.
+        It and ``published/`` are made 0700 whatever the umask (an existing one open to others
+        is tightened), the logs 0600, and the SuperLink runs under umask 077, so that every file
+        it creates (``superlink.db`` and its ``-wal``/``-shm``) is its user's only.
+        """
+        self._private_state()
         if self.insecure:
             print(INSECURE_WARNING, file=sys.stderr, flush=True)
         else:
@@ -223,13 +233,22 @@ class Coordinator:
             raise ConfigError(f"--bundle-port {bundle_port} is taken by the coordinator's device or control port; "
                               "give the bundle service a port of its own (or 0 for a free one)")
         self._write_flower_config()
-        logs = (self.state_dir / "superlink.log").open("ab")
+        logs = open_private_append(self.state_dir / "superlink.log")
         # A session of its own: a terminal's Ctrl-C reaches fedge only, which stops everything in order
-        self.superlink = subprocess.Popen(self._superlink_command(), env=self.env(),
+        self.superlink = subprocess.Popen(self._superlink_command(), env=self.env(), umask=PRIVATE_UMASK,
                                           stdout=logs, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_healthy(timeout=60)
         self.register_devices(stop_stale_runs=True)
         self._start_bundles(bundle_port)
+
+    def _private_state(self) -> None:
+        """``STATE_DIR`` and ``published/`` 0700, a database left by an older fedge 0600."""
+        ensure_private_dir(self.state_dir)
+        ensure_private_dir(self.published)
+        for name in ("superlink.db", "superlink.db-wal", "superlink.db-shm"):
+            path = self.state_dir / name
+            if path.exists():
+                os.chmod(path, 0o600)
 
     def _start_bundles(self, port: int) -> None:
         """Serve ``STATE_DIR/published`` to registered devices (a busy default port only warns)."""
@@ -402,9 +421,9 @@ class Coordinator:
         app_dir = self._app_description()
         overrides = " ".join(f"{key}={_toml(value)}" for key, value in run_config.items())
         command = [flower_bin("flwr"), "run", str(app_dir), CONNECTION, "--run-config", overrides, "--stream"]
-        with (self.state_dir / "run.log").open("a") as log_file:
+        with open_private_append(self.state_dir / "run.log", text=True) as log_file:
             output = RunOutput(console or sys.stdout, log_file)
-            self.runner = subprocess.Popen(command, env=self.env(), stdout=subprocess.PIPE,
+            self.runner = subprocess.Popen(command, env=self.env(), umask=PRIVATE_UMASK, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, text=True, bufsize=1,
                                            start_new_session=True)
             assert self.runner.stdout is not None
