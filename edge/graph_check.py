@@ -6,9 +6,9 @@ keep its bytes in an "external data" file (``data_location = EXTERNAL`` and an
 ``external_data`` ``location``), and onnxruntime resolves that location for a model given
 as bytes against the process's working directory: a training graph whose initializer
 pointed at ``phone-017.key`` returned the device's private key inside its update (measured
-with onnxruntime 1.32: a file in the working directory is read; ``../`` and absolute paths
-are refused by onnxruntime itself since 1.2x, but older releases read those too). So a
-device refuses, before creating a session:
+with onnxruntime 1.32: a file in the working directory, or below it, is read; ``../`` and
+absolute paths are refused by that release itself, but the ``edge`` install does not pin
+onnxruntime and fedge does not rely on it). So a device refuses, before creating a session:
 
 * every tensor with external data or any data location but the default, wherever it is:
   graph initializers, sparse initializers (values and indices), node attributes (``t``,
@@ -247,8 +247,10 @@ def _refused(what: str, problem: str) -> BundleVerificationError:
     return BundleVerificationError(f"{what} {problem}: refused before any onnxruntime session; {FIX}")
 
 
-def _short(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
+def _short(text: str | bytes, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters; a name protobuf gave back as bytes (not UTF-8) as its repr."""
+    shown = text if isinstance(text, str) else repr(text)
+    return shown if len(shown) <= limit else shown[:limit] + "..."
 
 
 def _names(names: Iterator[str] | Any) -> str:

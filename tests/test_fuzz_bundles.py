@@ -607,15 +607,28 @@ def test_the_clean_nested_model_is_accepted() -> None:
     assert check_graph(_CLEAN_NESTED, what="model.onnx").ops == ("Constant", "If", "Loop")
 
 
-@pytest.mark.parametrize("field", [b"Gemm", b"W"], ids=["op-type", "tensor-name"])
+@pytest.mark.parametrize("field", [b"Gemm", b"W", b"C" * 100], ids=["op-type", "tensor-name", "long-attribute-name"])
 def test_names_that_are_not_utf8_are_refused_or_harmless(field: bytes) -> None:
-    # Found by the byte fuzzer: protobuf hands a proto2 string that is not UTF-8 back as bytes,
-    # and sorting the op types crashed with a TypeError
+    # Found by the byte fuzzer: protobuf hands a proto2 string that is not UTF-8 back as bytes;
+    # sorting the op types, then shortening a long name for the message, crashed with a TypeError
+    from onnx import helper  # noqa: PLC0415
     from tiny_bundles import tiny_model  # noqa: PLC0415
 
-    case = tiny_model().replace(field, field[:-1] + b"\xff")
-    if field == b"Gemm":
+    model = onnx_model(tiny_model())
+    model.graph.node[0].attribute.append(helper.make_attribute("C" * 100, 1.0))
+    model.graph.node.append(helper.make_node("Relu", ["logits"], ["out"], domain="evil.domain"))
+    case = (model.SerializeToString() if field == b"C" * 100 else tiny_model()).replace(field, field[:-1] + b"\xff")
+    if field == b"C" * 100:
+        with pytest.raises(BundleVerificationError, match="domain 'evil.domain'"):
+            check_graph(case, what="model.onnx")
+    elif field == b"Gemm":
         with pytest.raises(BundleVerificationError, match="not UTF-8 text"):
             check_graph(case, what="model.onnx")
     else:
         assert check_graph(case, what="model.onnx").ops == ("Gemm",)
+
+
+def onnx_model(data: bytes) -> Any:
+    import onnx  # noqa: PLC0415
+
+    return onnx.load_from_string(data)
