@@ -60,6 +60,7 @@ def _context(run_config: dict[str, Any], node_config: dict[str, Any]) -> Context
     return Context(run_id=1, node_id=5, state=RecordDict(), run_config=run_config, node_config=node_config)
 
 
+@pytest.mark.slow  # exports and signs a training graph (about 12 s on 2 cores)
 def test_a_coordinator_cannot_switch_a_torch_device_to_its_own_graph_and_key(tmp_path: Path) -> None:
     # Prepare: the attacker's run directory holds its own signed training graph and the key that verifies it
     attacker = tmp_path / "attacker"
