@@ -363,3 +363,25 @@ def test_subgraphs_nested_too_deep_are_refused(depth: int, reason: str) -> None:
     check_graph(nested(16), what="model.onnx")  # 16 levels: fine
     with pytest.raises(BundleVerificationError, match=reason):
         check_graph(nested(depth), what="model.onnx")
+
+
+@pytest.mark.parametrize("listed", [None, {TRAIN_FILE: {"ops": []}}, {TRAIN_FILE: {"domains": [], "ops": [7]},
+                                                                     EVAL_FILE: {"domains": [], "ops": []}}],
+                         ids=["missing", "one-graph", "not-names"])
+def test_a_training_bundle_without_a_proper_op_list_is_refused(device_home: Path, listed: Any) -> None:
+    # Prepare: a signed bundle whose manifest does not say (properly) which ops its graphs run
+    train, evaluate = training_graphs(None)
+    bundle = device_home / "unlisted.zip"
+    raw = training_manifest({"train_onnx": train, "eval_onnx": evaluate,
+                             "state": [{"name": "w", "shape": [4, 4], "dtype": "float32", "trainable": True}],
+                             "inputs": [InputSpec("x", ("batch", 4))], "target_shape": ("batch",),
+                             "target_dtype": "int64", "max_abs_diff": 0.0, "opset": 17},
+                            task="toy", metrics=["loss"], model_id="run/toy", version=1)
+    if listed is None:
+        del raw[GRAPH_OPS]
+    else:
+        raw[GRAPH_OPS] = listed
+    bundle.write_bytes(pack_training_bundle(train, evaluate, raw, private_key=KEY))
+    # Execute / Assert: the device refuses it before any graph is looked at
+    with pytest.raises(BundleVerificationError, match="graph_ops"):
+        device_update(device_home, bundle)
