@@ -242,9 +242,10 @@ class Coordinator:
         self._start_bundles(bundle_port)
 
     def _private_state(self) -> None:
-        """``STATE_DIR`` and ``published/`` 0700, a database left by an older fedge 0600."""
-        ensure_private_dir(self.state_dir)
-        ensure_private_dir(self.published)
+        """``STATE_DIR`` and ``published/`` 0700 (one an older fedge left readable too), its database 0600."""
+        for directory in (self.state_dir, self.published):
+            ensure_private_dir(directory)
+            os.chmod(directory, 0o700)
         for name in ("superlink.db", "superlink.db-wal", "superlink.db-shm"):
             path = self.state_dir / name
             if path.exists():
