@@ -27,7 +27,7 @@ onnxruntime and fedge does not rely on it). So a device refuses, before creating
   such as file paths from the model;
 * bytes that do not parse as an ONNX model, or nest subgraphs deeper than :data:`MAX_DEPTH`.
 
-The session is then built by :func:`open_session` from the *checked* message re-serialized
+The session is then built by :func:`session_of` from the *checked* message re-serialized
 (fields this ``onnx`` release does not know are dropped, so onnxruntime cannot read a field
 the checker never saw) and with onnxruntime's external-data folder set to a fresh, private,
 empty directory, removed once the session exists: even a path the checker missed would
@@ -123,25 +123,14 @@ def check_graph(model_bytes: bytes, *, what: str) -> CheckedGraph:
     return CheckedGraph(model_bytes=model.SerializeToString(), ops=tuple(sorted(ops)))
 
 
-def open_session(model_bytes: bytes, *, what: str, threads: int = 1) -> Any:
-    """An onnxruntime CPU session of ``model_bytes`` once :func:`check_graph` accepted it.
+def session_of(checked: CheckedGraph, *, threads: int = 1) -> Any:
+    """An onnxruntime CPU session of a graph :func:`check_graph` accepted.
 
     Threat model: as :func:`check_graph`; also, no path in the model can reach a user file,
-    as the session resolves external data in a private empty directory (removed afterwards)
-    instead of the working directory.
-
-    Raises
-    ------
-    BundleVerificationError
-        From :func:`check_graph`. onnxruntime's own errors (a graph it cannot load) pass
-        through for the caller to word.
+    as the session resolves external data in a private empty directory (removed once the
+    session exists) instead of the working directory. onnxruntime's own errors (a graph
+    it cannot load) pass through for the caller to word.
     """
-    checked = check_graph(model_bytes, what=what)
-    return session_of(checked, threads=threads)
-
-
-def session_of(checked: CheckedGraph, *, threads: int = 1) -> Any:
-    """:func:`open_session` for a graph already checked (onnxruntime errors pass through)."""
     import onnxruntime as ort  # noqa: PLC0415 - only what runs a model pays for it
 
     options = ort.SessionOptions()
