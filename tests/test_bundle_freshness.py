@@ -137,9 +137,9 @@ REFUSED_NEWER: list[tuple[str, dict[str, object], Callable[[dict[str, bytes]], N
     ("model altered after signing", {}, _tamper_model, "model.int8.onnx: SHA-256 does not match"),
     ("signed by an untrusted key", {}, _resign_untrusted, "untrusted key"),
     ("expired", {"expires_at": "2025-02-01T00:00:00Z"}, None, "bundle expired at 2025-02-01T00:00:00Z"),
-    ("signed model onnxruntime cannot load",
+    ("signed model that is not ONNX",  # refused by the graph check, before any onnxruntime session
      {"models": {"model.onnx": b"not onnx", "model.int8.onnx": b"not onnx"}}, None,
-     "onnxruntime cannot load the signed model"),
+     "is not a valid ONNX model"),
     ("signed model of another shape",
      {"inputs": [{"name": "input", "shape": ["batch", 9], "dtype": "float32"}]}, None,
      "the model's inputs/outputs differ from what manifest.json declares"),
