@@ -279,11 +279,11 @@ def _pull(args: argparse.Namespace) -> int:
             continue
         version = "" if result.version is None else f" v{result.version}"
         state = "updated" if result.changed else "unchanged"
-        print(f"{kind}{version} {state} ({_size(result.bytes_downloaded)})", flush=True)
+        print(f"{kind}{version} {state} ({size_text(result.bytes_downloaded)})", flush=True)
     return 0
 
 
-def _size(count: int) -> str:
+def size_text(count: int) -> str:
     """``0 bytes``, ``812 bytes``, ``14.2 kB``, ``1.2 MB``."""
     if count < 1000:
         return f"{count} bytes"

@@ -87,10 +87,13 @@ def _simulate_run(args: argparse.Namespace) -> int:
     onnx = summary.get("onnx", {})
     print(f"run directory: {run_dir}")
     print(f"rounds: {summary['rounds']}  simulated time: {summary['sim_time_s']:.1f} s  "
-          f"wall time: {summary['wall_time_s']:.1f} s  uplink: {summary['bytes_up'] / 1e6:.1f} MB"
+          f"wall time: {summary['wall_time_s']:.1f} s  uplink: {edge.size_text(summary['bytes_up'])}"
           f"  rejected updates: {summary['rejected']}")
     if onnx:
         print(f"model.onnx parity vs torch: max abs diff {onnx['max_abs_diff']:.1e}")
+    if "dp" in summary:
+        dp = summary["dp"]
+        print(f"differential privacy: epsilon {dp['epsilon']:.2f} at delta {dp['delta']:g} ({dp['mode']})")
     final = summary.get("final_headline")
     print(f"final {summary['headline']}: {'-' if final is None else format(final, '.4f')}")
     return 0

@@ -64,3 +64,22 @@ def test_quiet_simulation_prints_only_the_final_lines(tmp_path: Path, fast_confi
     assert code == 0 and "final accuracy" in capsys.readouterr().out
     assert not [r for r in caplog.records if r.name.startswith("fedge") and r.levelno < logging.WARNING]
     assert json.loads((run_dir / "config.json").read_text())["num-rounds"] == 1
+
+
+def test_console_shows_small_uplinks_and_epsilon(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Prepare: a logistic regression of 650 parameters, 2 devices, 1 round, central DP
+    from fedge.cli.main import main
+
+    argv = ["simulate", "--quiet", "--rounds", "1", "--fleet", "phone=2", "--clients-per-round", "2", "--model",
+            "logreg", "--run-dir", str(tmp_path / "run"), "--run-config",
+            "export-onnx=false dp='server-fixed' dp-noise-multiplier=1.0"]
+    # Execute
+    try:
+        code = main(argv)
+    finally:
+        logging.getLogger("fedge").setLevel(logging.NOTSET)
+    out = capsys.readouterr().out
+    # Assert: 2 x 650 float32 = 5.2 kB up (it printed "0.0 MB"), and epsilon on the console (issue 25 item 3)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert code == 0 and f"uplink: {summary['bytes_up'] / 1e3:.1f} kB" in out
+    assert f"epsilon {summary['dp']['epsilon']:.2f}" in out
