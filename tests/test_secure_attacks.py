@@ -230,13 +230,7 @@ def test_malformed_shares_from_one_device_leave_it_out_and_the_round_completes(
     # Assert: the round aggregated the 5 honest devices (their plaintext FedAvg model, to the fixed-point
     # step) and named partition 3's shares as the reason it was left out (before: 5 of 6 devices refused
     # the masked step and the round kept the model)
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert rows[1]["aggregated"]
-    assert [rejection["node_id"] for rejection in rows[1]["rejections"]] == [FIRST_NODE_ID + 3]
-    assert "the share it sealed for device" in rows[1]["rejections"][0]["reason"]
-    secure = load_checkpoint(run_dir / "checkpoint.npz").arrays
-    for name, value in honest_five.items():
-        np.testing.assert_allclose(secure[name], value, atol=1e-4)
+    _assert_only_partition_3_left_out(run_dir, honest_five, "the share it sealed for device")
 
 
 def test_a_device_naming_every_neighbour_as_a_bad_sender_is_left_out_itself(
@@ -256,13 +250,7 @@ def test_a_device_naming_every_neighbour_as_a_bad_sender_is_left_out_itself(
                               progress=False)
     # Assert: more than k - t = 2 neighbours named: partition 3 is the one left out; the round is the
     # honest devices' plaintext aggregate
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert rows[1]["aggregated"]
-    assert [rejection["node_id"] for rejection in rows[1]["rejections"]] == [FIRST_NODE_ID + 3]
-    assert "more than 2 (an honest majority allows)" in rows[1]["rejections"][0]["reason"]
-    secure = load_checkpoint(run_dir / "checkpoint.npz").arrays
-    for name, value in honest_five.items():
-        np.testing.assert_allclose(secure[name], value, atol=1e-4)
+    _assert_only_partition_3_left_out(run_dir, honest_five, "more than 2 (an honest majority allows)")
 
 
 def test_the_virtual_clock_still_charges_training_in_secure_rounds(tmp_path: Path) -> None:
@@ -276,3 +264,15 @@ def test_the_virtual_clock_still_charges_training_in_secure_rounds(tmp_path: Pat
     plain_s = read_jsonl(plain / "metrics.jsonl")[-1]["sim_time_s"]
     secure_s = read_jsonl(secure / "metrics.jsonl")[-1]["sim_time_s"]
     assert plain_s <= secure_s < 1.1 * plain_s
+
+
+def _assert_only_partition_3_left_out(run_dir: Path, honest_five: dict[str, np.ndarray], reason: str) -> None:
+    """The round aggregated, left out partition 3 alone for ``reason``, and equals the honest five's
+    plaintext FedAvg model (to the fixed-point step)."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows[1]["aggregated"]
+    assert [rejection["node_id"] for rejection in rows[1]["rejections"]] == [FIRST_NODE_ID + 3]
+    assert reason in rows[1]["rejections"][0]["reason"]
+    secure = load_checkpoint(run_dir / "checkpoint.npz").arrays
+    for name, value in honest_five.items():
+        np.testing.assert_allclose(secure[name], value, atol=1e-4)
