@@ -8,6 +8,7 @@ device to know which budget it trains under, the simulator to time it.
 
 from __future__ import annotations
 
+import difflib
 import math
 import random
 import re
@@ -263,6 +264,7 @@ def load_profiles_toml(path: str | Path) -> tuple[dict[str, DeviceProfile], dict
         raise ConfigError(f"fleet file '{path}' is not valid TOML: {exc}") from None
     except RecursionError:
         raise ConfigError(f"fleet file '{path}' is not valid TOML: arrays or tables nest too deeply") from None
+    _refuse_unknown_tables(path, data)
     tables, mix = data.get("profiles", {}), data.get("fleet", {})
     if not isinstance(tables, dict) or not all(isinstance(table, dict) for table in tables.values()):
         raise ConfigError(f"fleet file '{path}': 'profiles' must hold one table per profile, e.g. "
@@ -281,6 +283,10 @@ def _profile_from_table(name: str, table: dict[str, object]) -> DeviceProfile:
             f"profile '{name}': unknown keys {sorted(unknown)} / missing keys {sorted(missing)};"
             f" a profile has {', '.join(_TOML_FIELDS)}"
         )
+    for key in _NUMBER_KEYS.keys() & set(table):
+        if not _is_number(table[key]):
+            raise ConfigError(f"profile '{name}': {key} must be a number, got {table[key]!r} "
+                              f"(write e.g. {key} = {_NUMBER_KEYS[key]}, without quotes)")
     kwargs = {_TOML_FIELDS[key]: value for key, value in table.items()}
     if "online_hours" in kwargs:
         windows = kwargs["online_hours"]
@@ -288,7 +294,28 @@ def _profile_from_table(name: str, table: dict[str, object]) -> DeviceProfile:
             raise ConfigError(f"profile '{name}': online-hours must be a list of [start, end] windows, "
                               f"e.g. [[0, 7], [19, 24]], got {windows!r}")
         kwargs["online_hours"] = tuple(tuple(window) for window in windows)
-    return DeviceProfile(name=name, **kwargs)  # type: ignore[arg-type]
+    try:
+        return DeviceProfile(name=name, **kwargs)  # type: ignore[arg-type]
+    except ConfigError as exc:  # name the fleet file's key, not the Python field
+        message = str(exc)
+        for key, field in _TOML_FIELDS.items():
+            message = message.replace(f": {field} must", f": {key} must")
+        raise ConfigError(message) from None
+
+
+_FILE_TABLES = ("profiles", "fleet")
+_NUMBER_KEYS = {"compute-rate": 50, "uplink-mbps": 2, "downlink-mbps": 10, "memory-mb": 512, "availability": 0.6,
+                "dropout": 0.1}
+
+
+def _refuse_unknown_tables(path: str | Path, data: dict[str, object]) -> None:
+    """A fleet file holds [profiles.NAME] tables and a [fleet] table; anything else is a typo."""
+    for key in data:
+        if key not in _FILE_TABLES:
+            close = difflib.get_close_matches(key, _FILE_TABLES, n=1)
+            hint = f" (did you mean [{close[0]}]?)" if close else ""
+            raise ConfigError(f"fleet file '{path}': unknown table or key '{key}'{hint}; a fleet file has "
+                              "[profiles.NAME] tables and a [fleet] table of NAME = COUNT")
 
 
 def parse_fleet(spec: str, fleet_file: str = "") -> Fleet:

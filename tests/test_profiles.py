@@ -63,7 +63,12 @@ def test_bad_fleet_specs(spec: str, message: str) -> None:
         ("[profiles.x]\ncompute-rate = 1\nuplink-mbps = 1\ndownlink-mbps = 1\nmemory-mb = 1\nwat = 2\n",
          "unknown keys"),
         ("[profiles.x]\ncompute-rate = 0\nuplink-mbps = 1\ndownlink-mbps = 1\nmemory-mb = 1\n",
-         "compute_rate must be > 0"),
+         "compute-rate must be > 0"),  # the TOML key, not the Python field (issue 26 item 3)
+        ("[profiles.x]\ncompute-rate = 'fast'\nuplink-mbps = 1\ndownlink-mbps = 1\nmemory-mb = 1\n",
+         r"compute-rate must be a number, got 'fast' \(write e\.g\. compute-rate = 50, without quotes\)"),
+        ("[profiles.x]\ncompute-rate = 1\nuplink-mbps = 1\ndownlink-mbps = 1\nmemory-mb = 1\n[extra]\na = 1\n",
+         r"unknown table or key 'extra'"),
+        ("[profile.x]\ncompute-rate = 1\n", r"unknown table or key 'profile' \(did you mean \[profiles\]\?\)"),
         ("not toml [", "not valid TOML"),
     ],
 )
