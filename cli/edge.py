@@ -206,6 +206,8 @@ def _predict(args: argparse.Namespace) -> int:
                            freshness=FreshnessStore(args.state_dir) if args.state_dir else None)
     if args.raw:
         inputs = _preprocessed(model, inputs)
+    else:
+        _refuse_raw_looking(model, inputs)
     if _gives_class_scores(model):
         prediction = model.predict(inputs)
         for name, probs in zip(prediction.label_names, prediction.probabilities, strict=True):
@@ -220,6 +222,26 @@ def _gives_class_scores(model: Any) -> bool:
     """Whether the bundle's model gives one (batch, classes) output (else its outputs are printed as numbers)."""
     return bool(model.is_classifier and len(model.outputs) <= 1
                 and (not model.outputs or len(model.outputs[0]["shape"]) == 2))
+
+
+def _refuse_raw_looking(model: Any, inputs: Any) -> None:
+    """Inputs that look unscaled for a bundle that declares scaling: integers, or whole numbers beyond
+    what the scaling gives (digits' 0..16 for x / 16), are refused with the fix (``--raw``) instead of
+    a confident wrong answer (issue 26 item 10)."""
+    import numpy as np
+
+    spec = model.manifest.get("preprocessing") or {}
+    scale, offset = spec.get("scale"), spec.get("offset", 0.0)
+    if not isinstance(scale, int | float) or (scale == 1 and offset == 0):
+        return
+    arrays = inputs.values() if isinstance(inputs, dict) else [inputs]
+    floats = [np.asarray(a) for a in arrays if np.asarray(a).dtype.kind in "iuf" and np.asarray(a).size]
+    whole = [a for a in floats if a.dtype.kind in "iu" or (np.all(a == np.round(a)) and np.abs(a).max() > 1)]
+    if whole:
+        top = max(float(np.abs(a).max()) for a in whole)
+        raise ConfigError(f"the inputs look unscaled (whole numbers up to {top:g}) but this bundle's model expects "
+                          f"x * {scale:g} + {offset:g} ({spec.get('description', 'its declared preprocessing')}): "
+                          "pass --raw to apply it, or scale the inputs yourself")
 
 
 def _preprocessed(model: Any, inputs: Any) -> Any:

@@ -113,3 +113,23 @@ def test_edge_cli_errors_exit_2(run: tuple[Path, dict[str, Any]], tmp_path: Path
     assert main(filled) == 2
     err = capsys.readouterr().err
     assert err.startswith("fedge: error: ") and re.search(message, err), err
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint8])
+def test_predict_refuses_unscaled_inputs_and_points_to_raw(
+    run: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str], dtype: Any
+) -> None:
+    # Prepare: three digits as the 0..16 grey levels scikit-learn ships (the bundle expects x / 16)
+    from sklearn.datasets import load_digits
+
+    run_dir, _ = run
+    np.save(tmp_path / "x.npy", load_digits().data[:3].astype(dtype))
+    command = ["predict", str(run_dir / "bundles/round-0003"), str(tmp_path / "x.npy"),
+               "--trusted", str(run_dir / "keys/signing.pub")]
+    # Execute
+    refused = main(command)
+    err = capsys.readouterr().err
+    scaled = main([*command, "--raw"])
+    # Assert: refused with the fix named (it printed a confident wrong answer before), fine with --raw
+    assert refused == 2 and "look unscaled (whole numbers up to 16)" in err and "--raw" in err
+    assert scaled == 0 and len(capsys.readouterr().out.strip().splitlines()) == 3
