@@ -5,8 +5,10 @@ calibrated on a sample of the training distribution (every input fed), when the 
 has convolutions (activations dominate their cost); dynamic quantization (int8 weights,
 activations quantized on the fly) otherwise, which needs no calibration.
 
-Normalisation layers stay fp32. When the quantizer fails on a graph, it is tried again on
-the convolutions and matrix products alone. Quantization is best effort: when onnxruntime's
+Normalisation layers stay fp32. When the quantizer fails on a graph, or gives one that
+devices refuse (onnxruntime's own ``com.microsoft`` kernels, such as ``DynamicQuantizeLSTM``
+for an LSTM: devices run standard ONNX ops only, :mod:`fedge.edge.graph_check`), it is
+tried again on the convolutions and matrix products alone. Quantization is best effort: when onnxruntime's
 tools still fail, when nothing in the graph quantizes (the int8 model would be the fp32
 one), or when onnxruntime cannot run the result, :func:`quantize_int8` says why instead of
 giving a model, and the bundle ships fp32 only.
@@ -32,6 +34,8 @@ from onnxruntime.quantization import (
 from onnxruntime.quantization.registry import IntegerOpsRegistry, QDQRegistry
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
+from fedge.edge.graph_check import check_graph
+from fedge.errors import BundleVerificationError
 from fedge.signature import InputSpec
 
 log = logging.getLogger("fedge.edge")
@@ -101,9 +105,14 @@ def quantize_int8(fp32: bytes, calibration: Sequence[np.ndarray], *, inputs: Seq
     for op_types in _op_sets(method):
         try:
             int8 = _quantized(fp32, method, calibration, inputs, op_types)
-            break
         except Exception as exc:  # noqa: BLE001 - onnxruntime.quantization raises anything on graphs it cannot handle
             failures.append(f"{type(exc).__name__}: {_first_line(exc)}")
+            continue
+        refusal = _device_refusal(int8)
+        if refusal is None:
+            break
+        failures.append(refusal)
+        int8 = None
     if int8 is None:
         return _skipped(method, f"onnxruntime.quantization failed ({'; then '.join(failures)})")
     if not _has_int8_weights(onnx.load_from_string(int8)):
@@ -142,6 +151,15 @@ def _quantized(fp32: bytes, method: str, calibration: Sequence[np.ndarray], inpu
         else:
             quantize_dynamic(str(pre), str(out), weight_type=QuantType.QInt8, op_types_to_quantize=op_types)
         return out.read_bytes()
+
+
+def _device_refusal(int8: bytes) -> str | None:
+    """Why devices would refuse the int8 graph (non-standard ops), or None when they run it."""
+    try:
+        check_graph(int8, what="the int8 model")
+    except BundleVerificationError as exc:
+        return _first_line(exc)
+    return None
 
 
 def _has_int8_weights(model: onnx.ModelProto) -> bool:

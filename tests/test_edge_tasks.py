@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -636,6 +637,11 @@ def test_a_sequence_the_model_cannot_vary_ships_at_its_traced_length(
     np.testing.assert_allclose(edge.run(*tokens)[0], _torch(model, tokens), atol=PARITY_TOLERANCE)
     with pytest.raises(ConfigError, match=r"input 'tokens' has shape \(7, 6\) int64; .*tokens\[batch, 5\] int64"):
         edge.run(*_sentences(7, 1, 6))
+    # Assert: the LSTM's int8 kernel (com.microsoft DynamicQuantizeLSTM) would make devices refuse the bundle,
+    # so int8 quantizes the matrix products only and keeps the LSTM fp32; the int8 graph runs like the fp32 one
+    int8 = EdgeModel.load(built.path, trusted_keys=[key_paths[1]], variant="int8")
+    assert {node.domain for node in onnx.load(str(built.path / "model.int8.onnx")).graph.node} <= {"", "ai.onnx"}
+    assert int8.run(*tokens)[0].shape == edge.run(*tokens)[0].shape
 
 
 def test_a_classifier_spec_must_match_the_models_classes(key_paths: tuple[Path, Path], tmp_path: Path) -> None:
