@@ -60,21 +60,26 @@ def test_two_rounds_with_tls_and_auth_and_an_unregistered_device_refused(federat
     assert "does not know this device's key" in federation.log("device3")
 
 
-def test_a_dead_device_is_left_out_when_the_round_times_out(federation: LoopbackFederation) -> None:
-    # Prepare: 3 devices; after round 1 one of them dies (still listed online by the SuperLink)
-    federation.start_coordinator("--rounds", "2", "--clients-per-round", "3", "--run-config",
-                                 "model='mlp' local-epochs=2 export-onnx=false round-timeout=20.0 runtime='torch' "
+def test_a_dead_device_is_left_out_and_the_round_goes_on(federation: LoopbackFederation) -> None:
+    # Prepare: 3 devices connect, then one dies before the round (still listed online by the SuperLink,
+    # until its heartbeats are 2 x 30 s late). The deadline is generous: live devices on a loaded machine
+    # need 30-40 s for a first round, and what is tested is that the round ends without the dead one and
+    # names it, whichever comes first (the deadline, or the SuperLink's 'Node Unavailable' reply)
+    federation.start_coordinator("--rounds", "1", "--clients-per-round", "3", "--run-config",
+                                 "model='mlp' local-epochs=2 export-onnx=false round-timeout=120.0 runtime='torch' "
                                  "min-train-replies=2")
     for index in range(3):
         federation.start_device(index)
-    federation.wait_for(lambda: len(federation.rows()) >= 2, 180, "round 1")
+    federation.wait_for(lambda: all("SuperNode ID" in federation.log(f"device{i}") for i in range(3)), 180,
+                        "three devices connected")
     federation.kill_device(2)
     # Execute
-    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 180, "the summary")
-    # Assert: round 2 went on with the two that replied
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 300, "the summary")
+    # Assert: the round went on with the two that replied, and said who was missing
     rows = federation.rows()
-    assert rows[1]["participants"] == 3
-    assert rows[2]["participants"] == 2 and rows[2]["aggregated"]
+    assert rows[1]["participants"] == 2 and rows[1]["aggregated"]
+    round_line = next(line for line in federation.log("coordinator").splitlines() if line.startswith("round 1/1"))
+    assert "1 failed: dev2" in round_line or "1 of 3 devices did not reply" in federation.log("coordinator")
 
 
 def test_coordinator_killed_mid_run_resumes_to_the_same_round_count(federation: LoopbackFederation) -> None:
