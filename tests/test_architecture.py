@@ -12,6 +12,7 @@ editable install; reading the files it would analyse is as strict and needs no i
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -31,20 +32,36 @@ def _contract() -> tuple[dict[str, str], list[list[str]]]:
     return {folder: pkg for pkg, folder in folders.items()}, layers
 
 
-def _imported(tree: ast.AST, module: str) -> list[tuple[int, str]]:
-    """Every fedge module ``module``'s source imports (absolute or relative), with its line."""
+def _imported(tree: ast.AST, module: str, *, is_package: bool = False) -> list[tuple[int, str]]:
+    """Every fedge module ``module``'s source imports, with its line: absolute or relative imports,
+    and ``importlib.import_module("fedge....")`` / ``__import__`` calls on a literal name.
+
+    ``is_package``: ``module`` is a package's ``__init__``, whose ``from . import x`` means the
+    package itself (a plain module's means its parent package).
+    """
+    package = module.split(".") if is_package else module.split(".")[:-1]
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against the importing module's package
-                base = module.split(".")[: -node.level]
+                base = package[: len(package) - node.level + 1]
                 target = ".".join([*base, node.module] if node.module else base)
             else:
                 target = node.module or ""
             found += [(node.lineno, f"{target}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Call) and _names_an_import_function(node.func) and node.args:
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                found.append((node.lineno, first.value))
     return [(line, name) for line, name in found if name == "fedge" or name.startswith("fedge.")]
+
+
+def _names_an_import_function(func: ast.expr) -> bool:
+    """``importlib.import_module``, a bare ``import_module`` or ``__import__``."""
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    return name in ("import_module", "__import__")
 
 
 def _package_of(name: str, packages: list[str]) -> str:
@@ -63,7 +80,7 @@ def violations() -> list[str]:
             relative = path.relative_to(ROOT / folder).with_suffix("")
             module = ".".join([package, *relative.parts]).removesuffix(".__init__")
             tree = ast.parse(path.read_text(), str(path))
-            for line, name in _imported(tree, module):
+            for line, name in _imported(tree, module, is_package=path.name == "__init__.py"):
                 target = _package_of(name, packages)
                 if target != package and rank[target] >= rank[package]:
                     found.append(f"{path.relative_to(ROOT)}:{line}: {package} -> {name}")
@@ -91,12 +108,46 @@ def test_every_package_has_a_layer() -> None:
     ("from . import codec", ["fedge.clients.codec"]),
     ("from ..server import app", ["fedge.server.app"]),
     ("import numpy", []),
+    ("import importlib\nimportlib.import_module('fedge.server.app')", ["fedge.server.app"]),
+    ("from importlib import import_module\nimport_module('fedge.cli')", ["fedge.cli"]),
+    ("__import__('fedge.server')", ["fedge.server"]),
+    ("importlib.import_module(name)", []),
 ])
 def test_the_checker_sees_every_kind_of_import(source: str, expected: list[str]) -> None:
     # Execute: as if in module fedge.clients.x (relative imports resolve against it)
     names = [name for _, name in _imported(ast.parse(source), "fedge.clients.x")]
     # Assert
     assert names == expected
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("from ..server import app", ["fedge.server.app"]),
+    ("from . import codec", ["fedge.clients.codec"]),
+    ("from .secure import x", ["fedge.clients.secure.x"]),
+])
+def test_the_checker_resolves_relative_imports_in_a_packages_init(source: str, expected: list[str]) -> None:
+    # Execute: as if in clients/__init__.py (module fedge.clients, a package: '.' is itself)
+    names = [name for _, name in _imported(ast.parse(source), "fedge.clients", is_package=True)]
+    # Assert
+    assert names == expected
+
+
+@pytest.mark.parametrize("injected", ["from ..server import app\n",
+                                      "import importlib\nimportlib.import_module('fedge.server.app')\n"])
+def test_an_injected_upward_import_in_clients_init_is_caught(injected: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: clients/__init__.py with an import of the server layer above it, in a copy of the tree
+    for folder in {*_contract()[0]}:
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    init = tmp_path / "clients" / "__init__.py"
+    init.write_text(init.read_text() + injected)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    # Execute
+    found = violations()
+    # Assert: exactly the injected line, named
+    assert len(found) == 1, found
+    assert found[0].startswith("clients/__init__.py:") and "fedge.clients -> fedge.server" in found[0]
 
 
 def test_python_started_in_the_repository_root_imports_the_installed_package() -> None:
