@@ -87,7 +87,7 @@ def train_order(msg: Message, context: Context, config: RunConfig) -> TrainOrder
         server_round=server_round,
         profile=device_profile_name(context, config),
         seed=training_seed(context, config.integer("seed"), server_round),
-        proximal_mu=float(instruction.get("proximal-mu", 0.0)),  # type: ignore[arg-type]  # only FedProx sends it
+        proximal_mu=float(instruction.get(wire.PROXIMAL_MU, 0.0)),  # type: ignore[arg-type]  # only FedProx sends it
         max_steps=step_budget(context, setting),
     )
 

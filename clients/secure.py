@@ -291,7 +291,7 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
 
     @app.train("secagg_setup")
     def setup(msg: Message, context: Context) -> Message:
-        server_round = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
+        server_round = int(msg.content.config_records[wire.CONFIG][wire.SERVER_ROUND])  # type: ignore[arg-type]
         check_not_unmasked(context, server_round=server_round)
         cipher_key, mask_key = X25519PrivateKey.generate(), X25519PrivateKey.generate()
         signing_key = Ed25519PrivateKey.generate()
@@ -305,7 +305,7 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
     @app.train("secagg_share")
     def share(msg: Message, context: Context) -> Message:
         state, peers = _state(context, "secagg_share"), msg.content.config_records["peers"]
-        me, server_round = context.node_id, int(peers["server-round"])  # type: ignore[arg-type]
+        me, server_round = context.node_id, int(peers[wire.SERVER_ROUND])  # type: ignore[arg-type]
         _advance(state, "secagg_share", server_round)
         neighbours = _ids(peers["neighbours"])
         threshold = int(peers["threshold"])  # type: ignore[arg-type]
@@ -334,7 +334,7 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
     def masked(msg: Message, context: Context) -> Message:
         state = _state(context, "secagg_masked")
         inbox, params = msg.content.config_records["inbox"], msg.content.config_records["secagg"]
-        _advance(state, "secagg_masked", int(msg.content.config_records["config"][wire.SERVER_ROUND]))  # type: ignore[arg-type]
+        _advance(state, "secagg_masked", int(msg.content.config_records[wire.CONFIG][wire.SERVER_ROUND]))  # type: ignore[arg-type]
         me, server_round = context.node_id, int(state["round"])  # type: ignore[arg-type]
         threshold = int(state["threshold"])  # type: ignore[arg-type]
         holding, bad = _open_shares(state, inbox, me=me, server_round=server_round)
@@ -373,7 +373,7 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
     @app.train("secagg_consistency")
     def consistency(msg: Message, context: Context) -> Message:
         state, check = _state(context, "secagg_consistency"), msg.content.config_records["check"]
-        _advance(state, "secagg_consistency", int(check["server-round"]))  # type: ignore[arg-type]
+        _advance(state, "secagg_consistency", int(check[wire.SERVER_ROUND]))  # type: ignore[arg-type]
         survivors = sorted(set(_ids(check["survivors"])))
         check_survivors(survivors=survivors, me=context.node_id, holding=_ids(state["holding"]),
                         neighbours=_ids(state["neighbours"]), threshold=int(state["threshold"]))  # type: ignore[arg-type]
@@ -386,7 +386,7 @@ def add_secure_handlers(app: ClientApp, train_content: TrainContent) -> None:
     @app.train("secagg_unmask")
     def unmask(msg: Message, context: Context) -> Message:
         state, ask = _state(context, "secagg_unmask"), msg.content.config_records["ask"]
-        _advance(state, "secagg_unmask", int(ask["server-round"]))  # type: ignore[arg-type]
+        _advance(state, "secagg_unmask", int(ask[wire.SERVER_ROUND]))  # type: ignore[arg-type]
         me, server_round = context.node_id, int(state["round"])  # type: ignore[arg-type]
         if "signed" not in state:
             raise ProtocolViolation("refusing secagg_unmask: this device signed no survivor set this round")

@@ -23,6 +23,7 @@ METRICS = "metrics"
 REPLY_META = "fedge"
 NUM_EXAMPLES = "num-examples"
 SERVER_ROUND = "server-round"
+PROXIMAL_MU = "proximal-mu"  # FedProx's proximal term, sent in the train config
 # DP with client-side clipping: "fixed" or "adaptive" (which of Flower's clipping mods devices run)
 DP_CLIENT_CLIPPING = "dp-client-clipping"
 PROFILE = "profile"

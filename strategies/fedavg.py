@@ -367,7 +367,7 @@ class FedAvg(FlowerFedAvg):
         counts = {"accepted": report.accepted, "rejected": len(report.rejected),
                   "failed": len(report.failed)}
         means = weighted_mean_metrics(metric_rows, weights)
-        report.train_loss = means.get("train-loss")
+        report.train_loss = means.get(wire.TRAIN_LOSS)
         metrics = MetricRecord({**means, **counts})
         if aggregate is not None and not all(np.all(np.isfinite(v)) for v in aggregate.values()):
             log.error("round %d: the aggregate is not finite (the update diverged); global model kept",

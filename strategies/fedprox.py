@@ -11,8 +11,7 @@ from flwr.serverapp import Grid
 from fedge.errors import ConfigError
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.registry import register
-
-PROXIMAL_MU = "proximal-mu"
+from fedge.wire import PROXIMAL_MU
 
 
 @register("fedprox", dp=True, options=lambda c, n: {"proximal_mu": float(c["proximal-mu"])})

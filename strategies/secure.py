@@ -204,7 +204,7 @@ class SecureAggregation(FedAvg):
         the sum needs can be rebuilt from the latter.
         """
         setup = self._step(grid, "secagg_setup", {n: RecordDict({"config": ConfigRecord(
-            {"server-round": server_round})}) for n in instructions}, timeout, report)
+            {wire.SERVER_ROUND: server_round})}) for n in instructions}, timeout, report)
         keys = _read_each(setup, _read_keys, "secagg_setup", "the round goes on without it", server_round, report)
         alive = _distinct_keys(list(keys), keys, server_round, report)
         graph = neighbour_graph(alive, self.neighbours or len(alive), seed=self.selector.seed + server_round)
@@ -236,7 +236,7 @@ class SecureAggregation(FedAvg):
         signers = set(signatures)
         unmaskers = [n for n in survivors if n in signers and len(graph[n] & signers) >= threshold]
         _enough_holders(graph, shared, unmaskers, threshold, "signed the survivor set")
-        asks = {n: RecordDict({"ask": ConfigRecord({"survivors": survivors, "server-round": server_round,
+        asks = {n: RecordDict({"ask": ConfigRecord({"survivors": survivors, wire.SERVER_ROUND: server_round,
                                                     **{f"sig/{p}": signatures[p] for p in graph[n] & signers}})})
                 for n in unmaskers}
         index = {owner: {holder: x for x, holder in enumerate(sorted(holders), start=1)}  # each share's Shamir x
@@ -266,7 +266,7 @@ class SecureAggregation(FedAvg):
         """
         alive = set(survivors)
         checks = {n: RecordDict({"check": ConfigRecord({
-            "survivors": survivors, "server-round": server_round,
+            "survivors": survivors, wire.SERVER_ROUND: server_round,
             **{f"received/{p}": received[p] for p in sorted(graph[n] & alive)}})}) for n in survivors}
         replies = self._step(grid, "secagg_consistency", checks, timeout, report)
         return _read_each(
@@ -330,7 +330,8 @@ class SecureAggregation(FedAvg):
                                "work-momentum": self.local_momentum if isinstance(self, FedNova) else -1.0})
         targets = [n for n in inboxes if self.keeps_partial_work or n not in self.stragglers]
         report.late += len(inboxes) - len(targets)  # FedAvg leaves stragglers out: they count as dropouts
-        messages = [Message(RecordDict({"arrays": instructions[n]["arrays"], "config": instructions[n]["config"],
+        messages = [Message(RecordDict({wire.ARRAYS: instructions[n][wire.ARRAYS],
+                                        wire.CONFIG: instructions[n][wire.CONFIG],
                                         "inbox": inboxes[n], "secagg": params}),
                             dst_node_id=n, message_type=f"{MessageType.TRAIN}.secagg_masked") for n in targets]
         expected = _sent_digests(instructions, targets, params)
@@ -448,10 +449,10 @@ def _sent_digests(instructions: Mapping[int, RecordDict], targets: Iterable[int]
     by_record: dict[int, bytes] = {}
     digests = {}
     for node in targets:
-        arrays = instructions[node]["arrays"]
+        arrays = instructions[node][wire.ARRAYS]
         if id(arrays) not in by_record:
             by_record[id(arrays)] = arrays_digest({name: array.numpy() for name, array in arrays.items()})  # type: ignore[union-attr]
-        digests[node] = Received(by_record[id(arrays)], config_digest(instructions[node]["config"], params))  # type: ignore[arg-type]
+        digests[node] = Received(by_record[id(arrays)], config_digest(instructions[node][wire.CONFIG], params))  # type: ignore[arg-type]
     return digests
 
 
@@ -627,7 +628,7 @@ def _read_revealed(node: int, reply: Message, holds: Mapping[int, int]) -> dict[
 def _peer_record(keys: Mapping[int, Keys], neighbours: set[int], server_round: int,
                  threshold: int) -> ConfigRecord:
     """What one device needs for the share step: its neighbours and their public keys."""
-    record = ConfigRecord({"server-round": server_round, "threshold": threshold, "neighbours": sorted(neighbours)})
+    record = ConfigRecord({wire.SERVER_ROUND: server_round, "threshold": threshold, "neighbours": sorted(neighbours)})
     for peer in neighbours:
         for kind in PUBLIC_KEYS:
             record[f"{kind}/{peer}"] = keys[peer][kind]
