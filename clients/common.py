@@ -18,7 +18,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from fedge import wire
 from fedge.codec import Codec, codec_for, decode_update, encode_update, is_encoded
 from fedge.config import RunConfig, Scalar, resolve_run_config
-from fedge.profiles import BUILTIN_PROFILES, DeviceProfile, load_profiles_toml, parse_fleet, time_budget_steps
+from fedge.profiles import BUILTIN_PROFILES, DeviceProfile, fleet_of, load_profiles_toml, time_budget_steps
 from fedge.wire import LocalWork
 
 RESIDUAL = "codec-residual"
@@ -165,7 +165,7 @@ def device_profiles(context: Context, config: Mapping[str, Any]) -> dict[str, De
     if is_deployed(context):
         own = str(context.node_config.get("fleet-file", ""))
         return {**BUILTIN_PROFILES, **(load_profiles_toml(own)[0] if own else {})}
-    return dict(parse_fleet(str(config["fleet"]), str(config["fleet-file"])).profiles)
+    return dict(fleet_of(config).profiles)
 
 
 def training_seed(context: Context, seed: int, server_round: int) -> int:
@@ -188,7 +188,7 @@ def device_profile_name(context: Context, config: Mapping[str, Any]) -> str:
     """The device's profile: ``node_config["profile"]``, else the fleet's assignment."""
     if "profile" in context.node_config:
         return str(context.node_config["profile"])
-    fleet = parse_fleet(str(config["fleet"]), str(config["fleet-file"]))
+    fleet = fleet_of(config)
     partition_id = int(context.node_config.get("partition-id", 0))
     assignment = fleet.assignment(int(config["seed"]))
     return assignment[partition_id] if partition_id < len(assignment) else "unknown"
@@ -206,7 +206,7 @@ def device_runtime(context: Context, config: RunConfig) -> str:
         return str(own or "torch")
     if config.text("runtime") != "profile":
         return config.text("runtime")
-    fleet = parse_fleet(config.text("fleet"), config.text("fleet-file"))
+    fleet = fleet_of(config)
     profile = fleet.profiles.get(device_profile_name(context, config))
     return profile.runtime if profile else "torch"
 
@@ -215,4 +215,4 @@ def num_partitions(context: Context, config: RunConfig) -> int:
     """How many shards the data set is split into (the simulated fleet's size)."""
     if "num-partitions" in context.node_config:
         return int(context.node_config["num-partitions"])
-    return parse_fleet(config.text("fleet"), config.text("fleet-file")).size
+    return fleet_of(config).size

@@ -13,7 +13,7 @@ import math
 import random
 import re
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -348,6 +348,33 @@ def parse_fleet(spec: str, fleet_file: str = "") -> Fleet:
     if fleet.size > MAX_FLEET_SIZE:
         raise ConfigError(f"{source} has {fleet.size} devices; a fleet has at most {MAX_FLEET_SIZE:,}")
     return fleet
+
+
+def fleet_of(config: Mapping[str, object]) -> Fleet:
+    """The run's fleet (its ``fleet`` and ``fleet-file`` knobs), parsed once per process.
+
+    Devices ask for it on every message (profile, runtime, partitions, step budget); a fleet
+    file is parsed again only when its size or modification time changes. The result is shared:
+    read it, do not mutate its ``profiles``.
+    """
+    spec, fleet_file = str(config["fleet"]), str(config.get("fleet-file", ""))
+    return _parsed_fleet(spec, fleet_file, _file_stamp(fleet_file))
+
+
+def _file_stamp(fleet_file: str) -> tuple[int, int]:
+    if not fleet_file:
+        return (0, 0)
+    try:
+        stat = Path(fleet_file).stat()
+    except OSError:
+        return (-1, -1)  # parse_fleet says what is wrong with the path
+    return (stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=16)
+def _parsed_fleet(spec: str, fleet_file: str, stamp: tuple[int, int]) -> Fleet:
+    del stamp  # part of the cache key only
+    return parse_fleet(spec, fleet_file)
 
 
 def _parse_mix(spec: str) -> dict[str, int]:

@@ -23,7 +23,7 @@ from fedge import wire
 from fedge.behaviour import Behaviour
 from fedge.config import RunConfig, codec_policy, config_fingerprint, model_keys, resolve_run_config
 from fedge.errors import CheckpointMismatch, ConfigError, ExportError
-from fedge.profiles import Fleet, parse_fleet, time_budget_steps
+from fedge.profiles import Fleet, fleet_of, time_budget_steps
 from fedge.secagg import bits_needed
 from fedge.server.checkpoint import load_checkpoint
 from fedge.server.compression import DownlinkEncoder, check_codecs
@@ -108,7 +108,7 @@ def local_step_limit(config: RunConfig) -> Callable[[int], int]:
     """
     batch = config.integer("batch-size")
     if config["local-budget"] == "time":
-        fleet = parse_fleet(config.text("fleet"), config.text("fleet-file"))
+        fleet = fleet_of(config)
         fastest = max([1.0, *(profile.compute_rate for profile in fleet.profiles.values())])
         steps = time_budget_steps(config.number("time-budget-s"), fastest, batch)
         return lambda n: steps
@@ -211,7 +211,7 @@ def check_deployment(config: RunConfig, *, registered: int | None) -> None:
     if registered is not None and config.integer("min-train-replies") > registered:
         raise ConfigError(f"min-train-replies = {config['min-train-replies']} but only {registered} device(s) are "
                           "registered; lower min-train-replies or register more devices")
-    fleet = parse_fleet(config.text("fleet"), config.text("fleet-file"))
+    fleet = fleet_of(config)
     task = load_task(config)
     check_task(task, config)
     strategy = build_strategy(config, None)
@@ -269,7 +269,7 @@ def run_coordinator(
     the devices are whoever connects (deployment). ``task`` (default: the one the run
     config names) is checked before anything else.
     """
-    fleet = parse_fleet(config.text("fleet"), config.text("fleet-file"))
+    fleet = fleet_of(config)
     task = task if task is not None else load_task(config)
     check_task(task, config)
     if simulated:  # a fleet the data cannot be split across is refused now, not by every device

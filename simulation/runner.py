@@ -24,7 +24,7 @@ from flwr.clientapp import ClientApp
 from fedge.clients.app import make_client_app
 from fedge.config import RunConfig, Scalar, resolve_run_config
 from fedge.errors import ConfigError, FedgeError
-from fedge.profiles import parse_fleet
+from fedge.profiles import fleet_of
 from fedge.server.app import behaviour_of, make_server_app, run_coordinator
 from fedge.server.report import run_dir_for
 from fedge.simulation.byzantine import byzantine_partitions, make_byzantine_client_app
@@ -70,7 +70,7 @@ def simulate(
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend '{backend}'; use one of: {', '.join(BACKENDS)}")
     config = resolve_run_config(overrides)
-    fleet = parse_fleet(config.text("fleet"), config.text("fleet-file"))
+    fleet = fleet_of(config)
     config["run-dir"] = str(run_dir_for(config))  # fixed now so that both backends agree
     if torch_threads:
         torch.set_num_threads(torch_threads)

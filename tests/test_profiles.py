@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fedge.errors import ConfigError
-from fedge.profiles import BUILTIN_PROFILES, DeviceProfile, parse_fleet
+from fedge.profiles import BUILTIN_PROFILES, DeviceProfile, fleet_of, parse_fleet
 
 
 def test_builtin_profiles_span_two_orders_of_magnitude() -> None:
@@ -76,3 +76,26 @@ def test_bad_fleet_files(tmp_path: Path, toml: str, message: str) -> None:
     (tmp_path / "f.toml").write_text(toml)
     with pytest.raises(ConfigError, match=message):
         parse_fleet("phone=1", str(tmp_path / "f.toml"))
+
+
+def test_a_runs_fleet_is_parsed_once_and_again_when_its_file_changes(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: count parses; a fleet file of 2 phones
+    import fedge.profiles as profiles
+
+    calls: list[tuple[str, str]] = []
+    real = profiles.parse_fleet
+    monkeypatch.setattr(profiles, "parse_fleet", lambda spec, path="": calls.append((spec, path)) or real(spec, path))
+    profiles._parsed_fleet.cache_clear()
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text("[fleet]\nphone = 2\n")
+    config = {"fleet": "laptop=3", "fleet-file": str(fleet_file)}
+    # Execute: four asks (as a device's message does), then the file grows by a laptop
+    first = [fleet_of(config) for _ in range(4)]
+    fleet_file.write_text("[fleet]\nphone = 2\nlaptop = 1\n")
+    changed = fleet_of(config)
+    plain = fleet_of({"fleet": "laptop=3", "fleet-file": ""})
+    # Assert: one parse for the four, one for the changed file, one for the plain spec
+    assert all(f is first[0] for f in first) and first[0].size == 2
+    assert changed.size == 3 and plain.size == 3
+    assert len(calls) == 3
