@@ -1,4 +1,10 @@
-"""The client SDK a device app embeds: ``make_client_app(model_fn, data_fn)``."""
+"""The device side: the ClientApp every device runs and the runtimes behind it.
+
+The SDK entry point is :func:`fedge.clients.app.make_client_app` (in its module, which a
+torch-free device imports without pulling in torch); ``fedge device`` is
+:mod:`fedge.clients.device`. This package itself only re-exports the fleet profile types a
+device app names (:mod:`fedge.profiles`).
+"""
 
 from fedge.profiles import BUILTIN_PROFILES, DeviceProfile, Fleet, parse_fleet
 
