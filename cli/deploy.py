@@ -21,6 +21,23 @@ def add_parsers(sub: Any) -> None:
     coordinator = sub.add_parser("coordinator", help="the coordinator service (Flower SuperLink)")
     actions = coordinator.add_subparsers(dest="coordinator_command", required=True)
     start = actions.add_parser("start", help="start the SuperLink and run fedge's ServerApp on it")
+    _start_options(start)
+    start.set_defaults(handler=_start)
+    status = actions.add_parser("status", help="connected devices and the current round")
+    status.add_argument("--state-dir", type=Path, default=Path("coordinator-state"))
+    status.set_defaults(handler=_status)
+    _device_options(sub.add_parser("device", help="join a coordinator as a device (Flower SuperNode)"))
+
+
+def start_parser() -> argparse.ArgumentParser:
+    """A parser of ``fedge coordinator start``'s options alone (for their defaults)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    _start_options(parser)
+    return parser
+
+
+def _start_options(start: argparse.ArgumentParser) -> None:
+    """``fedge coordinator start``'s options."""
     start.add_argument("--keys", type=Path, default=Path("keys"), help="the `fedge keys init` directory")
     start.add_argument("--insecure", action="store_true",
                        help="NO TLS, NO device authentication (a throwaway test network only)")
@@ -54,12 +71,10 @@ def add_parsers(sub: Any) -> None:
     start.add_argument("--metrics-token-file", type=Path,
                        help="file holding the bearer token scrapers must send (required off loopback)")
     start.add_argument("--no-metrics", action="store_true", help="do not serve /health and /metrics")
-    start.set_defaults(handler=_start)
-    status = actions.add_parser("status", help="connected devices and the current round")
-    status.add_argument("--state-dir", type=Path, default=Path("coordinator-state"))
-    status.set_defaults(handler=_status)
 
-    device = sub.add_parser("device", help="join a coordinator as a device (Flower SuperNode)")
+
+def _device_options(device: argparse.ArgumentParser) -> None:
+    """``fedge device``'s options."""
     device.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
     device.add_argument("--profile", default="laptop", help="phone | laptop | gpu-box | a custom profile")
     device.add_argument("--data", required=True, type=Path, help="this device's data (.npz or .csv)")
@@ -77,7 +92,13 @@ def add_parsers(sub: Any) -> None:
                         "(default: the coordinator's host, port + 1)")
     device.add_argument("--insecure", action="store_true", help="NO TLS (a throwaway test network only)")
     device.add_argument("--max-wait", type=float, help="give up if the coordinator is unreachable this long")
-    device.add_argument("--state-dir", type=Path, help="Flower's working files for this device")
+    device.add_argument("--state-dir", type=Path, help="Flower's working files for this device (one `fedge device` "
+                        "at a time; default ~/.fedge-device)")
+    device.add_argument("--offline-limit", type=float, default=300.0, metavar="SECONDS",
+                        help="once joined, stop (status 0) after the coordinator has been unreachable this long: its "
+                             "run is over or it stopped (default 300)")
+    device.add_argument("--verbose", action="store_true",
+                        help="Flower's own log lines on the console too (default: only in STATE_DIR/supernode.log)")
     device.set_defaults(handler=_device)
 
 
@@ -321,10 +342,14 @@ def _start_coordinator(args: argparse.Namespace, keys: Any, run_config: dict[str
             coordinator.stop()
             rounds = feed.rounds_seen if feed is not None else 0
             finished = (run_dir / "summary.json").exists()
+            if not finished:
+                from fedge.server.coordinator import record_clean_stop
+
+                record_clean_stop(args.state_dir, str(stop))
             print(f"coordinator stopped ({stop}): every Flower process it started is stopped; "
                   + ("the run had finished" if finished else
                      f"{rounds} round(s) checkpointed in {run_dir}; continue with "
-                     f"`fedge coordinator start --resume {run_dir}`" if rounds else "no round was completed"),
+                     f"`{resume_command(args, run_dir)}`" if rounds else "no round was completed"),
                   flush=True)
             return 0
         finally:
@@ -332,6 +357,31 @@ def _start_coordinator(args: argparse.Namespace, keys: Any, run_config: dict[str
             coordinator.stop()
             for server in servers:
                 server.should_exit = True
+
+
+# The operator's start options a resume must repeat, were they given: where the keys and state
+# are and where devices connect (the run's own settings come back from RUN_DIR/config.json).
+_REPEATED = ("keys", "state_dir", "host", "port", "control_port", "bundle_port", "dashboard_host",
+             "dashboard_port", "metrics_host", "metrics_port", "metrics_token_file")
+_SWITCHES = ("insecure", "dashboard", "no_metrics")
+
+
+def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
+    """The ``fedge coordinator start --resume RUN_DIR ...`` line that continues this coordinator's run.
+
+    Every operator option this start was given other than its default is repeated, so the
+    hinted command listens where devices connect, with the same keys and state.
+    """
+    import shlex
+
+    defaults = vars(start_parser().parse_args([]))
+    words = ["fedge", "coordinator", "start", "--resume", str(run_dir)]
+    for name in _REPEATED:
+        value = getattr(args, name, None)
+        if value is not None and value != defaults.get(name):
+            words += [f"--{name.replace('_', '-')}", str(value)]
+    words += [f"--{name.replace('_', '-')}" for name in _SWITCHES if getattr(args, name, False)]
+    return shlex.join(words)
 
 
 def _run_outcome(run_dir: Path, output: Any, state_dir: Path, feed: Any) -> int:
@@ -359,6 +409,7 @@ def _run_outcome(run_dir: Path, output: Any, state_dir: Path, feed: Any) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from fedge.server.coordinator import Coordinator
+    from fedge.server.rejoins import revoked_nodes
     from fedge.server.report import read_jsonl
 
     if not (args.state_dir / "flwr-home" / "config.toml").exists():
@@ -370,8 +421,8 @@ def _status(args: argparse.Namespace) -> int:
         nodes = coordinator.devices()
     except FedgeError:
         nodes = []
-    if not nodes:  # the SuperLink is not running: the devices registered at its last start
-        nodes = [{"node-id": node_id, "status": "registered (the coordinator is not running)"} for node_id in names]
+    if not nodes:  # the SuperLink is not running: the devices as its last device sync left them
+        nodes = stopped_fleet(names, revoked_nodes(str(coordinator.revoked_file)))
     for node in nodes:
         node_id = str(node.get("node-id", node.get("node_id", "?")))
         shown = f"{names[node_id]} (node {node_id})" if node_id in names else f"node {node_id}"
@@ -394,6 +445,17 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def stopped_fleet(names: dict[str, str], revoked: set[int]) -> list[dict[str, str]]:
+    """The devices of a coordinator that is not running, as its last device sync left them.
+
+    ``names``: ``{node id: name}`` of every device it registered; ``revoked``: the node ids
+    it unregistered (their key left ``KEYS/devices``), which stay refused.
+    """
+    return [{"node-id": node_id,
+             "status": "revoked (refused; the coordinator is not running)" if int(node_id) in revoked
+             else "registered (the coordinator is not running)"} for node_id in names]
+
+
 def _device(args: argparse.Namespace) -> int:
     from fedge.clients.device import DeviceOptions, run_device
 
@@ -401,4 +463,5 @@ def _device(args: argparse.Namespace) -> int:
                                     key=args.key, ca=args.ca, insecure=args.insecure,
                                     fleet_file=args.fleet_file, max_wait_s=args.max_wait,
                                     state_dir=args.state_dir, task=args.task, runtime=args.runtime,
-                                    trust=args.trust, bundles=args.bundles))
+                                    trust=args.trust, bundles=args.bundles, verbose=args.verbose,
+                                    offline_limit_s=args.offline_limit))

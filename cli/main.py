@@ -159,6 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; a refused input prints one line and exits with status 2."""
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request (a device's Fleet calls)
     args = build_parser().parse_args(argv)
     try:
         handler = _simulate if args.command == "simulate" else args.handler

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -26,6 +27,14 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
+from fedge.clients.device_session import (
+    SUPERNODE_LOG,
+    console_line,
+    end_previous_session,
+    hold_state_dir,
+    previous_session,
+    remember_session,
+)
 from fedge.edge.signing import ensure_private_dir
 from fedge.errors import ConfigError, FedgeError, Stopped
 from fedge.profiles import RUNTIMES, parse_fleet
@@ -37,6 +46,9 @@ TASK_REFERENCE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*(:[A-Za-z_][A-Za-z0-9_.]*
 
 INSECURE_WARNING = ("WARNING: INSECURE MODE. This device does not verify the coordinator and sends its "
                     "updates unencrypted. Use only on a trusted test network.")
+
+
+OFFLINE_LIMIT_S = 300.0  # a coordinator gone this long after the device joined: its run is over, or it stopped
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,8 @@ class DeviceOptions:
     runtime: str = "torch"  # "onnx": train with the coordinator's signed training graph, no torch
     trust: Path | None = None  # the coordinator's bundle signing public key (runtime onnx)
     bundles: str = ""  # the coordinator's bundle service HOST:PORT (default: the coordinator's host, port + 1)
+    verbose: bool = False  # Flower's log lines on the console too (else only in STATE_DIR/supernode.log)
+    offline_limit_s: float = OFFLINE_LIMIT_S  # stop once a joined coordinator has been unreachable this long
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -228,12 +242,18 @@ def supernode_command(options: DeviceOptions, training_bundle: Path | None = Non
 
 
 # The SuperLink answers both "key not registered" and "still online" (a previous session of this device
-# that crashed, listed online until its heartbeat lapses, up to a minute) with the same code.
-ACTIVATED = "SuperNode ID: "  # what Flower 1.42's SuperNode logs once the coordinator accepted its key
-REFUSED = {"[code: 2004]": "the coordinator did not activate this device: either it does not know this device's key "
-                           "(not registered) or a previous session of this device is still listed online (up to a "
-                           "minute after a crash)",
+# that died, listed online until its heartbeat lapses, about a minute) with the same code: the device
+# tells them apart by its own record of its last session (fedge.clients.device_session).
+ACTIVATED = re.compile(r"SuperNode ID: (\d+)")  # Flower 1.42's SuperNode logs it once the coordinator took its key
+NOT_ACTIVATED = "[code: 2004]"
+REFUSED = {NOT_ACTIVATED: "the coordinator did not activate this device: it does not know this device's key (not "
+                          "registered, or revoked)",
            "[code: 2001]": "the coordinator requires device authentication; pass --key"}
+# ... unless it was only this device's previous session, still listed online, which could not be ended
+NOT_ENDED = ("; if it is this device's previous session (node {node}), still listed online, ending it failed ({why}): "
+             "Flower frees it about a minute after its last heartbeat")
+# Flower's SuperNode logs these when it loses and regains the coordinator (flwr/supercore/retry)
+LOST, REGAINED = "Connection attempt failed", ("Connection successful", "Receiving:", "Sent successfully")
 
 
 def _raise_stopped(signum: int, frame: object) -> None:
@@ -243,16 +263,35 @@ def _raise_stopped(signum: int, frame: object) -> None:
 def run_device(options: DeviceOptions) -> int:
     """Check everything, then run the SuperNode in the foreground; its exit status is ours.
 
-    A coordinator that has just started may not have registered this device's key yet,
-    and one that saw this device crash lists it online for up to a minute, so a refused
-    activation is retried with backoff for up to ``max_wait_s`` (default 90 s) before giving
-    up with a one-line error. SIGTERM and SIGINT
-    stop the SuperNode and every Flower process it started, print one line and exit 0.
+    A coordinator that has just started may not have registered this device's key yet, so a
+    refused activation is retried with backoff for up to ``max_wait_s`` (default 90 s) before
+    giving up with a one-line error. A device restarted after its SuperNode died ends that
+    session itself and joins at once (:mod:`fedge.clients.device_session`). A coordinator
+    that stays unreachable ``offline_limit_s`` after the device joined (its run ended, or it
+    stopped) ends the device with one line and status 0. SIGTERM and SIGINT stop the SuperNode
+    and every Flower process it started, print one line and exit 0. One ``fedge device`` per
+    state directory: a second is refused with the holder's pid.
     """
     previous = {signum: signal.signal(signum, _raise_stopped) for signum in (signal.SIGTERM, signal.SIGINT)}
     _ECHO.clear()
     state = options.state_dir or Path(os.environ.get("FEDGE_DEVICE_HOME", Path.home() / ".fedge-device"))
     try:
+        check_device(options)
+        ensure_private_dir(state)  # bundles, freshness records, Flower's home: 0700 whatever the umask
+        with hold_state_dir(state):
+            return _run_held(options, state, previous)
+    except Stopped as stop:  # before this device held its state directory: nothing was started
+        print(f"device stopped ({stop})", flush=True)
+        return 0
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _run_held(options: DeviceOptions, state: Path, previous: Collection[int]) -> int:
+    """Run the device while holding ``state``; a signal stops everything it started."""
+    try:
+        _stop_supernode(state)  # a SuperNode left by a device of this directory that was killed outright
         return _run_device(options, state)
     except Stopped as stop:
         for signum in previous:
@@ -262,14 +301,9 @@ def run_device(options: DeviceOptions) -> int:
         print(f"device stopped ({stop}): the SuperNode and its helpers are stopped; "
               f"their shutdown output is in {state / 'last-stop.log'}", flush=True)
         return 0
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def _run_device(options: DeviceOptions, state: Path) -> int:
-    check_device(options)
-    ensure_private_dir(state)  # bundles, freshness records, Flower's home: 0700 whatever the umask
     host, port = split_address(options.coordinator)
     if options.insecure:
         print(INSECURE_WARNING, file=sys.stderr, flush=True)
@@ -278,22 +312,42 @@ def _run_device(options: DeviceOptions, state: Path) -> int:
         assert options.ca is not None
         check_tls(host, port, options.ca)
     training_bundle = pull_training_graph(options, state) if options.runtime == "onnx" else None
+    if not options.verbose:
+        print(f"Flower's own log lines go to {state / SUPERNODE_LOG} (--verbose shows them here)", flush=True)
     started = time.monotonic()
     wait = options.max_wait_s if options.max_wait_s is not None else 90.0
-    delay = 1.0
+    delay, ended_previous = 1.0, False
     while True:
         began = time.monotonic()
-        code, refusal, activated = _run_supernode(options, state, training_bundle)
-        if refusal is None:
-            if not activated and time.monotonic() - began < 10:  # it did not get going: its status is the answer
-                return code
+        end = _run_supernode(options, state, training_bundle)
+        if end.offline:
+            return _coordinator_gone(host, port, options.offline_limit_s)
+        if end.refusal is None:
+            if not end.activated and time.monotonic() - began < 10:  # it did not get going: its status is the answer
+                print(f"the SuperNode ended with status {end.code} before joining the coordinator; its output: "
+                      f"{state / SUPERNODE_LOG}", file=sys.stderr, flush=True)
+                return end.code
             # A SuperNode that was activated, or ran a while, and ended on its own: the coordinator went away
             # or revoked this device's key (Flower ends it "gracefully" then, however soon after activation).
             # Connect again: a revoked key is refused below.
-            print(f"the SuperNode ended on its own (status {code}); connecting again", file=sys.stderr, flush=True)
+            print(f"the SuperNode ended on its own (status {end.code}); connecting again", file=sys.stderr, flush=True)
             started, delay = time.monotonic(), 1.0
-            wait_reachable(host, port, options.max_wait_s)
+            try:
+                wait_reachable(host, port, options.offline_limit_s)
+            except FedgeError:
+                return _coordinator_gone(host, port, options.offline_limit_s)
             continue
+        refusal = end.refusal
+        node = previous_session(state, options.key) if end.refusal == REFUSED[NOT_ACTIVATED] else None
+        if node is not None and not ended_previous:
+            assert options.key is not None and options.ca is not None
+            why = end_previous_session(coordinator=options.coordinator, key=options.key, ca=options.ca, node_id=node)
+            if why is None:
+                ended_previous = True
+                print(f"ended this device's previous session (node {node}), which the coordinator still listed "
+                      "online (its SuperNode stopped without signing off); joining again", flush=True)
+                continue
+            refusal += NOT_ENDED.format(node=node, why=why)
         if time.monotonic() + delay > started + wait:
             raise FedgeError(f"{refusal}; if no other `fedge device` runs with this key, the operator must admit it: "
                              "`fedge keys add-device NAME` on the coordinator (admitted within 10 s, no restart); "
@@ -301,6 +355,14 @@ def _run_device(options: DeviceOptions, state: Path) -> int:
         print(f"{refusal}; retrying in {delay:.0f} s", file=sys.stderr, flush=True)
         time.sleep(delay)
         delay = min(delay * 2, 15.0)
+
+
+def _coordinator_gone(host: str, port: int, limit_s: float) -> int:
+    """One line for a coordinator that stayed away after this device joined; the device ends with 0."""
+    print(f"the coordinator {host}:{port} has been unreachable for {limit_s:.0f} s (its run is over, or it stopped); "
+          "this device stops. Start it again to join the coordinator's next run (--offline-limit sets the wait)",
+          flush=True)
+    return 0
 
 
 _SUPERNODE: list[subprocess.Popen[str]] = []  # the running SuperNode, for a signal's clean stop
@@ -318,10 +380,28 @@ def _divert_echo(path: Path) -> None:
     _ECHO[:] = [path.open("w", encoding="utf-8")]
 
 
-def _run_supernode(options: DeviceOptions, state: Path,
-                   training_bundle: Path | None) -> tuple[int, str | None, bool]:
-    """Run the SuperNode, echoing its output; return its status, any key refusal seen and
-    whether the coordinator activated it (Flower logs the node id it was given)."""
+@dataclass
+class SupernodeEnd:
+    """How one SuperNode lifetime ended."""
+
+    code: int  # its exit status
+    refusal: str | None  # why the coordinator refused to activate it, if it did
+    activated: bool  # the coordinator activated it (Flower logged the node id it was given)
+    offline: bool = False  # fedge stopped it: the coordinator was unreachable for offline_limit_s
+
+
+@dataclass
+class _Watch:
+    """What the SuperNode's output said so far (written by the echo thread, read by the waiting one)."""
+
+    refusals: list[str]
+    activated: threading.Event
+    lost_since: float | None = None  # when Flower first failed to reach the coordinator since it last did
+
+
+def _run_supernode(options: DeviceOptions, state: Path, training_bundle: Path | None) -> SupernodeEnd:
+    """Run the SuperNode, echoing fedge's lines of its output (all of it to ``STATE_DIR/supernode.log``)."""
+    from fedge.files import open_private_append
     from fedge.process import flower_env
 
     # A session of its own: a terminal's Ctrl-C reaches fedge only, which stops everything in order
@@ -330,26 +410,78 @@ def _run_supernode(options: DeviceOptions, state: Path,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                start_new_session=True)
     _SUPERNODE[:] = [process]
-    refusals: list[str] = []
-    activated = threading.Event()
-
-    def echo(stream: IO[str]) -> None:
-        # Helpers the SuperNode spawns (its SuperExec) may hold the pipe open after it
-        # exits, so this runs beside wait() instead of reading to end-of-file.
-        for line in stream:
-            sink = _ECHO[0] if _ECHO else sys.stdout
-            sink.write(line)
-            sink.flush()
-            refusals.extend(why for code, why in REFUSED.items() if code in line)
-            if ACTIVATED in line:
-                activated.set()
-
+    watch = _Watch(refusals=[], activated=threading.Event())
     assert process.stdout is not None
-    threading.Thread(target=echo, args=(process.stdout,), daemon=True).start()
-    code = process.wait()
+    flower_log = open_private_append(state / SUPERNODE_LOG, text=True)  # closed by _echo at the output's end
+    threading.Thread(target=_echo, args=(process.stdout, flower_log, options, state, watch), daemon=True).start()
+    offline = _wait_supernode(process, options, state, watch)
     time.sleep(0.2)  # let the last lines through
     _stop_supernode(state)  # a SuperNode that ended (gave up, or was cut off) leaves no helper behind
-    return code, refusals[0] if refusals else None, activated.is_set()
+    code = process.returncode
+    return SupernodeEnd(code, watch.refusals[0] if watch.refusals else None, watch.activated.is_set(), offline)
+
+
+def _echo(stream: IO[str], flower_log: IO[str], options: DeviceOptions, state: Path, watch: _Watch) -> None:
+    """Every line to the log; fedge's to the console; refusals, activation and lost connections to ``watch``.
+
+    Helpers the SuperNode spawns (its SuperExec) may hold the pipe open after it exits, so
+    this runs beside the wait instead of reading to end-of-file.
+    """
+    with flower_log:
+        for line in stream:
+            _echo_line(line, flower_log, options, state, watch)
+
+
+def _echo_line(line: str, flower_log: IO[str], options: DeviceOptions, state: Path, watch: _Watch) -> None:
+    """One line of the SuperNode's output: see :func:`_echo`."""
+    flower_log.write(line)
+    flower_log.flush()
+    shown = console_line(line, verbose=options.verbose)
+    if shown is not None:
+        sink = _ECHO[0] if _ECHO else sys.stdout
+        sink.write(shown)
+        sink.flush()
+    watch.refusals.extend(why for code, why in REFUSED.items() if code in line)
+    if activated := ACTIVATED.search(line):
+        remember_session(state, options.key, int(activated.group(1)))
+        watch.activated.set()
+        if not _ECHO:
+            print(f"joined the coordinator as node {activated.group(1)}", flush=True)
+    if LOST in line:
+        watch.lost_since = watch.lost_since or time.monotonic()
+    elif any(sign in line for sign in REGAINED):
+        watch.lost_since = None
+
+
+def _wait_supernode(process: subprocess.Popen[str], options: DeviceOptions, state: Path, watch: _Watch) -> bool:
+    """Wait for the SuperNode to end; stop it once the coordinator stayed unreachable ``offline_limit_s``.
+
+    Returns True when fedge stopped it for that reason. Flower's SuperNode itself retries a
+    lost coordinator forever; its "Connection attempt failed" lines start the clock and a
+    TCP connection that fails at the limit confirms it.
+    """
+    host, port = split_address(options.coordinator)
+    while True:
+        try:
+            process.wait(timeout=1.0)
+            return False
+        except subprocess.TimeoutExpired:
+            pass
+        lost = watch.lost_since
+        if lost is not None and time.monotonic() - lost > options.offline_limit_s and not _reachable(host, port):
+            _divert_echo(state / "last-stop.log")  # its shutdown output is noise from an orderly stop
+            process.terminate()
+            process.wait()
+            return True
+
+
+def _reachable(host: str, port: int) -> bool:
+    """Whether a TCP connection to ``host:port`` opens now."""
+    try:
+        with socket.create_connection((host, port), timeout=5):
+            return True
+    except OSError:
+        return False
 
 
 def _stop_supernode(state: Path, grace_s: float = 10.0) -> None:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
 from fedge.config import DEFAULTS, Scalar
@@ -62,13 +62,12 @@ _FLEET = """
 import json, sys
 from pathlib import Path
 from flwr.cli.flower_config import read_superlink_connection
-from flwr.cli.supernode.register import try_load_public_key
 from flwr.cli.utils import init_http_client_from_connection
 from flwr.proto.control_pb2 import (ListNodesRequest, ListRunsRequest, RegisterNodeRequest, StopRunRequest,
                                     UnregisterNodeRequest)
 modes = sys.argv[2].split(",")
 sync = "sync" in modes
-keys = {try_load_public_key(Path(p)): Path(p).stem for p in sys.argv[3:]}
+keys = {pem.encode(): name for pem, name in json.loads(sys.stdin.read()).items()}
 out = {"registered": [], "unregistered": [], "revoked_keys": [], "failed": {}, "stopped_runs": []}
 client = init_http_client_from_connection(read_superlink_connection(sys.argv[1]))
 try:
@@ -103,6 +102,64 @@ print(json.dumps(out))
 """
 
 CONNECTION = "fedge"
+CLEAN_STOP = "last-stop.json"  # STATE_DIR/last-stop.json: a coordinator stopped by a signal, mid-run, wrote it
+
+
+def record_clean_stop(state_dir: Path, signal_name: str) -> None:
+    """Note in ``state_dir`` that this coordinator stopped on ``signal_name`` with its run unfinished.
+
+    The next start stops that run (its devices would otherwise wait on it) and says it was
+    stopped, instead of guessing that the coordinator crashed or was killed.
+    """
+    from fedge.files import write_bytes_atomic
+
+    record = {"signal": signal_name, "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+    write_bytes_atomic(state_dir / CLEAN_STOP, (json.dumps(record) + "\n").encode())
+
+
+def _previous_stop(state_dir: Path) -> str:
+    """How the previous coordinator of ``state_dir`` ended, for the line about its unfinished run.
+
+    The record is removed as it is read (at every start), so a later crash is not taken for this stop.
+    """
+    path = state_dir / CLEAN_STOP
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        path.unlink()
+        return f"it was stopped by {record['signal']} at {record['at']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "it crashed or was killed"
+
+
+def allow_list(paths: list[Path], *, warned: set[str]) -> dict[str, str]:
+    """``{PEM public key: device name}`` of the device key files at ``paths`` (the SuperLink's allow-list).
+
+    A file removed since ``paths`` was listed (the operator revoking that device right now) is
+    left out, as it will be at the next sync: before, Flower's key loader ran in the sync's
+    subprocess and the sync failed with its ``ClickException: Public key file ... does not
+    exist``. A file that is not an OpenSSH ECDSA key on a NIST curve is left out with one
+    warning (once per name, ``warned`` remembers) naming the file and the fix.
+    """
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes, uses_nist_ec_curve
+
+    allowed: dict[str, str] = {}
+    for path in paths:
+        try:
+            key = serialization.load_ssh_public_key(path.read_bytes())
+        except FileNotFoundError:
+            continue  # revoked while this sync ran
+        except (OSError, ValueError, UnsupportedAlgorithm) as exc:
+            key, why = None, str(exc) or type(exc).__name__
+        else:
+            why = "not an ECDSA key on a NIST curve"
+        if isinstance(key, ec.EllipticCurvePublicKey) and uses_nist_ec_curve(key):
+            allowed[public_key_to_bytes(key).decode()] = path.stem
+        elif f"bad:{path.stem}" not in warned:
+            warned.add(f"bad:{path.stem}")
+            print(f"WARNING: device key file {path} is not a device key ({why}); that device cannot join: "
+                  f"replace it with the .pub of `fedge keys add-device {path.stem}`", file=sys.stderr, flush=True)
+    return allowed
 INSECURE_WARNING = (
     "WARNING: INSECURE MODE. TLS and device authentication are OFF: anyone on the network can read "
     "model updates, impersonate this coordinator, and join as a device. Use only on a trusted test network."
@@ -366,10 +423,10 @@ class Coordinator:
         FedgeError
             The Control API did not answer, or a key could not be registered.
         """
-        publics = [] if self.keys is None else [str(p.resolve()) for p in self.keys.device_public_keys()]
+        allowed = {} if self.keys is None else allow_list(self.keys.device_public_keys(), warned=self._warned)
         mode = ("list" if self.keys is None else "sync") + (",stop-stale" if stop_stale_runs else "")
-        done = subprocess.run([sys.executable, "-c", _FLEET, CONNECTION, mode, *publics], env=self.env(),
-                              capture_output=True, text=True, timeout=60, check=False)
+        done = subprocess.run([sys.executable, "-c", _FLEET, CONNECTION, mode], input=json.dumps(allowed),
+                              env=self.env(), capture_output=True, text=True, timeout=60, check=False)
         try:
             out = json.loads(done.stdout.strip().splitlines()[-1])
         except (json.JSONDecodeError, IndexError):
@@ -378,8 +435,9 @@ class Coordinator:
         if out["failed"]:
             name, why = next(iter(out["failed"].items()))
             raise FedgeError(f"registering device key {name} failed: {why[-300:]}")
+        how = _previous_stop(self.state_dir) if stop_stale_runs else ""  # read at start, whatever it finds
         for run_id in out["stopped_runs"]:
-            print(f"stopped run {run_id}, left unfinished by an earlier coordinator (it crashed or was killed); "
+            print(f"stopped run {run_id}, left unfinished by an earlier coordinator ({how}); "
                   "its devices take this coordinator's run at once", flush=True)
         known = self.names()
         for node_id in out["unregistered"]:

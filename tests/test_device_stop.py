@@ -36,7 +36,8 @@ from fedge.clients import device
 
 state = Path(sys.argv[1])
 device.supernode_command = lambda options, bundle: [sys.executable, "-c", sys.argv[2]]
-device._run_device = lambda options, state: device._run_supernode(options, state, None)[0]
+device.check_device = lambda options: None
+device._run_device = lambda options, state: device._run_supernode(options, state, None).code
 options = device.DeviceOptions(coordinator="127.0.0.1:1", profile="laptop", data=Path("."), key=None,
                                ca=None, insecure=True, state_dir=state)
 sys.exit(device.run_device(options))

@@ -73,6 +73,7 @@ def test_a_device_restarted_mid_round_counts_and_sigterm_leaves_no_process(feder
     assert federation.leftovers() == [], federation.leftovers()
     log = federation.log("coordinator")
     assert "coordinator stopped (SIGTERM)" in log and "--resume" in log and "Traceback" not in log, log
+    assert f"--keys {federation.keys.directory}" in log and f"--port {federation.port}`" in log, log
     assert "device stopped (SIGINT)" in federation.log("device0")
     assert "Traceback" not in federation.log("device0")
     assert (federation.run_dir / "checkpoint.npz").exists()

@@ -252,6 +252,11 @@ def test_metrics_without_the_dashboard_then_a_revoked_and_a_rotated_key(federati
     assert fed.coordinator is not None and fed.stop(fed.coordinator) == 0
     for gone in ("state", "device2", "device3"):  # the refused devices left no Flower helper behind either
         assert fed.leftovers(fed.root / gone) == [], gone
+    # Assert: after the stop, `coordinator status` still lists the revoked devices as revoked
+    status = subprocess.run([FEDGE, "coordinator", "status", "--state-dir", str(fed.root / "state")],
+                            capture_output=True, text=True, check=True).stdout
+    assert f"device dev2 (node {old_node['dev2']}): revoked" in status, status
+    assert f"device dev0 (node {old_node['dev0']}): registered" in status, status
 
 
 @pytest.mark.slow
@@ -267,6 +272,9 @@ def test_backup_and_restore_into_a_fresh_directory_resumes_the_run(tmp_path: Pat
         # Execute: stop the coordinator and back up with the page's command (its paths are this federation's)
         assert fed.coordinator is not None and fed.stop(fed.coordinator) == 0
         backed_up = fed.rows()
+        stopped = fed.log("coordinator")  # the hint repeats where the keys and state are and the device port
+        assert (f"--resume {fed.run_dir} --keys {fed.keys.directory} --state-dir {fed.root / 'state'} "
+                f"--port {fed.port}`") in stopped, stopped
         command = _doc_command("tar czf").replace("fedge-backup-$(date +%F).tgz", str(tmp_path / "backup.tgz"))
         command = command.replace("coordinator-state/", "state/").replace("runs/", "run/")
         subprocess.run(["bash", "-c", command], cwd=fed.root, check=True)
@@ -286,6 +294,9 @@ def test_backup_and_restore_into_a_fresh_directory_resumes_the_run(tmp_path: Pat
                 fed.start_device(index)
         fed.wait_for(lambda: len(fed.rows()) >= len(backed_up) + 1, 240, "a round after the restore")
         assert fed.stop(fed.coordinator) == 0
+        whole = (fed.root / "coordinator.log").read_text(errors="replace")  # the restart says the run was stopped
+        assert "left unfinished by an earlier coordinator (it was stopped by SIGTERM at " in whole, whole[-3000:]
+        assert "crashed or was killed" not in whole
     finally:
         fed.close()
     # Assert: the run went on from its last checkpoint (every round once), the same devices by the same
