@@ -70,7 +70,8 @@ def test_a_dead_device_is_left_out_and_the_round_goes_on(federation: LoopbackFed
                                  "min-train-replies=2")
     for index in range(3):
         federation.start_device(index)
-    federation.wait_for(lambda: all("SuperNode ID" in federation.log(f"device{i}") for i in range(3)), 180,
+    joined = "joined the coordinator as node"
+    federation.wait_for(lambda: all(joined in federation.log(f"device{i}") for i in range(3)), 180,
                         "three devices connected")
     federation.kill_device(2)
     # Execute
