@@ -304,7 +304,7 @@ def _start_coordinator(args: argparse.Namespace, keys: Any, run_config: dict[str
     if Path(str(run_config["signing-key"])) == _bundle_signing_key_path(args):
         _ensure_bundle_signing_key(_bundle_signing_key_path(args))
     coordinator = Coordinator(args.state_dir, keys, host=args.host, port=args.port, control_port=args.control_port,
-                              bundle_port=args.bundle_port)
+                              bundle_port=args.bundle_port, run_dir=Path(str(run_config["run-dir"])))
     run_dir = Path(str(run_config["run-dir"]))
     watch = FleetWatch(coordinator)
     feed, servers = None, []
@@ -345,7 +345,7 @@ def _start_coordinator(args: argparse.Namespace, keys: Any, run_config: dict[str
             if not finished:
                 from fedge.server.coordinator import record_clean_stop
 
-                record_clean_stop(args.state_dir, str(stop))
+                record_clean_stop([args.state_dir, run_dir], str(stop))
             print(f"coordinator stopped ({stop}): every Flower process it started is stopped; "
                   + ("the run had finished" if finished else
                      f"{rounds} round(s) checkpointed in {run_dir}; continue with "
@@ -390,14 +390,17 @@ def _run_outcome(run_dir: Path, output: Any, state_dir: Path, feed: Any) -> int:
     A run refused at start exits 2 (before any Flower process starts); a run that fails
     later, inside the ServerApp, exits 1; a coordinator stopped by SIGTERM or SIGINT exits 0.
     """
-    if (run_dir / "summary.json").exists():
+    log = state_dir / "run.log"
+    failed = _summary_failure(run_dir)
+    if (run_dir / "summary.json").exists() and failed is None:
         for line in feed.final_lines():
             print(line, flush=True)
         return 0
-    log = state_dir / "run.log"
     for line in feed.final_lines():  # device failure reasons, if any, help explain a failed run
         print(line, file=sys.stderr, flush=True)
-    if output.error:
+    if failed is not None:
+        why = f"{failed}; nothing was signed or published"
+    elif output.error:
         why = output.error
     elif output.exit_code is not None:
         why = f"Flower reported exit code {output.exit_code}"
@@ -405,6 +408,15 @@ def _run_outcome(run_dir: Path, output: Any, state_dir: Path, feed: Any) -> int:
         why = f"`flwr run` exited {output.returncode} before the run wrote {run_dir / 'summary.json'}"
     print(f"fedge: error: the run failed: {why} (full log: {log})", file=sys.stderr, flush=True)
     return 1
+
+
+def _summary_failure(run_dir: Path) -> str | None:
+    """Why the run's ``summary.json`` says it failed (no update accepted, a model not finite), or None."""
+    try:
+        failed = json.loads((run_dir / "summary.json").read_text()).get("failed")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(failed) if failed else None
 
 
 def _status(args: argparse.Namespace) -> int:

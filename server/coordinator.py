@@ -102,33 +102,40 @@ print(json.dumps(out))
 """
 
 CONNECTION = "fedge"
-CLEAN_STOP = "last-stop.json"  # STATE_DIR/last-stop.json: a coordinator stopped by a signal, mid-run, wrote it
+CLEAN_STOP = "last-stop.json"  # in STATE_DIR and RUN_DIR: a coordinator stopped by a signal, mid-run, wrote it
 
 
-def record_clean_stop(state_dir: Path, signal_name: str) -> None:
-    """Note in ``state_dir`` that this coordinator stopped on ``signal_name`` with its run unfinished.
+def record_clean_stop(directories: list[Path], signal_name: str) -> None:
+    """Note in each of ``directories`` that this coordinator stopped on ``signal_name`` with its run unfinished.
 
     The next start stops that run (its devices would otherwise wait on it) and says it was
-    stopped, instead of guessing that the coordinator crashed or was killed.
+    stopped, instead of guessing that the coordinator crashed or was killed. The record goes
+    to the state directory and to the run directory, which a backup keeps
+    (``docs/operator.md`` backs up the database and ``runs/``, not the whole state).
     """
     from fedge.files import write_bytes_atomic
 
     record = {"signal": signal_name, "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
-    write_bytes_atomic(state_dir / CLEAN_STOP, (json.dumps(record) + "\n").encode())
+    for directory in directories:
+        if directory.is_dir():
+            write_bytes_atomic(directory / CLEAN_STOP, (json.dumps(record) + "\n").encode())
 
 
-def _previous_stop(state_dir: Path) -> str:
-    """How the previous coordinator of ``state_dir`` ended, for the line about its unfinished run.
+def _previous_stop(directories: list[Path]) -> str:
+    """How the previous coordinator ended, for the line about its unfinished run.
 
-    The record is removed as it is read (at every start), so a later crash is not taken for this stop.
+    The records are removed as they are read (at every start), so a later crash is not
+    taken for this stop.
     """
-    path = state_dir / CLEAN_STOP
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        path.unlink()
-        return f"it was stopped by {record['signal']} at {record['at']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "it crashed or was killed"
+    how = "it crashed or was killed"
+    for path in (directory / CLEAN_STOP for directory in directories):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            path.unlink()
+            how = f"it was stopped by {record['signal']} at {record['at']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return how
 
 
 def allow_list(paths: list[Path], *, warned: set[str]) -> dict[str, str]:
@@ -209,6 +216,7 @@ class Coordinator:
     port: int = 9095
     control_port: int = 0  # the operator's loopback port; 0: a free one, chosen at start
     bundle_port: int | None = None  # the bundle service's port; None: port + 1 (skipped if busy); 0: a free one
+    run_dir: Path | None = None  # the run this start goes on with (a stop record of the last coordinator may be there)
     superlink: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     runner: subprocess.Popen[str] | None = field(default=None, repr=False)  # `flwr run --stream`
     bundles: Any = field(default=None, repr=False)  # the running BundleService, if any
@@ -435,7 +443,7 @@ class Coordinator:
         if out["failed"]:
             name, why = next(iter(out["failed"].items()))
             raise FedgeError(f"registering device key {name} failed: {why[-300:]}")
-        how = _previous_stop(self.state_dir) if stop_stale_runs else ""  # read at start, whatever it finds
+        how = _previous_stop([self.state_dir, *([self.run_dir] if self.run_dir else [])]) if stop_stale_runs else ""
         for run_id in out["stopped_runs"]:
             print(f"stopped run {run_id}, left unfinished by an earlier coordinator ({how}); "
                   "its devices take this coordinator's run at once", flush=True)

@@ -37,6 +37,9 @@ def test_two_rounds_with_tls_and_auth_and_an_unregistered_device_refused(federat
     # Execute
     for index in range(3):
         federation.start_device(index)
+    # the intruder gives up 10 s after it is refused: started once the coordinator listens (a loaded
+    # machine took longer than that to start the coordinator, and it gave up as unreachable instead)
+    federation.wait_for(lambda: "coordinator listening" in federation.log("coordinator"), 180, "the coordinator")
     intruder = federation.start_device(3, stranger, "--max-wait", "10")
     federation.wait_for(lambda: len(federation.rows()) >= 2, 180, "round 1")
     status = subprocess.run([FEDGE, "coordinator", "status", "--state-dir", str(federation.root / "state")],

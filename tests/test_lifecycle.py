@@ -39,8 +39,8 @@ def done(federation: LoopbackFederation) -> int:
 
 
 def received(federation: LoopbackFederation, index: int) -> int:
-    """How many messages device ``index``'s SuperNode has taken so far."""
-    path = federation.root / f"device{index}.log"
+    """How many messages device ``index``'s SuperNode has taken so far (Flower's log, in its state directory)."""
+    path = federation.root / f"device{index}" / "supernode.log"
     return path.read_text(errors="replace").count("Received successfully") if path.exists() else 0
 
 

@@ -89,10 +89,14 @@ def test_the_resume_hint_repeats_the_operators_start_options(argv: list[str], ex
 
 
 def test_the_next_start_says_a_signalled_stop_not_a_crash_and_only_once(tmp_path: Path) -> None:
-    # Prepare: a coordinator stopped by SIGTERM mid-run
-    record_clean_stop(tmp_path, "SIGTERM")
+    # Prepare: a coordinator stopped by SIGTERM mid-run, recorded in its state and run directories
+    state, run = tmp_path / "state", tmp_path / "run"
+    state.mkdir()
+    run.mkdir()
+    record_clean_stop([state, run], "SIGTERM")
+    (state / "last-stop.json").unlink()  # a restore from a backup has the run directory only
     # Execute: the next start reads it; the start after that finds nothing (say it crashed then)
-    first, second = _previous_stop(tmp_path), _previous_stop(tmp_path)
+    first, second = _previous_stop([state, run]), _previous_stop([state, run])
     # Assert
     assert first.startswith("it was stopped by SIGTERM at 20"), first
     assert second == "it crashed or was killed"
