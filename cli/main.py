@@ -11,7 +11,8 @@ from typing import Any
 
 from fedge.cli import compare, deploy, edge, new
 from fedge.cli.catalogue import catalogue, describe, missing_extra, no_abbreviations, strategy_names
-from fedge.errors import FedgeError
+from fedge.cli.workdir import importable_here
+from fedge.errors import FedgeError, RunFailed
 
 EXIT_USAGE = 2
 
@@ -44,15 +45,6 @@ def _simulate_parser(sub: Any) -> None:
     p.add_argument("--verbose", action="store_true", help="show Flower's own log lines")
 
 
-def _importable_here() -> None:
-    """Let ``package.module:object`` tasks import from the current directory, as ``python -m`` does,
-    in this process and in Ray's workers (which inherit PYTHONPATH)."""
-    here = os.getcwd()
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH", "")]))
-
-
 def _simulate(args: argparse.Namespace) -> int:
     from fedge.server.report import plotting_process
 
@@ -74,7 +66,7 @@ def _simulate_run(args: argparse.Namespace) -> int:
              "seed": args.seed, "run-dir": args.run_dir}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     if ":" in str(overrides.get("task", "")):
-        _importable_here()
+        importable_here()
     if args.fleet:
         key = "fleet-file" if args.fleet.endswith(".toml") else "fleet"
         overrides[key] = args.fleet
@@ -164,6 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         handler = _simulate if args.command == "simulate" else args.handler
         code = int(handler(args))
+    except RunFailed as exc:  # the run went, and ended without a model worth shipping
+        print(f"fedge: error: the run failed: {exc}", file=sys.stderr)
+        code = 1
     except FedgeError as exc:
         print(f"fedge: error: {exc}", file=sys.stderr)
         code = EXIT_USAGE

@@ -68,6 +68,15 @@ class ProtocolError(DeviceFault):
     """
 
 
+class RunFailed(FedgeError):
+    """A run that cannot go on, or that ended without a model worth shipping.
+
+    Every update left out for one and the same reason round after round, no update
+    accepted in the whole run, or a global model that is not finite. Nothing of it is
+    signed or published; the CLI prints the message on one line and exits with status 1.
+    """
+
+
 class Stopped(FedgeError):
     """SIGTERM or SIGINT arrived: stop every process started, say so in one line, exit 0.
 

@@ -64,6 +64,7 @@ def export_global_model(
     ``server_round``, so a device with a freshness store refuses an earlier round of the
     run once it has run a later one. ``valid_for`` sets ``expires_at`` (default: no expiry).
     """
+    refuse_non_finite(model, server_round)
     held_out = held_out_data(task, config)
     spec = BundleSpec(
         model_name=task.name,
@@ -83,6 +84,20 @@ def export_global_model(
     log.info("round %d: signed bundle %s (model %s version %d, signer %s)", server_round, built.path,
              spec.lineage, server_round, fingerprint(private_key.public_key()))
     return built
+
+
+def refuse_non_finite(model: nn.Module, server_round: int) -> None:
+    """Refuse to sign a model with NaN or inf weights or buffers (a diverged run): devices would run it.
+
+    Raises
+    ------
+    ExportError
+        Naming the first such tensor.
+    """
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ExportError(f"the model of round {server_round} is not finite ({name} holds NaN or inf): it is not "
+                              "signed; export a round before it diverged (`fedge export RUN --round N`)")
 
 
 class TaskForward(nn.Module):

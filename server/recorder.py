@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -16,6 +17,7 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord
 
 from fedge.config import RunConfig, config_fingerprint, model_keys
+from fedge.errors import RunFailed
 from fedge.server.checkpoint import Checkpoint, save_checkpoint
 from fedge.server.metering import MeteredGrid
 from fedge.server.progress import RoundProgress
@@ -103,7 +105,10 @@ class RoundRecorder:
         save_checkpoint(self.run_dir / "checkpoint.npz", checkpoint)
         every = self.config.integer("export-every")
         if self.config["export-onnx"] and every and server_round and server_round % every == 0:
-            self._export_bundle(server_round)
+            if (why := self.unusable()) is None:
+                self._export_bundle(server_round)
+            else:
+                log.warning("round %d: no bundle signed or published: %s", server_round, why)
         self.progress.advance(server_round, row["headline"], self.grid.sim_time)
         return MetricRecord(metrics)  # type: ignore[arg-type]
 
@@ -170,10 +175,36 @@ class RoundRecorder:
         if self.strategy.privacy is not None:
             summary["dp"] = self.strategy.privacy.summary()  # type: ignore[attr-defined]
         plot_headline(self.rows, self.run_dir / "headline.png", run_title(self.config, self.task.name), headline)
-        if self.config["export-onnx"]:
+        why = self.unusable()
+        if why is None and self.config["export-onnx"]:
             summary.update(self._final_export(last["round"]))
+        if why is not None:
+            summary["failed"] = why
         write_json_atomic(self.run_dir / "summary.json", summary)
+        if why is not None:
+            raise RunFailed(f"{why}; nothing was signed or published (the run's records are in {self.run_dir})")
         return summary
+
+    def unusable(self) -> str | None:
+        """Why the global model must not be signed, published or called a result (None: it may be).
+
+        No update accepted in any round (the model is the initial one), weights that are not
+        finite, or a headline metric that is not finite (the model diverged: its outputs overflow).
+        """
+        if not any(row.get("aggregated") for row in self.rows if row["round"]):
+            left_out: Counter[str] = Counter(r.reason for report in self.strategy.reports
+                                             for r in [*report.rejected, *report.failed])
+            common = f"; most often: {left_out.most_common(1)[0][0]}" if left_out else ""
+            return (f"no device update was accepted in {self.rows[-1]['round']} round(s) "
+                    f"({sum(left_out.values())} left out{common})")
+        for name, tensor in self.model.state_dict().items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                return f"the global model is not finite ({name} holds NaN or inf)"
+        headline = self.rows[-1].get("headline")
+        if headline is not None and not math.isfinite(headline):
+            return (f"the global model's {self.task.headline} is {headline} after round {self.rows[-1]['round']}: "
+                    "it diverged (try a lower learning rate, or scale the data)")
+        return None
 
     def _export_bundle(self, server_round: int) -> BuiltBundle:
         """Sign a bundle of the model as evaluated last (the global model after ``server_round``)."""

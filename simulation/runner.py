@@ -23,7 +23,7 @@ from flwr.clientapp import ClientApp
 
 from fedge.clients.app import make_client_app
 from fedge.config import RunConfig, Scalar, resolve_run_config
-from fedge.errors import ConfigError, FedgeError
+from fedge.errors import ConfigError, FedgeError, RunFailed
 from fedge.profiles import fleet_of
 from fedge.server.app import behaviour_of, make_server_app, run_coordinator
 from fedge.server.report import run_dir_for
@@ -86,7 +86,10 @@ def simulate(
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise FedgeError(f"the run ended without writing {summary_path}; see the log above")
-    return run_dir, json.loads(summary_path.read_text())
+    summary = json.loads(summary_path.read_text())
+    if summary.get("failed"):  # Flower's engine kept the ServerApp's RunFailed to itself
+        raise RunFailed(f"{summary['failed']}; nothing was signed or published (the run's records are in {run_dir})")
+    return run_dir, summary
 
 
 def _run_on_ray(config: RunConfig, num_nodes: int, *, progress: bool, task: Task | None,

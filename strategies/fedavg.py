@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -15,14 +15,16 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.serverapp.strategy import Result, Strategy
+from flwr.supercore import log as flower_log
 from numpy.typing import NDArray
 
 from fedge import wire
-from fedge.aggregate import WeightedMeanAccumulator, c_contiguous, weighted_mean_metrics
-from fedge.errors import ConfigError
+from fedge.aggregate import WeightedMeanAccumulator, c_contiguous, statistic_names, weighted_mean_metrics
+from fedge.errors import ConfigError, RunFailed
 from fedge.strategies.policies import RoundPolicy, SyncPolicy, let_go
 from fedge.strategies.registry import register
 from fedge.strategies.selection import RandomSelector
+from fedge.strategies.systematic import stop_message, systematic_reason
 from fedge.strategies.timing import durations
 from fedge.strategies.validation import AcceptedUpdate, Failure, Rejection, ReplyValidator
 
@@ -123,6 +125,7 @@ class FedAvg(FlowerFedAvg):
         self.selector = selector or RandomSelector()
         self.policy: RoundPolicy = policy or SyncPolicy()
         self.min_train_replies = min_train_replies
+        self.buffer_names: frozenset[str] | None = None  # the model's buffers (statistics), set by the coordinator
         self.wait_for_nodes_s = wait_for_nodes_s
         self.straggler_fraction = straggler_fraction
         self.stragglers: set[int] = set()
@@ -152,6 +155,12 @@ class FedAvg(FlowerFedAvg):
         from a checkpoint, so the loop (train -> federated evaluation -> central
         evaluation, per round) is restated here with the same semantics. Round 0
         (central evaluation of ``initial_arrays``) happens only on a fresh start.
+
+        Raises
+        ------
+        RunFailed
+            Every reply of two rounds in a row was left out for one and the same reason
+            (:mod:`fedge.strategies.systematic`): the run stops instead of going on unchanged.
         """
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
@@ -161,6 +170,8 @@ class FedAvg(FlowerFedAvg):
             result.evaluate_metrics_serverapp[0] = res
         for server_round in range(start_round, num_rounds + 1):
             new_arrays, train_metrics = self.train_round(grid, server_round, arrays, train_config, timeout)
+            if (reason := systematic_reason(self.reports)) is not None:
+                raise RunFailed(stop_message(self.reports, reason))
             if new_arrays is not None:
                 result.arrays = arrays = new_arrays
             if train_metrics is not None:
@@ -327,9 +338,9 @@ class FedAvg(FlowerFedAvg):
             now = time.monotonic()
             if now >= deadline:
                 break
-            if now >= next_log:
-                log.info("round %d: waiting for devices: %d connected of %d needed (%.0f s left)",
-                         server_round, len(nodes), needed, deadline - now)
+            if now >= next_log:  # through Flower's logger: `flwr run` and the coordinator stream show it
+                flower_log(logging.INFO, "round %d: waiting for devices: %d connected of %d needed (%.0f s left)",
+                           server_round, len(nodes), needed, deadline - now)
                 next_log = now + self.wait_log_every_s
             time.sleep(min(0.5, max(deadline - now, 0.0)))
         return nodes
@@ -407,6 +418,14 @@ class FedAvg(FlowerFedAvg):
             accumulator.add(update.arrays, update.weight)
             update.arrays.clear()  # folded in: let it go before the next reply is made or pulled
         return accumulator.result() if accumulator.count else None
+
+    def statistics_of(self, arrays: Mapping[str, NDArray[np.generic]]) -> frozenset[str]:
+        """Which of ``arrays`` are model statistics (BatchNorm buffers): averaged, never stepped.
+
+        The coordinator sets :attr:`buffer_names` from its model; without it (a plain Flower
+        app) torch's BatchNorm buffer names and integer arrays count.
+        """
+        return statistic_names(arrays, self.buffer_names)
 
     def global_numpy(self) -> dict[str, NDArray[np.generic]]:
         """The arrays this round's replies are measured against, as numpy."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.common.constant import ErrorCode
 from numpy.typing import NDArray
 
 from fedge import wire
@@ -55,7 +56,20 @@ class AcceptedUpdate:
 
 @dataclass(frozen=True)
 class Failure(Rejection):
-    """A device that answered with an error instead of an update."""
+    """A device that answered with an error instead of an update.
+
+    ``systematic``: the device's code raised (or could not be loaded), which the next round
+    repeats unless something changes; False for a device that was unreachable or crashed.
+    """
+
+    systematic: bool = True
+
+
+# Flower's error codes of a reply whose ClientApp raised, could not load, or refused (a mod's precondition,
+# an invalid app): not a device that went away (MESSAGE/REPLY/NODE_UNAVAILABLE, CLIENT_APP_CRASHED)
+SYSTEMATIC_ERRORS = frozenset({ErrorCode.UNKNOWN, ErrorCode.LOAD_CLIENT_APP_EXCEPTION,
+                               ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.MOD_FAILED_PRECONDITION,
+                               ErrorCode.INVALID_FAB})
 
 
 def spec_of(arrays: ArrayRecord) -> ArraySpec:
@@ -181,7 +195,8 @@ class ReplyValidator:
         for message in replies:
             node_id = message.metadata.src_node_id
             if message.has_error():
-                yield Failure(node_id, f"device error: {message.error.reason}")
+                yield Failure(node_id, f"device error: {message.error.reason}",
+                              systematic=message.error.code in SYSTEMATIC_ERRORS)
                 continue
             try:
                 checked = self.read(message.content, server_round=server_round, spec=spec, reference=weights)

@@ -17,7 +17,7 @@ from flwr.app import Array, RecordDict
 
 import fedge.strategies.secure as secure
 from fedge.config import resolve_run_config
-from fedge.errors import ConfigError, FedgeError, ProtocolError, SecureRoundFailed
+from fedge.errors import ConfigError, FedgeError, ProtocolError, RunFailed, SecureRoundFailed
 from fedge.server.app import run_coordinator
 from fedge.server.report import read_jsonl
 from fedge.simulation.grid import FIRST_NODE_ID, InlineGrid
@@ -148,10 +148,12 @@ def test_a_round_that_cannot_finish_keeps_the_model_and_the_run_goes_on(
         raise SecureRoundFailed("only 2 of 3 shares to unmask device 7")
 
     monkeypatch.setattr(SecureAggregation, "_rebuild", staticmethod(fail))
-    # Execute
-    row, _ = _run(tmp_path, monkeypatch)
+    # Execute: the run's only round cannot finish, so the run ends without an accepted update
+    with pytest.raises(RunFailed, match=r"no device update was accepted in 1 round\(s\)"):
+        _run(tmp_path, monkeypatch)
     # Assert: the round is recorded as not aggregated, with the reason in the log
-    assert not row["aggregated"]
+    row = read_jsonl(tmp_path / "r" / "metrics.jsonl")[-1]
+    assert row["round"] == 1 and not row["aggregated"]
     assert any("secure aggregation failed (only 2 of 3 shares" in r.getMessage() for r in caplog.records)
 
 

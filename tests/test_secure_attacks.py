@@ -28,6 +28,7 @@ from test_secure_protocol import Fleet
 from fedge import wire
 from fedge.clients.app import make_default_client_app
 from fedge.config import resolve_run_config
+from fedge.errors import RunFailed
 from fedge.secagg import ProtocolViolation, rebuild_secret, ring_add, unmask
 from fedge.server.app import run_coordinator
 from fedge.server.checkpoint import load_checkpoint
@@ -170,11 +171,11 @@ def test_a_round_where_the_coordinator_isolates_one_device_yields_nothing(
     monkeypatch.setattr(FedAvg, "_instruction", isolate)
     grid = MetaRecordingGrid(make_default_client_app(), NODES, config)
     # Execute
-    with caplog.at_level(logging.WARNING):
-        run_dir = run_coordinator(grid, config, progress=False)
+    with caplog.at_level(logging.WARNING), pytest.raises(RunFailed, match="no device update was accepted"):
+        run_coordinator(grid, config, progress=False)
     # Assert: the round kept the global model (before: it applied the first device's update alone); the
-    # log says why; no masked reply carried samples processed or steps in plaintext
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    # log says why; no masked reply carried samples processed or steps in plaintext; nothing was published
+    rows = read_jsonl(Path(config.text("run-dir")) / "metrics.jsonl")
     assert [row["aggregated"] for row in rows[1:]] == [False]
     assert "did not sign the global model and training config this device received" in caplog.text
     assert len(grid.metas) == 6
