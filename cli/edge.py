@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fedge.cli.workdir import importable_here
 from fedge.errors import BundleVerificationError, ConfigError
 
 
@@ -142,6 +143,7 @@ def _keys_signing_init(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from fedge.server.export_run import export_run_round
 
+    importable_here()  # the run's task, if it is package.module:object, imports from here as under simulate
     if args.valid_days is not None and not 0 < args.valid_days <= 36500:
         raise ConfigError(f"--valid-days {args.valid_days} must be more than 0 and at most 36500")
     valid_for = dt.timedelta(days=args.valid_days) if args.valid_days is not None else None

@@ -13,8 +13,10 @@ import importlib
 import inspect
 import logging
 import math
+import warnings
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from fedge.config import RunConfig, Scalar, resolve_run_config
@@ -90,17 +92,21 @@ def _built(target: object, config: RunConfig, reference: str) -> Task:
 
 
 def check_task(task: Task, config: RunConfig) -> None:
-    """Refuse a task that cannot work, at start, with the fix named.
+    """Refuse a task that cannot work, at start, with the method and the fix named.
 
     Checks: the model builds the same twice from one seed (deterministic init, or devices
-    and coordinator would start from different weights); a batch of its data matches the
-    declared input signature; the model's output goes into the loss, giving a finite scalar
-    that backpropagates; the metrics include the headline.
+    and coordinator would start from different weights); then, on two examples of
+    ``train_data()`` (what devices train on) and of ``central_data()`` (what the coordinator
+    evaluates on) each: the inputs match the declared signature (rank, sizes, dtype) and the
+    targets are ``target_dtype``; one real training step (forward, loss, backward) and one
+    evaluation run; the loss gets outputs and targets of one shape per example, without
+    broadcasting (a ``[batch, 2]`` head for ``[batch]`` targets, or torch's "target size that
+    is different to the input size"), and is a finite scalar; the metrics include the headline.
 
     Raises
     ------
     ConfigError
-        Naming what failed and how to fix it.
+        Naming what failed, in which of the task's methods, and how to fix it.
     """
     seed = config.integer("seed")
     first, second = seeded_model(task, seed), seeded_model(task, seed)
@@ -114,28 +120,60 @@ def check_task(task: Task, config: RunConfig) -> None:
                           "inside build_model(), not numpy's or Python's")
     if not task.inputs:
         raise ConfigError(f"task '{task.name}' declares no inputs; set inputs = (InputSpec('x', ('batch', ...)),)")
-    sample = _sample(task, config)
+    for method, sample in _samples(task, config):
+        _check_sample(task, first, method, sample)
+
+
+def _samples(task: Task, config: RunConfig) -> list[tuple[str, TaskData]]:
+    """Two examples of what devices train on and of what the coordinator evaluates on (when it has data)."""
+    samples = [("train_data()", task.partition(0, 1, config).take(slice(0, 2)))]
+    central = task.central_data()
+    if central is not None and len(central):
+        samples.append(("central_data()", central.take(slice(0, 2))))
+    return samples
+
+
+def _check_sample(task: Task, model: torch.nn.Module, method: str, sample: TaskData) -> None:
+    """One training step and one evaluation of ``model`` on ``sample`` (from the task's ``method``)."""
     from fedge.signature import check_inputs  # noqa: PLC0415
 
-    check_inputs(task.inputs, list(sample.inputs), source=f"task '{task.name}' data")
+    where = f"task '{task.name}' {method}"
+    check_inputs(task.inputs, list(sample.inputs), source=where)
+    if np.dtype(sample.targets.dtype) != np.dtype(task.target_dtype):
+        raise ConfigError(f"{where}: targets are {sample.targets.dtype}, the task declares target_dtype "
+                          f"{task.target_dtype!r}: return y.astype(np.{task.target_dtype}) from {method} (or set "
+                          "target_dtype to what the loss expects)")
     inputs, targets = sample.tensors()
+    model.train()
     try:
-        outputs = task.forward(first, list(inputs))
-        loss = task.loss(outputs, targets)
-    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-        raise ConfigError(f"task '{task.name}': the model's output does not fit the loss or the data ({exc}); make "
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*target size.*different to the input size", category=UserWarning)
+            outputs = task.forward(model, list(inputs))
+            _check_shapes(task, where, outputs, targets)
+            loss = task.loss(outputs, targets)
+    except (RuntimeError, ValueError, TypeError, IndexError, UserWarning) as exc:
+        raise ConfigError(f"{where}: the model's output does not fit the loss or the data ({exc}); make "
                           "build_model()'s output shape match what loss() expects for these targets") from None
     if loss.ndim != 0 or not math.isfinite(float(loss.detach())):
-        raise ConfigError(f"task '{task.name}': loss() must return a finite scalar, got shape "
+        raise ConfigError(f"{where}: loss() must return a finite scalar, got shape "
                           f"{tuple(loss.shape)} value {loss.detach().flatten()[:3].tolist()}")
     loss.backward()  # type: ignore[no-untyped-call]
-    metrics = task.summarize(task.metrics(outputs.detach(), targets))
+    model.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        metrics = task.summarize(task.metrics(task.forward(model, list(inputs)), targets))
     if task.headline not in metrics:
         raise ConfigError(f"task '{task.name}': headline metric '{task.headline}' is not among its metrics "
                           f"{sorted(metrics)}; set headline to one of them")
 
 
-def _sample(task: Task, config: RunConfig) -> TaskData:
-    central = task.central_data()
-    data = central if central is not None and len(central) else task.partition(0, 1, config)
-    return data.take(slice(0, 2))
+def _check_shapes(task: Task, where: str, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """Float targets (regression): one output value per target value, per example (no silent broadcasting)."""
+    if not targets.is_floating_point() or outputs.shape == targets.shape:
+        return
+    per_output, per_target = outputs[0].numel(), targets[0].numel() if targets.ndim else 1
+    if outputs.shape[0] != targets.shape[0] or per_output != per_target:
+        raise ConfigError(f"{where}: the model gives outputs {list(outputs.shape)} for targets "
+                          f"{list(targets.shape)}: loss() would broadcast them into a wrong value; make "
+                          f"build_model()'s head give {per_target} value(s) per example (e.g. "
+                          f"nn.Linear(..., {per_target})), or reshape in loss()")
