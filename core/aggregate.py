@@ -299,3 +299,37 @@ def apply_buffer(
                 w * np.asarray(d[k], np.float64) for d, w in zip(deltas, weights, strict=True)) / len(deltas),
                 g.dtype)
             for k, g in global_arrays.items()}
+
+
+# torch's BatchNorm buffers by the names its state_dict gives them (a plain Flower app has no model to ask)
+STATISTIC_SUFFIXES = (".running_mean", ".running_var", ".num_batches_tracked", "running_mean", "running_var",
+                      "num_batches_tracked")
+
+
+def statistic_names(arrays: Arrays, declared: Iterable[str] | None = None) -> frozenset[str]:
+    """The entries of ``arrays`` that are statistics a model keeps (buffers), not weights it learns.
+
+    ``declared``: the model's buffer names, when the coordinator has the model; else the
+    names torch gives BatchNorm's running mean, variance and batch counter, and every
+    integer array (a counter: a server step on it means nothing).
+    """
+    if declared is not None:
+        return frozenset(declared) & frozenset(arrays)
+    return frozenset(name for name, value in arrays.items()
+                     if name.endswith(STATISTIC_SUFFIXES) or np.issubdtype(np.asarray(value).dtype, np.integer))
+
+
+def with_statistics(stepped: Arrays, means: Arrays, statistics: Iterable[str]) -> dict[str, NDArray[np.generic]]:
+    """``stepped`` with each of ``statistics`` replaced by its weighted mean over the devices.
+
+    A server optimiser's step (momentum, Adam, FedBuff's stale deltas) is meant for weights;
+    on BatchNorm's running statistics it overshoots (a running variance went negative and
+    accuracy fell to chance by round 2 under FedAvgM). Statistics are averaged instead, as
+    FedAvg averages them (Li et al., "FedBN", ICLR 2021, keep them local; averaging is
+    FedAvg's choice and the default here).
+    """
+    out = dict(stepped)
+    for name in statistics:
+        if name in out and name in means:
+            out[name] = _cast(np.asarray(means[name], np.float64), np.asarray(out[name]).dtype)
+    return out

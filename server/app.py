@@ -281,6 +281,7 @@ def run_coordinator(
         load_arrays(model, ArrayRecord({name: Array(value) for name, value in saved.items()}),
                     source=f"checkpoint '{config['init-checkpoint']}'")
     strategy = build_strategy(config, fleet.size if simulated else None)
+    strategy.buffer_names = frozenset(name for name, _ in model.named_buffers())  # statistics: averaged, not stepped
     strategy.privacy = build_privacy(strategy, config, fleet.size)
     check_codecs(config, fleet)
     downlink = DownlinkEncoder(config, seed=config.integer("seed"))

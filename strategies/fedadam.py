@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from fedge.aggregate import State, adaptive_step
+from fedge.aggregate import State, adaptive_step, with_statistics
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.registry import register
 from fedge.strategies.validation import AcceptedUpdate
@@ -40,7 +40,7 @@ class FedAdam(FedAvg):
         new, self.first, self.second = adaptive_step(
             self.global_numpy(), average, self.first, self.second, server_lr=self.server_learning_rate,
             beta1=self.beta1, beta2=self.beta2, tau=self.tau, rule=self.rule)
-        return new
+        return with_statistics(new, average, self.statistics_of(average))
 
     def state_dict(self) -> dict[str, NDArray[np.generic]]:  # noqa: D102
         return {**{f"m/{k}": v for k, v in self.first.items()}, **{f"v/{k}": v for k, v in self.second.items()}}

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from fedge.aggregate import State, fedavgm_step
+from fedge.aggregate import State, fedavgm_step, with_statistics
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.registry import register
 from fedge.strategies.validation import AcceptedUpdate
@@ -36,7 +36,7 @@ class FedAvgM(FedAvg):
             return None
         new, self.velocity = fedavgm_step(self.global_numpy(), average, self.velocity,
                                           server_lr=self.server_learning_rate, momentum=self.server_momentum)
-        return new
+        return with_statistics(new, average, self.statistics_of(average))
 
     def state_dict(self) -> dict[str, NDArray[np.generic]]:  # noqa: D102
         return {f"velocity/{k}": v for k, v in self.velocity.items()}

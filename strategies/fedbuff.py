@@ -16,7 +16,13 @@ from flwr.serverapp.strategy import Result
 from numpy.typing import NDArray
 
 from fedge import wire
-from fedge.aggregate import apply_buffer, c_contiguous, staleness_weight
+from fedge.aggregate import (
+    WeightedMeanAccumulator,
+    apply_buffer,
+    c_contiguous,
+    staleness_weight,
+    with_statistics,
+)
 from fedge.errors import ConfigError, UpdateRejected
 from fedge.strategies.fedavg import FedAvg, RoundReport
 from fedge.strategies.registry import register
@@ -200,6 +206,7 @@ class _AsyncRun:
         self.snapshots: dict[int, dict[str, NDArray[Any]]] = {version: _numpy(arrays)}
         self.launches = 0
         self.buffer: list[tuple[dict[str, NDArray[Any]], float]] = []
+        self.statistics = WeightedMeanAccumulator()  # the buffered devices' BatchNorm statistics, as values
         self.replies: list[Message] = []
         self.report = RoundReport(server_round=version + 1, selected=0)
         self.flushed = False
@@ -255,6 +262,8 @@ class _AsyncRun:
         start = self.snapshots[event.version]
         delta = {k: np.asarray(start[k], np.float64) - np.asarray(v, np.float64) for k, v in arrays.items()}
         self.buffer.append((delta, self.strategy.weight(self.version - event.version)))
+        if statistics := self.strategy.statistics_of(arrays):  # averaged as values: a stale delta overshoots them
+            self.statistics.add({k: arrays[k] for k in statistics}, self.buffer[-1][1])
         self.replies.append(reply)
         self.report.accepted += 1
 
@@ -262,6 +271,10 @@ class _AsyncRun:
         deltas, weights = zip(*self.buffer, strict=True)
         new = apply_buffer(self.snapshots[self.version], list(deltas), list(weights),
                            self.strategy.server_learning_rate)
+        if self.statistics.count:
+            means = self.statistics.result()
+            new = with_statistics(new, means, means)
+            self.statistics = WeightedMeanAccumulator()
         self.version += 1
         self.arrays = ArrayRecord({k: Array(c_contiguous(v)) for k, v in new.items()})
         self.snapshots[self.version] = new

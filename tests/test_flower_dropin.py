@@ -122,10 +122,15 @@ def test_waiting_for_devices_says_how_many_are_connected(caplog: pytest.LogCaptu
     strategy = FedAvg(min_available_nodes=5, fraction_evaluate=0.0, wait_for_nodes_s=1.2)
     strategy.wait_log_every_s = 0.5
     grid = InlineGrid(plain_client_app(), [{"partition-id": i, "num-partitions": 3} for i in range(3)], {})
-    # Execute
-    with caplog.at_level(logging.INFO, logger="fedge.strategies"):
-        strategy.start(grid=grid, initial_arrays=ArrayRecord({"w": Array(np.zeros(3, np.float32))}), num_rounds=1,
-                       timeout=10.0)
+    # Execute: the lines go through Flower's own logger, which `flwr run` streams (fedge's INFO lines it does not)
+    flower = logging.getLogger("flwr")
+    flower.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="flwr"):
+            strategy.start(grid=grid, initial_arrays=ArrayRecord({"w": Array(np.zeros(3, np.float32))}),
+                           num_rounds=1, timeout=10.0)
+    finally:
+        flower.removeHandler(caplog.handler)
     # Assert: at least 2 progress lines, then the round went on with the 3 it had
     waiting = [r.getMessage() for r in caplog.records if "waiting for devices" in r.getMessage()]
     assert len(waiting) >= 2 and "3 connected of 5 needed" in waiting[0]
