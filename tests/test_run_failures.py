@@ -60,39 +60,33 @@ class LossFailsOnDevices(Digits):
         return super().loss(outputs, targets)
 
 
-def test_a_simulated_run_whose_devices_all_fail_the_same_way_stops_after_two_rounds(
-        tmp_path: Path, fast_config: dict[str, Any]) -> None:
-    # Prepare
+def _failed_run(fast_config: dict[str, Any], rounds: int) -> tuple[str, Path]:
+    """Simulate ``rounds`` rounds of 2 of 4 devices that all fail; the RunFailed message and the run directory."""
     from fedge.simulation.runner import simulate
 
-    overrides = {**fast_config, "fleet": "laptop=4", "clients-per-round": 2, "num-rounds": 5, "export-onnx": True}
+    overrides = {**fast_config, "fleet": "laptop=4", "clients-per-round": 2, "num-rounds": rounds, "export-onnx": True}
     task = LossFailsOnDevices(resolve_run_config(overrides))
-    # Execute
     with pytest.raises(RunFailed) as failed:
         simulate(overrides, task=task, progress=False)
+    return str(failed.value), Path(fast_config["run-dir"])
+
+
+def test_a_simulated_run_whose_devices_all_fail_the_same_way_stops_after_two_rounds(
+        fast_config: dict[str, Any]) -> None:
+    # Execute: 5 rounds asked for
+    message, run_dir = _failed_run(fast_config, rounds=5)
     # Assert: stopped after round 2 naming the reason (not after 5 rounds with exit 0); nothing signed
-    message = str(failed.value)
     assert "every update of rounds 1-2 (4 replies) was left out for the same reason" in message
     assert "ValueError: this loss takes at most 4 examples" in message
-    run_dir = Path(fast_config["run-dir"])
     assert not (run_dir / "summary.json").exists()
     assert not list(run_dir.glob("bundles/*"))
 
 
-def test_a_run_with_no_accepted_update_exits_failed_and_publishes_nothing(
-        tmp_path: Path, fast_config: dict[str, Any]) -> None:
-    # Prepare: one round, every device fails (too short a run for the two-round stop)
-    from fedge.simulation.runner import simulate
-
-    overrides = {**fast_config, "fleet": "laptop=4", "clients-per-round": 2, "num-rounds": 1, "export-onnx": True}
-    task = LossFailsOnDevices(resolve_run_config(overrides))
-    # Execute
-    with pytest.raises(RunFailed) as failed:
-        simulate(overrides, task=task, progress=False)
+def test_a_run_with_no_accepted_update_exits_failed_and_publishes_nothing(fast_config: dict[str, Any]) -> None:
+    # Execute: one round, every device fails (too short a run for the two-round stop)
+    message, run_dir = _failed_run(fast_config, rounds=1)
     # Assert: one line naming why; summary.json says so; no bundle was signed
-    assert "no device update was accepted in 1 round(s) (2 left out; most often: device error: ValueError" in str(
-        failed.value)
-    run_dir = Path(fast_config["run-dir"])
+    assert "no device update was accepted in 1 round(s) (2 left out; most often: device error: ValueError" in message
     assert "no device update was accepted" in (run_dir / "summary.json").read_text()
     assert not list(run_dir.glob("bundles/*")) and not (run_dir / "model.onnx").exists()
 
