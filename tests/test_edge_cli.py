@@ -133,3 +133,37 @@ def test_predict_refuses_unscaled_inputs_and_points_to_raw(
     # Assert: refused with the fix named (it printed a confident wrong answer before), fine with --raw
     assert refused == 2 and "look unscaled (whole numbers up to 16)" in err and "--raw" in err
     assert scaled == 0 and len(capsys.readouterr().out.strip().splitlines()) == 3
+
+
+MY_TASK = '''
+from fedge.tasks.digits import Digits
+
+
+class Mine(Digits):
+    """The user's own task (here: digits under another class)."""
+'''
+
+
+def test_export_imports_a_task_from_the_working_directory_as_simulate_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: a run of a package.module:object task that lives in the working directory
+    import os
+    import subprocess
+
+    from fedge.edge.signing import generate_signing_key
+    from fedge.simulation.loopback import FEDGE
+
+    (tmp_path / "my_task.py").write_text(MY_TASK)
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--task", "my_task:Mine", "--fleet", "laptop=2", "--clients-per-round", "2",
+                 "--rounds", "1", "--run-dir", "run", "--quiet", "--run-config",
+                 "export-onnx=false local-epochs=1"]) == 0
+    key, _ = generate_signing_key(tmp_path / "keys")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user's shell: nothing set
+    # Execute: a fresh process in the same directory (it needed PYTHONPATH=. before)
+    done = subprocess.run([FEDGE, "export", "run", "--key", str(key), "-o", "bundle"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    # Assert: the bundle of the custom task was signed
+    assert done.returncode == 0, done.stderr
+    task = json.loads((tmp_path / "run" / "summary.json").read_text())["task"]
+    assert json.loads((tmp_path / "bundle" / "manifest.json").read_text())["model_id"] == f"run/{task}"
