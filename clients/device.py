@@ -331,7 +331,7 @@ def _run_device(options: DeviceOptions, state: Path) -> int:
             # or revoked this device's key (Flower ends it "gracefully" then, however soon after activation).
             # Connect again: a revoked key is refused below.
             print(f"the SuperNode ended on its own (status {end.code}); connecting again", file=sys.stderr, flush=True)
-            started, delay = time.monotonic(), 1.0
+            started, delay, ended_previous = time.monotonic(), 1.0, False  # a stale session of its own may follow
             try:
                 wait_reachable(host, port, options.offline_limit_s)
             except FedgeError:
