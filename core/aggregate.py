@@ -212,10 +212,11 @@ def adaptive_step(
     tau: float = 1e-3,
     rule: str = "adam",
 ) -> tuple[dict[str, NDArray[np.generic]], State, State]:
-    """FedAdam / FedYogi server step (no bias correction, as in the paper's Algorithm 2).
+    """FedAdagrad / FedAdam / FedYogi server step (no bias correction, as in the paper's Algorithm 2).
 
-    ``m <- b1 m + (1 - b1) delta``; Adam: ``v <- b2 v + (1 - b2) delta^2``; Yogi:
-    ``v <- v - (1 - b2) delta^2 sign(v - delta^2)``; ``x <- x + lr m / (sqrt(v) + tau)``.
+    ``m <- b1 m + (1 - b1) delta``; Adagrad: ``v <- v + delta^2``; Adam:
+    ``v <- b2 v + (1 - b2) delta^2``; Yogi: ``v <- v - (1 - b2) delta^2 sign(v - delta^2)``;
+    ``x <- x + lr m / (sqrt(v) + tau)``.
     ``v`` starts at ``tau^2`` as in the paper.
     """
     delta = _delta(global_arrays, average)
@@ -224,12 +225,23 @@ def adaptive_step(
         m = beta1 * first.get(key, np.zeros_like(d)) + (1 - beta1) * d
         v_old = second.get(key, np.full_like(d, tau**2))
         squared = d * d
-        v = (v_old - (1 - beta2) * squared * np.sign(v_old - squared) if rule == "yogi"
-             else beta2 * v_old + (1 - beta2) * squared)
+        v = _second_moment(rule, v_old, squared, beta2)
         new_first[key], new_second[key] = m, v
         x = np.asarray(global_arrays[key], np.float64) + server_lr * m / (np.sqrt(v) + tau)
         new[key] = _cast(x, global_arrays[key].dtype)
     return new, new_first, new_second
+
+
+def _second_moment(rule: str, old: NDArray[np.float64], squared: NDArray[np.float64],
+                   beta2: float) -> NDArray[np.float64]:
+    """The adaptive rules' second-moment update (Reddi et al., ICLR 2021, Algorithm 2)."""
+    if rule == "adagrad":
+        return old + squared
+    if rule == "yogi":
+        return old - (1 - beta2) * squared * np.sign(old - squared)
+    if rule == "adam":
+        return beta2 * old + (1 - beta2) * squared
+    raise ValueError(f"unknown adaptive rule '{rule}': use adagrad, adam or yogi")
 
 
 # --------------------------------------------------------------------------- FedNova

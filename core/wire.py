@@ -142,8 +142,21 @@ class TrainMetrics:
     values: dict[str, float]
 
 
-def read_train_metrics(content: RecordDict, *, max_num_examples: int) -> TrainMetrics:
-    """The reply's single MetricRecord: ``num-examples`` an int in ``[1, max_num_examples]``, all finite.
+def _whole_count(key: str, value: object) -> int:
+    """An int, or a float holding a whole number (``32.0``: Flower apps that count in floats)."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UpdateRejected(f"'{key}' must be a whole number of examples, got {value!r:.40}")
+    return value
+
+
+def read_train_metrics(content: RecordDict, *, max_num_examples: int,
+                       weight_key: str = NUM_EXAMPLES) -> TrainMetrics:
+    """The reply's single MetricRecord: ``weight_key`` a whole number in ``[1, max_num_examples]``, all finite.
+
+    ``weight_key`` is what the strategy weights updates by (Flower's ``weighted_by_key``,
+    ``num-examples`` by default); a float with a whole value (``32.0``) counts as that int.
 
     Raises
     ------
@@ -153,13 +166,13 @@ def read_train_metrics(content: RecordDict, *, max_num_examples: int) -> TrainMe
     if len(content.metric_records) != 1:
         raise UpdateRejected(f"a train reply needs exactly one MetricRecord, got {len(content.metric_records)}")
     metrics = next(iter(content.metric_records.values()))
-    if NUM_EXAMPLES not in metrics:
-        raise UpdateRejected(f"the MetricRecord has no '{NUM_EXAMPLES}'")
-    count = metrics[NUM_EXAMPLES]
-    if isinstance(count, bool) or not isinstance(count, int):
-        raise UpdateRejected(f"'{NUM_EXAMPLES}' must be an int, got {count!r}")
+    if weight_key not in metrics:
+        raise UpdateRejected(f"the MetricRecord has no '{weight_key}' (the key updates are weighted by)")
+    count = _whole_count(weight_key, metrics[weight_key])
     if not 1 <= count <= max_num_examples:
-        raise UpdateRejected(f"'{NUM_EXAMPLES}' = {count} is outside [1, {max_num_examples}] (max-num-examples)")
+        raise UpdateRejected(f"'{weight_key}' = {count} is outside [1, {max_num_examples}] (max-num-examples; "
+                             "in a Flower app: FedAvg(validator=ReplyValidator(max_num_examples=N, "
+                             "require_round_tag=False)))")
     values: dict[str, float] = {}
     for key, value in metrics.items():
         items = value if isinstance(value, list) else [value]

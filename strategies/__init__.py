@@ -1,12 +1,15 @@
 """Aggregation strategies: thin Flower ``Strategy`` subclasses around :mod:`fedge.aggregate`.
 
 Every strategy validates replies (see :class:`FedAvg`); they differ only in the
-``aggregate_updates`` hook.
+``aggregate_updates`` hook. Flower's message-API strategies are here under Flower's names and
+calls (``FedMedian``, ``FedTrimmedAvg``, ``MultiKrum``, ``FedAdagrad`` beside fedge's names;
+see :mod:`fedge.strategies.flower_args` and docs/flower-dropin.md).
 """
 
 import importlib
 import pkgutil
 
+from fedge.strategies.fedadagrad import FedAdagrad
 from fedge.strategies.fedadam import FedAdam
 from fedge.strategies.fedavg import FedAvg, RoundReport
 from fedge.strategies.fedavgm import FedAvgM
@@ -14,10 +17,10 @@ from fedge.strategies.fedbuff import FedBuff
 from fedge.strategies.fednova import FedNova
 from fedge.strategies.fedprox import FedProx
 from fedge.strategies.fedyogi import FedYogi
-from fedge.strategies.krum import Krum
-from fedge.strategies.median import Median
+from fedge.strategies.krum import Krum, MultiKrum
+from fedge.strategies.median import FedMedian, Median
 from fedge.strategies.registry import REGISTRY, StrategySpec, register, strategy_spec
-from fedge.strategies.trimmed_mean import TrimmedMean
+from fedge.strategies.trimmed_mean import FedTrimmedAvg, TrimmedMean
 
 # A strategy registers itself when its module is imported: import every module of the
 # package, so a new strategy file needs no line here.
@@ -27,5 +30,6 @@ for _module in pkgutil.iter_modules(__path__):
 # Every registered strategy by run-config name.
 STRATEGIES: dict[str, type[FedAvg]] = {name: spec.cls for name, spec in REGISTRY.items()}
 
-__all__ = ["REGISTRY", "STRATEGIES", "FedAdam", "FedAvg", "FedAvgM", "FedBuff", "FedNova", "FedProx", "FedYogi",
-           "Krum", "Median", "RoundReport", "StrategySpec", "TrimmedMean", "register", "strategy_spec"]
+__all__ = ["REGISTRY", "STRATEGIES", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedBuff", "FedMedian", "FedNova",
+           "FedProx", "FedTrimmedAvg", "FedYogi", "Krum", "Median", "MultiKrum", "RoundReport", "StrategySpec",
+           "TrimmedMean", "register", "strategy_spec"]

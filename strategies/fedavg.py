@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -13,14 +14,17 @@ from typing import Any, Protocol
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
+from flwr.serverapp.exception import AggregationError
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 from flwr.supercore import log as flower_log
 from numpy.typing import NDArray
 
 from fedge import wire
 from fedge.aggregate import WeightedMeanAccumulator, c_contiguous, statistic_names, weighted_mean_metrics
 from fedge.errors import ConfigError, RunFailed
+from fedge.strategies.flower_args import flower_constructor
 from fedge.strategies.policies import RoundPolicy, SyncPolicy, let_go
 from fedge.strategies.registry import register
 from fedge.strategies.selection import RandomSelector
@@ -69,6 +73,7 @@ class DownlinkLayer(Protocol):
 
 
 @register("fedavg", dp=True)
+@flower_constructor(FlowerFedAvg)
 class FedAvg(FlowerFedAvg):
     """Federated Averaging (McMahan et al., AISTATS 2017) that never trusts a reply.
 
@@ -95,13 +100,15 @@ class FedAvg(FlowerFedAvg):
         Defaults to ``ReplyValidator(require_round_tag=False)`` (standard Flower replies pass).
     min_train_replies : int
         Accepted updates needed to change the global model.
-    wait_for_nodes_s : float
-        How long a round waits for enough devices to connect (logging every 10 s).
+    wait_for_nodes_s : float, optional
+        How long a round waits for enough devices to connect (logging every 10 s); None
+        (the default, as Flower) waits until they do. fedge's runs set ``round-timeout``.
     **kwargs
         Passed to Flower's ``FedAvg`` (``fraction_train``, ``min_train_nodes``, ...).
     """
 
     keeps_partial_work = False  # FedAvg drops stragglers' replies; FedProx keeps them
+    needs_global_model = False  # its rule steps from the global model (FedAvgM, FedAdam, FedNova, ...)
     wait_log_every_s = 10.0
 
     def __init__(
@@ -112,7 +119,7 @@ class FedAvg(FlowerFedAvg):
         selector: RandomSelector | None = None,
         policy: RoundPolicy | None = None,
         min_train_replies: int = 1,
-        wait_for_nodes_s: float = 600.0,
+        wait_for_nodes_s: float | None = None,
         straggler_fraction: float = 0.0,
         **kwargs: Any,
     ) -> None:
@@ -122,6 +129,7 @@ class FedAvg(FlowerFedAvg):
         self.clients_per_round = clients_per_round
         self.round_target = clients_per_round or self.min_train_nodes  # devices the current round wants
         self.validator = validator or ReplyValidator(require_round_tag=False)
+        self.validator.weight_key = self.weighted_by_key  # Flower's weighted_by_key: what a reply's weight is
         self.selector = selector or RandomSelector()
         self.policy: RoundPolicy = policy or SyncPolicy()
         self.min_train_replies = min_train_replies
@@ -162,14 +170,17 @@ class FedAvg(FlowerFedAvg):
             Every reply of two rounds in a row was left out for one and the same reason
             (:mod:`fedge.strategies.systematic`): the run stops instead of going on unchanged.
         """
+        self._log_start(num_rounds, initial_arrays, train_config, evaluate_config)
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
-        result, arrays = Result(), initial_arrays
+        result, arrays, started = Result(), initial_arrays, time.time()
         result.arrays = arrays
         if evaluate_fn and start_round == 1 and (res := evaluate_fn(0, arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
         for server_round in range(start_round, num_rounds + 1):
+            flower_log(logging.INFO, "[ROUND %s/%s]", server_round, num_rounds)
             new_arrays, train_metrics = self.train_round(grid, server_round, arrays, train_config, timeout)
+            self._log_round(self._report_for(server_round), train_metrics)
             if (reason := systematic_reason(self.reports)) is not None:
                 raise RunFailed(stop_message(self.reports, reason))
             if new_arrays is not None:
@@ -183,7 +194,25 @@ class FedAvg(FlowerFedAvg):
                     result.evaluate_metrics_clientapp[server_round] = self.evaluated[server_round] = metrics
             if evaluate_fn and (res := evaluate_fn(server_round, arrays)) is not None:
                 result.evaluate_metrics_serverapp[server_round] = res
+        flower_log(logging.INFO, "Strategy execution finished in %.2fs", time.time() - started)
+        flower_log(logging.INFO, "Final results:\n%s", result)
         return result
+
+    def _log_start(self, num_rounds: int, arrays: ArrayRecord, train_config: ConfigRecord | None,
+                   evaluate_config: ConfigRecord | None) -> None:
+        """Flower's start lines (strategy, rounds, arrays, configs, sampling), through Flower's logger."""
+        flower_log(logging.INFO, "Starting %s strategy:", type(self).__name__)
+        log_strategy_start_info(num_rounds, arrays, train_config, evaluate_config)
+        self.summary()
+
+    @staticmethod
+    def _log_round(report: RoundReport, train_metrics: MetricRecord | None) -> None:
+        """One line per training round as Flower's, with what validation left out."""
+        flower_log(logging.INFO, "aggregate_train: %d of %d updates accepted (%d rejected, %d failed, %d late)%s",
+                   report.accepted, report.selected, len(report.rejected), len(report.failed), report.late,
+                   "" if report.aggregated else "; the global model is kept")
+        if train_metrics is not None:
+            flower_log(logging.INFO, "\t└──> Aggregated MetricRecord: %s", train_metrics)
 
     def train_round(
         self, grid: Grid, server_round: int, arrays: ArrayRecord, config: ConfigRecord, timeout: float
@@ -332,31 +361,39 @@ class FedAvg(FlowerFedAvg):
         connected of how many are needed.
         """
         needed = self.devices_needed()
-        deadline = time.monotonic() + self.wait_for_nodes_s
+        deadline = time.monotonic() + (math.inf if self.wait_for_nodes_s is None else self.wait_for_nodes_s)
         next_log = time.monotonic()
         while len(nodes := list(grid.get_node_ids())) < needed:
             now = time.monotonic()
             if now >= deadline:
                 break
             if now >= next_log:  # through Flower's logger: `flwr run` and the coordinator stream show it
-                flower_log(logging.INFO, "round %d: waiting for devices: %d connected of %d needed (%.0f s left)",
-                           server_round, len(nodes), needed, deadline - now)
+                flower_log(logging.INFO, "round %d: waiting for devices: %d connected of %d needed%s",
+                           server_round, len(nodes), needed,
+                           "" if math.isinf(deadline) else f" ({deadline - now:.0f} s left)")
                 next_log = now + self.wait_log_every_s
-            time.sleep(min(0.5, max(deadline - now, 0.0)))
+            time.sleep(min(0.5, max(deadline - now, 0.0)))  # inf - now is inf: 0.5
         return nodes
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate each reply, then aggregate the accepted ones (streaming)."""
-        if self.global_arrays is None:
-            raise RuntimeError("aggregate_train called before configure_train")
+        """Validate each reply, then aggregate the accepted ones (streaming).
+
+        The returned MetricRecord is ``train_metrics_aggr_fn`` (Flower's weighted mean by
+        ``weighted_by_key`` unless given) over the accepted replies' metrics; what was
+        accepted, rejected and failed is in :attr:`reports`, not mixed into the metrics.
+        Called without :meth:`configure_train` (Flower's tests, custom loops), replies are
+        checked against the first reply's array names, shapes and dtypes.
+        """
+        replies, reference = self._reference(replies)
         report = self._report_for(server_round)
         metric_rows: list[dict[str, float]] = []
         weights: list[float] = []
+        records: list[RecordDict] = []
 
         def accepted() -> Iterator[AcceptedUpdate]:
-            for verdict in self.validator.screen(server_round, replies, self.global_arrays):
+            for verdict in self.validator.screen(server_round, replies, reference):
                 if verdict.node_id in self.stragglers and not self.keeps_partial_work:
                     report.late += 1  # FedAvg drops stragglers
                     continue
@@ -369,17 +406,15 @@ class FedAvg(FlowerFedAvg):
                     if self.privacy:  # DP noise is calibrated to the uniform mean
                         verdict = dataclasses.replace(verdict, weight=1.0)
                     metrics = next(iter(verdict.content.metric_records.values()))
+                    records.append(RecordDict({"metrics": metrics}))
                     metric_rows.append({k: float(v) for k, v in metrics.items()  # type: ignore[arg-type]
-                                        if not isinstance(v, list)})
+                                        if k == wire.TRAIN_LOSS})
                     weights.append(verdict.weight)
                     yield verdict
 
         aggregate = self.aggregate_updates(accepted())
-        counts = {"accepted": report.accepted, "rejected": len(report.rejected),
-                  "failed": len(report.failed)}
-        means = weighted_mean_metrics(metric_rows, weights)
-        report.train_loss = means.get(wire.TRAIN_LOSS)
-        metrics = MetricRecord({**means, **counts})
+        report.train_loss = weighted_mean_metrics(metric_rows, weights).get(wire.TRAIN_LOSS)
+        metrics = self._train_metrics(server_round, records)
         if aggregate is not None and not all(np.all(np.isfinite(v)) for v in aggregate.values()):
             log.error("round %d: the aggregate is not finite (the update diverged); global model kept",
                       server_round)
@@ -392,6 +427,35 @@ class FedAvg(FlowerFedAvg):
         if self.privacy is not None:
             aggregate = self._fixed_denominator(aggregate, report.accepted)
         return ArrayRecord({k: Array(c_contiguous(v)) for k, v in aggregate.items()}), metrics
+
+    def _reference(self, replies: Iterable[Message]) -> tuple[Iterable[Message], ArrayRecord]:
+        """What replies are checked against: the arrays :meth:`configure_train` sent, or (called
+        alone, as Flower's ``aggregate_train`` may be) the first reply's names, shapes and dtypes."""
+        if self.global_arrays is not None:
+            return replies, self.global_arrays
+        if self.needs_global_model:
+            raise AggregationError(f"{type(self).__name__} steps from the global model configure_train sent: "
+                                   "call configure_train before aggregate_train")
+        replies = list(replies)
+        first = next((r for r in replies if not r.has_error() and len(r.content.array_records) == 1), None)
+        reference = next(iter(first.content.array_records.values())) if first is not None else ArrayRecord()
+        log.info("aggregate_train without configure_train: replies are checked against the first reply's arrays")
+        return replies, reference
+
+    def _train_metrics(self, server_round: int, records: list[RecordDict]) -> MetricRecord | None:
+        """``train_metrics_aggr_fn`` over the accepted replies' metrics (None without any).
+
+        A function that fails on what devices sent (list metrics of unequal lengths, a
+        weight key one reply lacks) costs the round its metrics, not its model.
+        """
+        if not records:
+            return None
+        try:
+            return self.train_metrics_aggr_fn(records, self.weighted_by_key)
+        except Exception as exc:  # the devices' metrics, not the model: the round goes on
+            log.error("round %d: train metrics not aggregated (%s: %s); the model is aggregated as usual",
+                      server_round, type(exc).__name__, exc)
+            return None
 
     def _fixed_denominator(self, mean: dict[str, NDArray[np.generic]], count: int) -> dict[str, NDArray[np.generic]]:
         """DP-FedAvg's fixed denominator: ``global + sum(delta) / K`` instead of the mean of the

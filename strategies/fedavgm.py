@@ -6,16 +6,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from flwr.serverapp.strategy import FedAvgM as FlowerFedAvgM
 from numpy.typing import NDArray
 
 from fedge.aggregate import State, fedavgm_step, with_statistics
 from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.flower_args import flower_constructor
 from fedge.strategies.registry import register
 from fedge.strategies.validation import AcceptedUpdate
 
 
 @register("fedavgm", options=lambda c, n: {"server_learning_rate": float(c["server-learning-rate"]),
                                               "server_momentum": float(c["server-momentum"])})
+@flower_constructor(FlowerFedAvgM)
 class FedAvgM(FedAvg):
     """FedAvg with server momentum (Hsu et al., "Measuring the Effects of Non-Identical
     Data Distribution for Federated Visual Classification", 2019).
@@ -23,7 +26,9 @@ class FedAvgM(FedAvg):
     The velocity is strategy state: it is checkpointed and restored on resume.
     """
 
-    def __init__(self, *, server_learning_rate: float = 1.0, server_momentum: float = 0.9,
+    needs_global_model = True  # steps from the global model configure_train sent
+
+    def __init__(self, *, server_learning_rate: float = 1.0, server_momentum: float = 0.0,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.server_learning_rate, self.server_momentum = server_learning_rate, server_momentum

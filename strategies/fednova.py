@@ -30,6 +30,8 @@ class FedNova(FedAvg):
         The devices' SGD momentum (enters ``a_i``).
     """
 
+    needs_global_model = True  # steps from the global model configure_train sent
+
     def __init__(self, *, local_momentum: float = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.local_momentum = local_momentum

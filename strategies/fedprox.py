@@ -7,14 +7,17 @@ from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedProx as FlowerFedProx
 
 from fedge.errors import ConfigError
 from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.flower_args import flower_constructor
 from fedge.strategies.registry import register
 from fedge.wire import PROXIMAL_MU
 
 
 @register("fedprox", dp=True, options=lambda c, n: {"proximal_mu": float(c["proximal-mu"])})
+@flower_constructor(FlowerFedProx)
 class FedProx(FedAvg):
     """FedProx (Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020).
 
@@ -25,12 +28,12 @@ class FedProx(FedAvg):
     Parameters
     ----------
     proximal_mu : float
-        mu >= 0 (0 is FedAvg).
+        mu >= 0 (0, Flower's default, is FedAvg; fedge's run config defaults to ``proximal-mu``).
     """
 
     keeps_partial_work = True
 
-    def __init__(self, *, proximal_mu: float = 0.01, **kwargs: Any) -> None:
+    def __init__(self, *, proximal_mu: float = 0.0, **kwargs: Any) -> None:
         if proximal_mu < 0:
             raise ConfigError(f"proximal-mu = {proximal_mu}: give 0 (plain FedAvg) or more")
         super().__init__(**kwargs)

@@ -121,11 +121,14 @@ class ReplyValidator:
         examples (``local-epochs * ceil(n / batch-size)``, or the time budget's steps on the
         fastest profile). A reply claiming more is rejected: FedNova scales every update by
         the claimed work, so one inflated ``steps`` would blow up the global model.
+    weight_key : str
+        The metric updates are weighted by (Flower's ``weighted_by_key``; the strategy sets it).
     """
 
     def __init__(self, *, max_num_examples: int = 100_000, require_round_tag: bool = True,
-                 max_local_steps: StepLimit | None = None) -> None:
+                 max_local_steps: StepLimit | None = None, weight_key: str = wire.NUM_EXAMPLES) -> None:
         self.max_num_examples = max_num_examples
+        self.weight_key = weight_key
         self.require_round_tag = require_round_tag
         self.max_local_steps = max_local_steps
 
@@ -159,7 +162,7 @@ class ReplyValidator:
             )
         meta = wire.read_reply_meta(content)
         self._check_round(meta, server_round)
-        metrics = wire.read_train_metrics(content, max_num_examples=self.max_num_examples)
+        metrics = wire.read_train_metrics(content, max_num_examples=self.max_num_examples, weight_key=self.weight_key)
         self._check_steps(meta, metrics.num_examples)
         record = next(iter(content.array_records.values()))
         arrays = decode_update(record, reference) if is_encoded(record) else decode_arrays(record, spec)

@@ -94,7 +94,7 @@ BAD_REPLIES: list[tuple[str, Callable[[], Message], str]] = [
     ("zero num-examples", lambda: train_reply(BAD, good_arrays(1.0), 0), "outside"),
     ("negative num-examples", lambda: train_reply(BAD, good_arrays(1.0), -5), "outside"),
     ("huge num-examples", lambda: train_reply(BAD, good_arrays(1.0), 10**9), "outside"),
-    ("float num-examples", lambda: train_reply(BAD, good_arrays(1.0), 3.5), "must be an int"),
+    ("fractional num-examples", lambda: train_reply(BAD, good_arrays(1.0), 3.5), "must be a whole number"),
     ("missing num-examples", _no_num_examples, "no 'num-examples'"),
     ("non-finite metric", _nan_metric, "not finite"),
     ("wrong round", lambda: train_reply(BAD, good_arrays(1.0), server_round=0), "round 0"),
@@ -125,7 +125,7 @@ def test_bad_reply_rejected_and_good_replies_still_aggregate(
     # Assert: (10*1 + 30*4) / 40 = 3.25, the bad reply counted and logged with its node id
     assert arrays is not None
     np.testing.assert_allclose(arrays["w"].numpy(), np.full((2, 3), 3.25))
-    assert metrics is not None and metrics["rejected"] == 1 and metrics["accepted"] == 2
+    assert metrics is not None and strategy.reports[-1].accepted == 2
     (rejection,) = strategy.reports[-1].rejected
     assert rejection.node_id == BAD
     assert re.search(reason, rejection.reason), rejection.reason
@@ -140,8 +140,9 @@ def test_too_few_accepted_keeps_the_global_model() -> None:
     arrays, metrics = strategy.aggregate_train(1, replies)
     # Assert: no new arrays -> Flower's Strategy.start keeps the previous global model
     assert arrays is None
-    assert metrics is not None and metrics["accepted"] == 1 and metrics["rejected"] == 1
-    assert strategy.reports[-1].aggregated is False
+    report = strategy.reports[-1]
+    assert metrics is not None and report.accepted == 1 and len(report.rejected) == 1
+    assert report.aggregated is False
 
 
 def test_error_replies_are_counted_as_failures_not_rejections() -> None:
@@ -149,7 +150,7 @@ def test_error_replies_are_counted_as_failures_not_rejections() -> None:
     failed = Message(Error(code=2, reason="out of memory"), reply_to=instruction(13))
     arrays, metrics = strategy.aggregate_train(1, [train_reply(11, good_arrays(2.0)), failed])
     assert arrays is not None and metrics is not None
-    assert metrics["failed"] == 1 and metrics["rejected"] == 0
+    assert len(strategy.reports[-1].failed) == 1 and not strategy.reports[-1].rejected
     assert "out of memory" in strategy.reports[-1].failed[0].reason
 
 
@@ -176,7 +177,7 @@ def test_a_diverged_aggregate_keeps_the_global_model() -> None:
         arrays, metrics = strategy.aggregate_train(1, [train_reply(11, good_arrays(1.0)),
                                                        train_reply(12, good_arrays(2.0))])
     # Assert: no new arrays, so Strategy.start keeps the previous global model
-    assert arrays is None and metrics is not None and metrics["accepted"] == 2
+    assert arrays is None and metrics is not None and strategy.reports[-1].accepted == 2
     assert strategy.reports[-1].aggregated is False
 
 
@@ -188,5 +189,5 @@ def test_a_fortran_ordered_update_decodes_to_its_values() -> None:
     # Execute
     arrays, metrics = strategy.aggregate_train(1, [reply])
     # Assert: the same values as the C-ordered array, row by row
-    assert arrays is not None and metrics is not None and metrics["accepted"] == 1
+    assert arrays is not None and strategy.reports[-1].accepted == 1
     np.testing.assert_array_equal(arrays["w"].numpy(), [[0, 1, 2], [3, 4, 5]])

@@ -1,0 +1,96 @@
+"""Flower's constructors on fedge's strategies: Flower's argument names, positions and defaults.
+
+A plain Flower app that swaps ``from flwr.serverapp.strategy import FedAdam`` for fedge's
+must get the same strategy from the same call: ``FedAdam(eta=0.1)``,
+``FedAvg(0.5, 0.2, 3)``, ``Krum(num_malicious_nodes=1)``. fedge's own names
+(``server_learning_rate``, ``num_byzantine``, ...) stay accepted beside Flower's.
+
+Written here because Flower's classes cannot be subclassed for this: fedge's strategies
+subclass Flower's ``FedAvg`` (its constructor and defaults are inherited as they are), but a
+fedge ``FedAdam`` is a ``FedAvg`` with an adaptive server step, not Flower's ``FedAdam``,
+so its constructor is read from Flower's class (:func:`flower_constructor`) and never copied:
+a Flower release that changes a default changes fedge's with it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from fedge.errors import ConfigError
+
+T = TypeVar("T", bound=type)
+
+
+def _positional_names(flower_class: type) -> list[str]:
+    """The names Flower's constructor takes by position, in order (``self`` left out)."""
+    params = list(inspect.signature(flower_class).parameters.values())
+    return [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+
+
+def _defaults(flower_class: type) -> dict[str, Any]:
+    """Flower's defaults for every constructor argument that has one."""
+    params = list(inspect.signature(flower_class).parameters.values())
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+
+def flower_keywords(flower_class: type, renames: Mapping[str, str], owner: str,
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``args`` and ``kwargs`` of a call written for Flower's ``flower_class``, as fedge keywords.
+
+    Positional arguments are named in Flower's order; Flower's names in ``renames`` become
+    fedge's; an argument given neither way gets Flower's default.
+
+    Raises
+    ------
+    TypeError
+        More positional arguments than Flower's constructor takes, or one given twice
+        (as Flower's own constructor would).
+    ConfigError
+        The same setting given under Flower's name and fedge's.
+    """
+    names = _positional_names(flower_class)
+    if args and not names:
+        raise TypeError(f"{owner}() takes its arguments by name only, as Flower's {flower_class.__name__} does")
+    if len(args) > len(names):
+        raise TypeError(f"{owner}() takes at most {len(names)} positional arguments in Flower's order "
+                        f"({', '.join(names)}), got {len(args)}; pass the rest by name")
+    out = dict(kwargs)
+    for name, value in zip(names, args, strict=False):
+        if name in out:
+            raise TypeError(f"{owner}() got multiple values for argument '{name}'")
+        out[name] = value
+    for flower_name, fedge_name in renames.items():
+        if flower_name in out and fedge_name in out:
+            raise ConfigError(f"{owner}(): '{flower_name}' (Flower's name) and '{fedge_name}' (fedge's) set the "
+                              "same thing; give one of them")
+        if flower_name in out:
+            out[fedge_name] = out.pop(flower_name)
+    for name, default in _defaults(flower_class).items():
+        out.setdefault(renames.get(name, name), default)
+    return out
+
+
+def flower_constructor(flower_class: type, **renames: str) -> Callable[[T], T]:
+    """Class decorator: the class's constructor also takes ``flower_class``'s call.
+
+    Parameters
+    ----------
+    flower_class : type
+        The Flower strategy whose constructor (names, positions, defaults) the class accepts.
+    **renames : str
+        Flower's name -> fedge's name, for settings fedge calls otherwise (``eta="server_learning_rate"``).
+    """
+    def decorate(cls: T) -> T:
+        init = cls.__init__  # type: ignore[misc]  # its own, or the one it inherits
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, **flower_keywords(flower_class, renames, cls.__name__, args, kwargs))
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        cls.flower_class = flower_class  # type: ignore[attr-defined]
+        return cls
+    return decorate
