@@ -180,7 +180,8 @@ class FedAvg(FlowerFedAvg):
         for server_round in range(start_round, num_rounds + 1):
             flower_log(logging.INFO, "[ROUND %s/%s]", server_round, num_rounds)
             new_arrays, train_metrics = self.train_round(grid, server_round, arrays, train_config, timeout)
-            self._log_round(self._report_for(server_round), train_metrics)
+            if self.reports and self.reports[-1].server_round == server_round:
+                self._log_round(self.reports[-1], train_metrics)
             if (reason := systematic_reason(self.reports)) is not None:
                 raise RunFailed(stop_message(self.reports, reason))
             if new_arrays is not None:

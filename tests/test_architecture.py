@@ -157,3 +157,29 @@ def test_python_started_in_the_repository_root_imports_the_installed_package() -
     # Assert
     assert done.returncode == 0, done.stderr[-2000:]
     assert Path(done.stdout.strip()).parent == ROOT / "core"
+
+
+def test_the_top_level_facade_imports_nothing_above_the_core_until_asked() -> None:
+    # Prepare: the packages above the core, from the contract
+    upper = sorted(p for level in _contract()[1] for p in level if p != "fedge")
+    probe = ("import sys, fedge\n"
+             f"print(sorted(m for m in sys.modules if m.startswith({tuple(p + '.' for p in upper)!r}) "
+             f"or m in {tuple(upper)!r}), 'torch' in sys.modules)\n"
+             "fedge.Task\n"
+             "print('fedge.task.api' in sys.modules)")
+    # Execute: a fresh interpreter, as a torch-free device starts
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    # Assert: `import fedge` loaded no upper layer and no torch; fedge.Task loaded its module then
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["[] False", "True"]
+
+
+def test_every_name_the_facade_offers_is_the_object_its_module_defines() -> None:
+    # Prepare
+    import importlib
+
+    import fedge
+    # Assert: each lazy name is public (in __all__ and dir(fedge)) and the very object of its module
+    for name, module in fedge._PUBLIC_API.items():
+        assert name in fedge.__all__ and name in dir(fedge)
+        assert getattr(fedge, name) is getattr(importlib.import_module(module), name)
