@@ -12,6 +12,7 @@ for devices without torch. Importing this module does not import torch, so the s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import sys
@@ -32,6 +33,7 @@ from fedge.clients.common import (
     evaluation_content,
     is_deployed,
     num_partitions,
+    prepared_device_inputs,
     received_weights,
     reply_content,
     train_order,
@@ -175,7 +177,10 @@ def onnx_data(task: Task | None, context: Context, config: RunConfig) -> DeviceA
 
     if is_deployed(context):
         bundle, _ = load_trainer(context, config, None)
-        return device_arrays(str(context.node_config["data-path"]), bundle.manifest)
+        path = str(context.node_config["data-path"])
+        inputs, targets = device_arrays(path, bundle.manifest)
+        return prepared_device_inputs(inputs, bundle.manifest.get("preprocessing"), source=path,
+                                      context=context), targets
     chosen = task if task is not None else device_task(context, config)  # simulation: torch is there
     data = local_data(chosen, context, config)
     return tuple(data.inputs), data.targets
@@ -210,7 +215,10 @@ def device_task(context: Context, config: RunConfig) -> Task:
 def local_data(task: Task, context: Context, config: RunConfig) -> TaskData:
     """A real device's own file (``data-path``), else the simulated device's partition."""
     if is_deployed(context):
-        return task.device_data(str(context.node_config["data-path"]))
+        path = str(context.node_config["data-path"])
+        data = task.device_data(path)
+        inputs = prepared_device_inputs(data.inputs, task.preprocessing, source=path, context=context)
+        return dataclasses.replace(data, inputs=inputs)
     return task.partition(int(context.node_config.get("partition-id", 0)), num_partitions(context, config), config)
 
 

@@ -6,6 +6,7 @@ Torch-free on purpose: a phone-class device (``runtime = "onnx"``) imports this 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +19,11 @@ from flwr.clientapp.typing import ClientAppCallable
 from fedge import wire
 from fedge.codec import Codec, codec_for, decode_update, encode_update, is_encoded
 from fedge.config import RunConfig, Scalar, resolve_run_config
+from fedge.preprocessing import AS_GIVEN, RAW_SCALED, Preprocessing, prepare_device_inputs
 from fedge.profiles import BUILTIN_PROFILES, DeviceProfile, fleet_of, load_profiles_toml, time_budget_steps
 from fedge.wire import LocalWork
+
+log = logging.getLogger("fedge.clients")
 
 RESIDUAL = "codec-residual"
 
@@ -92,6 +96,26 @@ def train_order(msg: Message, context: Context, config: RunConfig) -> TrainOrder
     )
 
 
+def prepared_device_inputs(inputs: tuple[np.ndarray, ...], preprocessing: Mapping[str, Any] | None, *,
+                           source: str, context: Context) -> tuple[np.ndarray, ...]:
+    """A deployed device's own inputs as the model takes them (:mod:`fedge.preprocessing`): raw ones
+    get the task's declared preprocessing, as on every runtime; ones outside both declared ranges
+    are used as they are, with a warning here and a mark in every train reply (the coordinator
+    counts them). Logged once per device (its state remembers what it said) and verdict."""
+    prepared, verdict = prepare_device_inputs(inputs, preprocessing)
+    said = context.state.config_records.get(wire.INPUT_STATE)
+    told = said is not None and said.get(wire.INPUTS) == verdict and said.get("source") == source
+    context.state[wire.INPUT_STATE] = ConfigRecord({wire.INPUTS: verdict, "source": source})
+    if not told and verdict != AS_GIVEN:
+        ranges = Preprocessing.of(preprocessing).describe_ranges()
+        if verdict == RAW_SCALED:
+            log.info("'%s' holds raw inputs (%s): the task's preprocessing is applied on this device", source, ranges)
+        else:
+            log.warning("'%s': inputs fall outside the task's declared range (%s); they are used as they are, and "
+                        "the coordinator is told: check the file (units, scaling)", source, ranges)
+    return prepared
+
+
 def reply_content(msg: Message, context: Context, order: TrainOrder, trained: ArrayRecord,
                   base: dict[str, np.ndarray], work: LocalWork) -> RecordDict:
     """The train reply (arrays under the profile's codec, metrics, meta): the same for every runtime."""
@@ -105,6 +129,9 @@ def reply_content(msg: Message, context: Context, order: TrainOrder, trained: Ar
         wire.SAMPLES_PROCESSED: work.samples_processed,
         wire.STEPS: work.steps,
     })
+    inputs = context.state.config_records.get(wire.INPUT_STATE)
+    if inputs is not None and inputs.get(wire.INPUTS) in wire.INPUT_VERDICTS:
+        meta[wire.INPUTS] = inputs[wire.INPUTS]
     metrics = MetricRecord({wire.TRAIN_LOSS: work.loss, wire.NUM_EXAMPLES: work.num_examples})
     return RecordDict({wire.ARRAYS: arrays, wire.METRICS: metrics, wire.REPLY_META: meta})
 

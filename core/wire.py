@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from flwr.app import ConfigRecord, RecordDict
 
 from fedge.errors import UpdateRejected
+from fedge.preprocessing import OUTSIDE, RAW_SCALED
 
 ARRAYS = "arrays"
 CONFIG = "config"
@@ -29,6 +30,10 @@ DP_CLIENT_CLIPPING = "dp-client-clipping"
 PROFILE = "profile"
 SAMPLES_PROCESSED = "samples-processed"
 STEPS = "steps"
+# what a deployed device's own inputs looked like against the task's declared ranges
+# (fedge.preprocessing: "raw" were preprocessed on the device, "outside" fall outside both)
+INPUTS = "inputs"
+INPUT_VERDICTS = (RAW_SCALED, OUTSIDE)
 TRAIN_LOSS = "train-loss"
 EVAL_PREFIX = "eval-"  # a device's evaluation reply names each task metric "eval-<metric>"
 # the architecture hash of the run's signed training graph (onnx devices check theirs matches)
@@ -40,6 +45,8 @@ SECAGG_BAD_SHARES = "secagg-bad-shares"
 # a device's own state (never sent): the samples its last masked input trained on, which the
 # inline simulation's virtual clock charges (secure aggregation's replies do not carry them)
 LOCAL_WORK = "fedge-local-work"
+# a deployed device's own state (sent as INPUTS in its train replies): what its inputs looked like
+INPUT_STATE = "fedge-inputs"
 
 @dataclass(frozen=True)
 class LocalWork:
@@ -89,6 +96,7 @@ class ReplyMeta:
     profile: str | None = None
     samples_processed: int = 0
     steps: int | None = None
+    inputs: str | None = None  # INPUT_VERDICTS, or None: inputs as the model takes them
 
 
 def _count(record: ConfigRecord, key: str, *, low: int) -> int | None:
@@ -117,9 +125,12 @@ def read_reply_meta(content: RecordDict) -> ReplyMeta | None:
     if profile is not None and (not isinstance(profile, str) or not PROFILE_NAME.match(profile)):
         raise UpdateRejected(f"reply meta '{PROFILE}' must be 1-64 letters, digits, '.', '_' or '-', "
                              f"got {profile!r:.40}")
+    inputs = record.get(INPUTS)
+    if inputs is not None and (not isinstance(inputs, str) or inputs not in INPUT_VERDICTS):
+        raise UpdateRejected(f"reply meta '{INPUTS}' must be one of {', '.join(INPUT_VERDICTS)}, got {inputs!r:.40}")
     return ReplyMeta(server_round=_count(record, SERVER_ROUND, low=0), profile=profile,
                      samples_processed=_count(record, SAMPLES_PROCESSED, low=0) or 0,
-                     steps=_count(record, STEPS, low=1))
+                     steps=_count(record, STEPS, low=1), inputs=inputs)
 
 
 def read_reply_meta_or_none(content: RecordDict) -> ReplyMeta | None:

@@ -25,6 +25,7 @@ from numpy.typing import ArrayLike, NDArray
 from fedge.edge.bundle import SIGNATURE, FreshnessStore, TrustedKey, read_bundle, verify_bundle
 from fedge.edge.graph_check import check_graph, session_of
 from fedge.errors import BundleVerificationError, ConfigError
+from fedge.preprocessing import AFFINE, NONE, Preprocessing
 from fedge.signature import InputSpec, check_inputs
 
 log = logging.getLogger("fedge.edge")
@@ -164,16 +165,12 @@ class EdgeModel:
             If the bundle declares preprocessing other than ``affine`` or ``none`` (a
             tokenizer, say): apply it yourself before :meth:`run`.
         """
-        spec = self.manifest.get("preprocessing") or {}
-        kind = spec.get("kind", "affine" if {"scale", "offset"} & set(spec) else "none")
-        if kind == "none":
-            return np.asarray(raw)
-        if kind != "affine":
-            raise ConfigError(f"bundle '{self._name}' declares preprocessing '{kind}' "
-                              f"({spec.get('description', 'no description')}), which EdgeModel does not apply; "
+        preprocessing = Preprocessing.of(self.manifest.get("preprocessing"))
+        if preprocessing.kind not in (NONE, AFFINE):
+            raise ConfigError(f"bundle '{self._name}' declares preprocessing '{preprocessing.kind}' "
+                              f"({preprocessing.description or 'no description'}), which EdgeModel does not apply; "
                               "apply it to the raw inputs yourself, then call run()")
-        return (np.asarray(raw, np.float32) * float(spec.get("scale", 1.0))
-                + float(spec.get("offset", 0.0))).astype(np.float32)
+        return preprocessing.apply(raw)  # the same function devices apply to their raw files
 
     def run(self, *inputs: ArrayLike | Mapping[str, ArrayLike]) -> list[NDArray[Any]]:
         """The model's outputs for a batch of inputs (already preprocessed, see :meth:`preprocess`).

@@ -74,6 +74,7 @@ from fedge.edge.bundle import (
 from fedge.edge.graph_check import check_graph
 from fedge.errors import BundleVerificationError, ConfigError
 from fedge.files import write_bytes_atomic
+from fedge.preprocessing import Preprocessing
 from fedge.signature import DTYPES, InputSpec
 
 TRAINING_FORMAT = "fedge-training-bundle/1"
@@ -113,6 +114,7 @@ def write_training_bundle(
     private_key: Ed25519PrivateKey,
     expires_at: dt.datetime | None = None,
     issued_at: dt.datetime | None = None,
+    preprocessing: Mapping[str, Any] | None = None,
     **fields: Any,
 ) -> dict[str, Any]:
     """Write a signed training bundle (a zip) to ``path`` atomically; return its manifest.
@@ -136,6 +138,9 @@ def write_training_bundle(
         The coordinator's signing key.
     expires_at : datetime, optional
         After this (timezone-aware) moment every device refuses the bundle.
+    preprocessing : Mapping, optional
+        The task's declared preprocessing (:mod:`fedge.preprocessing`), which a device applies
+        to raw inputs of its own before training, as torch devices and ``EdgeModel`` do.
 
     Raises
     ------
@@ -144,7 +149,7 @@ def write_training_bundle(
     """
     values = graph_fields(graphs, fields)
     manifest = training_manifest(values, task=task, metrics=metrics, model_id=model_id, version=version,
-                                 expires_at=expires_at, issued_at=issued_at)
+                                 expires_at=expires_at, issued_at=issued_at, preprocessing=preprocessing)
     data = pack_training_bundle(values["train_onnx"], values["eval_onnx"], manifest, private_key=private_key)
     write_bytes_atomic(Path(path), data)
     return _load_json(zipfile.ZipFile(io.BytesIO(data)).read(MANIFEST), MANIFEST)  # type: ignore[no-any-return]
@@ -176,8 +181,10 @@ def graph_fields(graphs: Any, fields: Mapping[str, Any] | None = None) -> dict[s
 
 
 def training_manifest(values: Mapping[str, Any], *, task: str, metrics: Sequence[str], model_id: str, version: int,
-                      expires_at: dt.datetime | None = None, issued_at: dt.datetime | None = None) -> dict[str, Any]:
+                      expires_at: dt.datetime | None = None, issued_at: dt.datetime | None = None,
+                      preprocessing: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The manifest of a training bundle (without ``format`` and ``files``, which packing adds)."""
+    Preprocessing.of(preprocessing)  # refused here, named, rather than by every device
     if not isinstance(model_id, str) or not 0 < len(model_id) <= 256 or not model_id.isprintable():
         raise ConfigError(f"model_id {model_id!r} must be a printable name of at most 256 characters")
     if not _is_int(version, 0, MAX_VERSION):
@@ -195,6 +202,7 @@ def training_manifest(values: Mapping[str, Any], *, task: str, metrics: Sequence
         "state": [_state_entry(entry) for entry in values["state"]],
         "inputs": [spec.manifest() if isinstance(spec, InputSpec) else dict(spec) for spec in values["inputs"]],
         "targets": {"shape": list(values["target_shape"]), "dtype": str(values["target_dtype"])},
+        "preprocessing": dict(preprocessing or {"kind": "none"}),
         "metrics": [str(name) for name in metrics],
         "optimizer": OPTIMIZER,
         "outputs": {"train": ["loss", "grad:<name> per trainable state entry"], "eval": ["loss", "output"]},
@@ -344,6 +352,10 @@ def _parse_training_manifest(data: bytes) -> dict[str, Any]:
     if not isinstance(manifest.get("architecture"), str):
         raise _bad("architecture", "must be the graphs' SHA-256")
     _check_graph_ops(manifest.get(GRAPH_OPS))
+    try:  # absent in bundles of older fedge: none
+        Preprocessing.of(manifest.get("preprocessing"))
+    except ConfigError as exc:
+        raise _bad("preprocessing", str(exc)) from None
     return manifest
 
 

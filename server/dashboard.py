@@ -123,6 +123,7 @@ class RunView:
         config = _read_json(self.run_dir / "config.json") or {}
         finished = _read_json(self.run_dir / "summary.json")
         last = rows[-1] if rows else {}
+        named_task = str(config.get("task") or "")  # a custom or registered task: dataset and model are not its
         return {
             "run": self.run_dir.name,
             "status": "finished" if finished is not None else ("running" if rows else "starting"),
@@ -133,7 +134,9 @@ class RunView:
             "accuracy": last.get("accuracy"), "loss": last.get("loss"),
             "sim_time_s": last.get("sim_time_s"), "wall_time_s": last.get("wall_time_s"),
             "dp_epsilon": last.get("dp_epsilon"), "dp_delta": last.get("dp_delta"),
-            "strategy": config.get("strategy"), "dataset": config.get("dataset"), "model": config.get("model"),
+            "strategy": config.get("strategy"), "task": (finished or {}).get("task") or named_task or None,
+            "dataset": None if named_task else config.get("dataset"),
+            "model": None if named_task else config.get("model"),
             "secure_aggregation": config.get("secure-aggregation"), "dp": config.get("dp"),
             "summary": finished, "config": config,
         }

@@ -87,6 +87,8 @@ class RoundRecorder:
             "rejections": [vars(r) for r in report.rejected] if report else [],
             "failed": len(report.failed) if report else 0,
             "late": report.late if report else 0,
+            "inputs_raw": report.inputs_raw if report else 0,
+            "inputs_outside": report.inputs_outside if report else 0,
             "train_loss": report.train_loss if report else None,
             "aggregated": report.aggregated if report else False,
         }

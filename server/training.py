@@ -101,7 +101,8 @@ def write_run_training_bundle(graphs: TrainingGraphs, metrics: list[str], task: 
     (run_dir / SIGNING_PUBLIC_KEY).parent.mkdir(parents=True, exist_ok=True)
     manifest = write_training_bundle(
         run_dir / TRAINING_BUNDLE, graphs, task=task.name, metrics=metrics,
-        model_id=f"{task.name}-training", version=int(time.time()), private_key=private_key)
+        model_id=f"{task.name}-training", version=int(time.time()), private_key=private_key,
+        preprocessing=dict(task.preprocessing))
     public = private_key.public_key().public_bytes(serialization.Encoding.PEM,
                                                    serialization.PublicFormat.SubjectPublicKeyInfo)
     write_bytes_atomic(run_dir / SIGNING_PUBLIC_KEY, public)

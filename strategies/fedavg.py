@@ -24,6 +24,7 @@ from numpy.typing import NDArray
 from fedge import wire
 from fedge.aggregate import WeightedMeanAccumulator, c_contiguous, statistic_names, weighted_mean_metrics
 from fedge.errors import ConfigError, RunFailed
+from fedge.preprocessing import OUTSIDE, RAW_SCALED
 from fedge.strategies.flower_args import flower_constructor
 from fedge.strategies.policies import RoundPolicy, SyncPolicy, let_go
 from fedge.strategies.registry import register
@@ -48,6 +49,8 @@ class RoundReport:
     failed: list[Rejection] = field(default_factory=list)
     aggregated: bool = False
     epsilon: float | None = None  # DP: privacy spent after this round
+    inputs_raw: int = 0  # accepted updates whose device preprocessed raw inputs of its own (fedge.preprocessing)
+    inputs_outside: int = 0  # ... whose device's inputs fall outside the task's declared range
 
 
 class PrivacyLayer(Protocol):
@@ -404,6 +407,7 @@ class FedAvg(FlowerFedAvg):
                     report.rejected.append(verdict)
                 else:
                     report.accepted += 1
+                    self._count_inputs(report, verdict)
                     if self.privacy:  # DP noise is calibrated to the uniform mean
                         verdict = dataclasses.replace(verdict, weight=1.0)
                     metrics = next(iter(verdict.content.metric_records.values()))
@@ -414,6 +418,10 @@ class FedAvg(FlowerFedAvg):
                     yield verdict
 
         aggregate = self.aggregate_updates(accepted())
+        if report.inputs_outside:
+            log.warning("round %d: %d of %d accepted updates come from devices whose inputs fall outside the task's "
+                        "declared range (their logs name the file): check those devices' data (units, scaling)",
+                        server_round, report.inputs_outside, report.accepted)
         report.train_loss = weighted_mean_metrics(metric_rows, weights).get(wire.TRAIN_LOSS)
         metrics = self._train_metrics(server_round, records)
         if aggregate is not None and not all(np.all(np.isfinite(v)) for v in aggregate.values()):
@@ -442,6 +450,13 @@ class FedAvg(FlowerFedAvg):
         reference = next(iter(first.content.array_records.values())) if first is not None else ArrayRecord()
         log.info("aggregate_train without configure_train: replies are checked against the first reply's arrays")
         return replies, reference
+
+    @staticmethod
+    def _count_inputs(report: RoundReport, update: AcceptedUpdate) -> None:
+        """What the device said its inputs looked like against the task's declared range."""
+        said = update.meta.inputs if update.meta is not None else None
+        report.inputs_raw += said == RAW_SCALED
+        report.inputs_outside += said == OUTSIDE
 
     def _train_metrics(self, server_round: int, records: list[RecordDict]) -> MetricRecord | None:
         """``train_metrics_aggr_fn`` over the accepted replies' metrics (None without any).

@@ -16,7 +16,7 @@ class Digits(FlatClassification):
     """1797 images of 64 grey levels (pixels scaled to [0, 1]); ``test-fraction`` of every class held out.
     Models: ``cnn`` (default), ``mlp``, ``logreg``."""
 
-    preprocessing: dict[str, Any] = {"kind": "affine", "scale": 1.0 / 16.0, "offset": 0.0,
+    preprocessing: dict[str, Any] = {"kind": "affine", "scale": 1.0 / 16.0, "offset": 0.0, "raw-range": [0, 16],
                                      "description": "8x8 grey-level pixels in 0..16, row-major, times 1/16"}
 
     @cached_property

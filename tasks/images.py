@@ -204,7 +204,7 @@ class Images(Task):
     headline, higher_is_better = "accuracy", True
     inputs = (InputSpec("image", ("batch", CHANNELS, SIDE, SIDE)),)
     labels = class_names()
-    preprocessing: dict[str, Any] = {"kind": "affine", "scale": 1.0 / 255.0, "offset": 0.0,
+    preprocessing: dict[str, Any] = {"kind": "affine", "scale": 1.0 / 255.0, "offset": 0.0, "raw-range": [0, 255],
                                      "description": "8-bit RGB pixels, channels first (3, 32, 32), times 1/255"}
     output = "unnormalised scores of the 10 classes (labels); softmax gives probabilities"
 

@@ -95,6 +95,22 @@ def test_an_empty_run_directory_is_starting(tmp_path: Path) -> None:
     assert summary["status"] == "starting" and summary["rounds_done"] == 0
 
 
+@pytest.mark.parametrize(("config", "expected"), [
+    ({"task": "houses.task:Houses", "dataset": "digits", "model": "cnn"},
+     {"task": "houses.task:Houses", "dataset": None, "model": None}),       # the defaults are not its data
+    ({"task": "", "dataset": "synthetic", "model": "logreg"},
+     {"task": None, "dataset": "synthetic", "model": "logreg"}),
+])
+def test_the_summary_names_the_task_that_ran(tmp_path: Path, config: dict[str, Any],
+                                             expected: dict[str, Any]) -> None:
+    # Prepare: a run that has written its config and nothing else yet
+    (tmp_path / "config.json").write_text(json.dumps({"strategy": "fedavg", **config}))
+    # Execute
+    summary = _client(tmp_path).get("/api/summary").json()
+    # Assert
+    assert {key: summary[key] for key in expected} == expected
+
+
 @pytest.mark.parametrize(("credentials", "status"), [
     ({}, 401),
     ({"params": {"token": "wrong"}}, 401),

@@ -117,7 +117,7 @@ function renderSummary(s) {
     document.getElementById("epsilon").textContent = fmt(s.dp_epsilon, 2);
     document.getElementById("delta").textContent = `at δ = ${s.dp_delta} (${s.dp})`;
   }
-  const flags = [s.strategy, s.dataset, s.model, s.secure_aggregation ? "secure aggregation" : null].filter(Boolean);
+  const flags = [s.strategy, s.dataset ? null : s.task, s.dataset, s.model, s.secure_aggregation ? "secure aggregation" : null].filter(Boolean);
   document.getElementById("setup").textContent = flags.join(" · ");
 }
 
