@@ -171,6 +171,20 @@ def pull_training_graph(options: DeviceOptions, state: Path) -> Path:
     return result.path
 
 
+def refresh_settings(options: DeviceOptions, training_bundle: Path) -> str:
+    """Node-config entries with which the device's app fetches a new training graph itself when a run
+    trains another architecture (:func:`fedge.clients.onnx_client.refresh_training_bundle`): the same
+    bundle service, device key, CA and freshness records as the pull at start."""
+    entries = {"bundle-service": options.bundles or _bundle_service(options.coordinator),
+               "freshness-dir": str((training_bundle.parent.parent / "freshness").resolve())}
+    if options.insecure:
+        entries["bundles-insecure"] = "yes"
+    else:
+        assert options.key is not None and options.ca is not None
+        entries |= {"device-key": str(options.key.resolve()), "ca": str(options.ca.resolve())}
+    return "".join(f' {key}="{value}"' for key, value in entries.items())
+
+
 def _bundle_service(coordinator: str) -> str:
     host, port = split_address(coordinator)
     return f"{host}:{port + 1}"
@@ -232,6 +246,7 @@ def supernode_command(options: DeviceOptions, training_bundle: Path | None = Non
     if options.runtime == "onnx" and training_bundle is not None and options.trust is not None:
         node_config += (f' training-bundle="{training_bundle.resolve()}" '
                         f'trusted-key="{options.trust.resolve()}"')
+        node_config += refresh_settings(options, training_bundle)
     command = [flower_bin("flower-supernode"), "--superlink", options.coordinator,
                "--node-config", node_config, "--port", str(_free_port())]
     if options.insecure:

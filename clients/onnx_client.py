@@ -27,6 +27,7 @@ aggregation and differential privacy bound what one update reveals.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,6 +42,8 @@ from fedge.config import RunConfig
 from fedge.edge.trainer import OnnxTrainer
 from fedge.edge.training_bundle import SIGNING_PUBLIC_KEY, TRAINING_BUNDLE, TrainingBundle, read_training_bundle
 from fedge.errors import ConfigError
+
+log = logging.getLogger("fedge.clients")
 
 DeviceArrays = tuple[tuple[np.ndarray, ...], np.ndarray]
 
@@ -81,10 +84,42 @@ def load_trainer(context: Context, config: RunConfig, expected: str | None) -> t
             bundle = read_training_bundle(path, trusted_keys=[key])
             _loaded[cache_key] = (bundle, OnnxTrainer(bundle.train_onnx, bundle.eval_onnx, bundle.manifest))
         bundle, trainer = _loaded[cache_key]
+    if expected and bundle.architecture != expected and refresh_training_bundle(context, path, key):
+        return load_trainer(context, config, expected)  # the new one; refused below if it is not the run's either
     if expected and bundle.architecture != expected:
         raise ConfigError(f"this device's training graph '{path}' is architecture {bundle.architecture[:12]}, the "
                           f"run trains {expected[:12]}; fetch the current one with `fedge pull --kind training`")
     return bundle, trainer
+
+
+def refresh_training_bundle(context: Context, path: Path, key: Path) -> bool:
+    """Fetch the coordinator's current training graph into ``path`` (a run that trains another
+    architecture); whether a new one came.
+
+    Only what ``fedge device`` put in this device's own node config is used: its bundle service,
+    device key, CA, trusted signing key and freshness records, as for the pull at start; the
+    bundle is verified (signature, hashes, not older than one accepted) before it replaces the old.
+    A device started without them (``fedge device`` of an older fedge) keeps the old refusal.
+    """
+    from fedge.edge.delivery import DeliveryError, pull  # noqa: PLC0415 - numpy, cryptography, http only
+
+    node = context.node_config
+    if "bundle-service" not in node or path.name != TRAINING_BUNDLE.name:
+        return False
+    insecure = str(node.get("bundles-insecure", "")) == "yes"
+    try:
+        result = pull(url_or_address=str(node["bundle-service"]), kind="training", directory=path.parent,
+                      device_key=None if insecure else str(node.get("device-key", "")),
+                      ca=None if insecure else str(node.get("ca", "")), trusted_keys=[key],
+                      freshness_dir=str(node.get("freshness-dir", "")) or None, insecure=insecure)
+    except DeliveryError as exc:
+        log.warning("the run trains another architecture and the new training graph could not be fetched: %s", exc)
+        return False
+    if result.changed:
+        log.info("fetched the run's training graph (%d bytes): the run trains another architecture",
+                 result.bytes_downloaded)
+    return result.changed
+
 
 
 def onnx_local_work(msg: Message, context: Context, config: RunConfig, order: TrainOrder,
