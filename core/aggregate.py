@@ -173,6 +173,35 @@ def multi_krum(
     return weighted_mean([updates[i] for i in chosen], [1.0] * len(chosen)), chosen
 
 
+def bulyan(updates: Sequence[Arrays], num_byzantine: int) -> tuple[dict[str, NDArray[np.generic]], list[int]]:
+    """Bulyan (El Mhamdi et al., "The Hidden Vulnerability of Distributed Learning in
+    Byzantium", ICML 2018): select ``theta = n - 2f`` updates by Krum score, then, per
+    coordinate, average the ``beta = theta - 2f`` selected values closest to their median.
+
+    The selection is one pass of Multi-Krum scores, as Flower's ``Bulyan`` does by default
+    (the paper applies Krum ``theta`` times, removing the chosen one each time). Returns the
+    aggregate and the indices of the selected updates.
+
+    Raises
+    ------
+    ValueError
+        Fewer than ``4f + 3`` updates: Bulyan's guarantee needs them.
+    """
+    _require(updates)
+    if len(updates) < 4 * num_byzantine + 3:
+        raise ValueError(f"bulyan needs at least 4f + 3 = {4 * num_byzantine + 3} updates for f = {num_byzantine}, "
+                         f"got {len(updates)}")
+    theta = len(updates) - 2 * num_byzantine
+    beta = theta - 2 * num_byzantine
+    chosen = [int(i) for i in np.argsort(krum_scores(updates, num_byzantine), kind="stable")[:theta]]
+    result = {}
+    for name, first in updates[0].items():
+        values = _stacked([updates[i] for i in chosen], name)
+        nearest = np.argsort(np.abs(values - np.median(values, axis=0)), axis=0, kind="stable")[:beta]
+        result[name] = _cast(np.take_along_axis(values, nearest, axis=0).mean(axis=0), first.dtype)
+    return result, chosen
+
+
 def _require(updates: Sequence[Arrays]) -> None:
     if not updates:
         raise ValueError("no updates to aggregate")
@@ -289,6 +318,46 @@ class FedNovaAccumulator:
         tau_eff = self._tau / self._directions.total_weight
         direction = self._directions.result()
         return {k: _cast(np.asarray(g, np.float64) - tau_eff * np.asarray(direction[k], np.float64), g.dtype)
+                for k, g in self.global_arrays.items()}
+
+
+# --------------------------------------------------------------------------- q-FedAvg
+
+
+class QFedAvgAccumulator:
+    """Streaming q-FedAvg (Li et al., "Fair Resource Allocation in Federated Learning", ICLR 2020,
+    Algorithm 2): with ``L = 1 / client_lr`` and each device's loss ``F_k`` before its update,
+    ``Delta_k = L (x - x_k)``, ``delta_k = F_k^q Delta_k``,
+    ``h_k = q F_k^(q-1) ||Delta_k||^2 + L F_k^q``; ``x <- x - sum_k delta_k / sum_k h_k``.
+
+    Larger ``q`` weights devices with larger losses more (q = 0: FedAvg's objective, each
+    device equally). Memory O(model): each update is folded in and can be freed.
+    """
+
+    def __init__(self, global_arrays: Arrays, *, q: float, client_lr: float) -> None:
+        if q < 0 or client_lr <= 0:
+            raise ValueError(f"q must be >= 0 and client_lr > 0, got q = {q}, client_lr = {client_lr}")
+        self.global_arrays, self.q, self.lipschitz = global_arrays, q, 1.0 / client_lr
+        self._sums = {k: np.zeros(np.shape(v), np.float64) for k, v in global_arrays.items()}
+        self._h = 0.0
+        self.count = 0
+
+    def add(self, update: Arrays, loss: float) -> None:
+        """Fold in one device's arrays and its training loss (the ``F_k`` of the paper; >= 0)."""
+        if not np.isfinite(loss) or loss < 0:
+            raise ValueError(f"loss must be finite and >= 0, got {loss}")
+        step = {k: self.lipschitz * (np.asarray(g, np.float64) - np.asarray(update[k], np.float64))
+                for k, g in self.global_arrays.items()}
+        scale = float(np.float_power(loss + 1e-10, self.q))
+        for name, value in step.items():
+            self._sums[name] += scale * value
+        norm = float(sum(np.sum(v * v) for v in step.values()))
+        self._h += self.q * float(np.float_power(loss + 1e-10, self.q - 1)) * norm + self.lipschitz * scale
+        self.count += 1
+
+    def result(self) -> dict[str, NDArray[np.generic]]:
+        """The q-FedAvg update of the global arrays."""
+        return {k: _cast(np.asarray(g, np.float64) - self._sums[k] / self._h, g.dtype)
                 for k, g in self.global_arrays.items()}
 
 

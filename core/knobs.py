@@ -116,8 +116,10 @@ KNOBS: dict[str, Knob] = {
     "data-path": Knob("", "the npz or csv file for dataset = npz | csv", "task"),
     # ---- strategies' own options
     "trim-fraction": Knob(0.2, "trimmed-mean: share cut at each end", "strategies", check=within(0, 0.5, closed="[)")),
-    "num-byzantine": Knob(2, "krum: Byzantine devices tolerated (f)", "strategies", check=at_least(0)),
+    "num-byzantine": Knob(2, "krum, bulyan: Byzantine devices tolerated (f)", "strategies", check=at_least(0)),
     "krum-select": Knob(1, "krum: updates averaged (m > 1: Multi-Krum)", "strategies", check=at_least(1)),
+    "qfedavg-q": Knob(0.1, "qfedavg: fairness q (0: FedAvg's objective; larger favours devices with larger loss)",
+                      "strategies", check=at_least(0)),
     "proximal-mu": Knob(0.01, "fedprox: proximal term mu", "strategies", check=at_least(0)),
     "server-learning-rate": Knob(1.0, "fedavgm, fedbuff: server step size", "strategies", check=above(0)),
     "server-momentum": Knob(0.9, "fedavgm: server momentum", "strategies", check=within(0, 1, closed="[)")),

@@ -2,13 +2,14 @@
 
 Every strategy validates replies (see :class:`FedAvg`); they differ only in the
 ``aggregate_updates`` hook. Flower's message-API strategies are here under Flower's names and
-calls (``FedMedian``, ``FedTrimmedAvg``, ``MultiKrum``, ``FedAdagrad`` beside fedge's names;
+calls (``FedMedian``, ``FedTrimmedAvg``, ``MultiKrum``, ``FedAdagrad``, ``Bulyan``, ``QFedAvg`` beside fedge's names;
 see :mod:`fedge.strategies.flower_args` and docs/flower-dropin.md).
 """
 
 import importlib
 import pkgutil
 
+from fedge.strategies.bulyan import Bulyan
 from fedge.strategies.fedadagrad import FedAdagrad
 from fedge.strategies.fedadam import FedAdam
 from fedge.strategies.fedavg import FedAvg, RoundReport
@@ -19,6 +20,7 @@ from fedge.strategies.fedprox import FedProx
 from fedge.strategies.fedyogi import FedYogi
 from fedge.strategies.krum import Krum, MultiKrum
 from fedge.strategies.median import FedMedian, Median
+from fedge.strategies.qfedavg import QFedAvg
 from fedge.strategies.registry import REGISTRY, StrategySpec, register, strategy_spec
 from fedge.strategies.trimmed_mean import FedTrimmedAvg, TrimmedMean
 
@@ -30,6 +32,6 @@ for _module in pkgutil.iter_modules(__path__):
 # Every registered strategy by run-config name.
 STRATEGIES: dict[str, type[FedAvg]] = {name: spec.cls for name, spec in REGISTRY.items()}
 
-__all__ = ["REGISTRY", "STRATEGIES", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedBuff", "FedMedian", "FedNova",
-           "FedProx", "FedTrimmedAvg", "FedYogi", "Krum", "Median", "MultiKrum", "RoundReport", "StrategySpec",
+__all__ = ["REGISTRY", "STRATEGIES", "Bulyan", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedBuff", "FedMedian", "FedNova",
+           "FedProx", "FedTrimmedAvg", "FedYogi", "Krum", "Median", "MultiKrum", "QFedAvg", "RoundReport", "StrategySpec",
            "TrimmedMean", "register", "strategy_spec"]

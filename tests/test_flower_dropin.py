@@ -50,6 +50,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "fedadam": {"server_learning_rate": 0.05},   # adaptive steps of ~lr: more rounds to settle
     "fedyogi": {"server_learning_rate": 0.05},
     "fedadagrad": {"eta": 0.5},                  # Flower's name for it: steps shrink as v accumulates
+    "qfedavg": {"client_learning_rate": 0.25, "train_loss_key": "train-loss"},  # the plain app's lr and loss key
+    "bulyan": {"num_malicious_nodes": 0},        # 4 replies a round: f = 0 (4f + 3 <= 4)
     "trimmed-mean": {"trim_fraction": 0.2},
     "krum": {"num_byzantine": 1, "num_selected": 2},
     "fedbuff": {"concurrency": 4, "buffer_size": 2},
@@ -160,6 +162,7 @@ SAME_SETTINGS = [
     ("MultiKrum", "MultiKrum", {"num_byzantine": "num_malicious_nodes", "num_selected": "num_nodes_to_select"}),
     ("FedTrimmedAvg", "FedTrimmedAvg", {"trim_fraction": "beta"}),
     ("FedMedian", "FedMedian", {"min_available_nodes": "min_available_nodes"}),
+    ("Bulyan", "Bulyan", {"num_byzantine": "num_malicious_nodes"}),
 ]
 
 
@@ -347,7 +350,9 @@ def test_flowers_round_lines_are_logged(caplog: pytest.LogCaptureFixture) -> Non
 
 
 FLOWER_NAMES = ["FedAvg", "FedProx", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "FedMedian", "FedTrimmedAvg",
-                "Krum", "MultiKrum"]
+                "Krum", "MultiKrum", "Bulyan", "QFedAvg"]
+# QFedAvg has no default learning rate; both read the plain app's loss under its key
+REQUIRED = {"QFedAvg": {"client_learning_rate": 0.25, "train_loss_key": "train-loss"}}
 
 
 @pytest.mark.parametrize("name", FLOWER_NAMES)
@@ -359,7 +364,7 @@ def test_an_app_that_swaps_the_import_gets_as_far_as_flowers_own_strategy(name: 
     errors = []
     for module in (flower_strategies, fedge_strategies):
         grid = InlineGrid(plain_client_app(), [{"partition-id": i, "num-partitions": 5} for i in range(5)], {})
-        strategy = getattr(module, name)(min_available_nodes=5)
+        strategy = getattr(module, name)(min_available_nodes=5, **REQUIRED.get(name, {}))
         # Execute
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord({"w": Array(np.zeros(3, np.float32))}),
                                 num_rounds=30, timeout=30.0)

@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
     ("krum", "num_byzantine", "num-byzantine", 3),
     ("fedbuff", "buffer_size", "buffer-size", 7),
     ("fedadagrad", "server_learning_rate", "adaptive-learning-rate", 0.2),
+    ("bulyan", "num_byzantine", "num-byzantine", 1),
+    ("qfedavg", "q", "qfedavg-q", 0.5),
 ])
 def test_each_strategy_reads_its_own_options_from_the_run_config(name: str, attribute: str, key: str,
                                                                   value: Any) -> None:
@@ -37,15 +39,15 @@ def test_each_strategy_reads_its_own_options_from_the_run_config(name: str, attr
 
 
 def test_every_strategy_module_registers_its_class_under_its_name() -> None:
-    # Assert: eleven built-ins, each class found under the name its file gave it
-    assert len(REGISTRY) == 11
+    # Assert: thirteen built-ins, each class found under the name its file gave it
+    assert len(REGISTRY) == 13
     assert strategy_spec("fedprox").cls is FedProx and strategy_spec("krum").cls is Krum
     assert {name for name, spec in REGISTRY.items() if spec.dp} == {"fedavg", "fedprox"}
 
 
 def test_an_unknown_strategy_is_refused_naming_the_registered_ones() -> None:
     # Execute / Assert
-    with pytest.raises(ConfigError, match="not a registered strategy; use one of: fedadagrad, fedadam, fedavg"):
+    with pytest.raises(ConfigError, match="not a registered strategy; use one of: bulyan, fedadagrad, fedadam, fedavg"):
         build_strategy(resolve_run_config({"strategy": "fedsgd"}), 20)
 
 

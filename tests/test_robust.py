@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -100,3 +101,75 @@ def test_plain_fedavg_breaks_under_20_percent_sign_flip(clean_accuracy: float, t
     config = {**BYZANTINE, "strategy": "fedavg", "byzantine-fraction": 0.2, "run-dir": str(tmp_path / "r")}
     accuracy = simulate(config, progress=False)[1]["final_accuracy"]
     assert accuracy < clean_accuracy - 0.3, (accuracy, clean_accuracy)
+
+
+# --- Bulyan (El Mhamdi et al., ICML 2018) -------------------------------------------------------
+
+def test_bulyan_hand_computed() -> None:
+    # Prepare: seven scalar updates, one far off; f = 1 -> theta = 5 selected, beta = 3 averaged
+    from fedge.aggregate import bulyan
+    updates = [{"w": np.array([v], np.float32)} for v in (1.0, 2.0, 3.0, 4.0, 100.0, 5.0, 6.0)]
+    # Execute
+    aggregate, chosen = bulyan(updates, 1)
+    # Assert: Krum scores over the 4 nearest: 3 and 4 score 10, 2 and 5 score 15, 1 and 6 score 30, 100 most;
+    # the five lowest are 3, 4, 2, 5, 1 (ties by index); median 3; the three nearest it 2, 3, 4 -> 3
+    assert chosen == [2, 3, 1, 5, 0]
+    np.testing.assert_array_equal(aggregate["w"], np.array([3.0], np.float32))
+
+
+def test_bulyan_needs_4f_plus_3_updates() -> None:
+    from fedge.aggregate import bulyan
+    with pytest.raises(ValueError, match=r"at least 4f \+ 3 = 7 updates for f = 1, got 6"):
+        bulyan([{"w": np.zeros(1)} for _ in range(6)], 1)
+
+
+def test_bulyan_strategy_keeps_the_model_with_too_few_replies() -> None:
+    # Prepare: f = 1 needs 7 replies; 4 arrive
+    from fedge.strategies import Bulyan
+    strategy = Bulyan(num_malicious_nodes=1, validator=ReplyValidator())
+    strategy.global_arrays = global_arrays()
+    # Execute
+    arrays, _ = strategy.aggregate_train(1, [train_reply(10 + i, good_arrays(1.0)) for i in range(4)])
+    # Assert: no new model; the replies were accepted, the round not aggregated
+    assert arrays is None and strategy.reports[-1].accepted == 4 and not strategy.reports[-1].aggregated
+
+
+# --- q-FedAvg (Li et al., ICLR 2020) --------------------------------------------------------------
+
+def test_qfedavg_step_hand_computed() -> None:
+    # Prepare: x = 0, client lr 0.5 (L = 2), q = 1; device a: x_a = 1, loss 2; device b: x_b = -1, loss 1
+    from fedge.aggregate import QFedAvgAccumulator
+    step = QFedAvgAccumulator({"w": np.array([0.0])}, q=1.0, client_lr=0.5)
+    # Execute
+    step.add({"w": np.array([1.0])}, 2.0)
+    step.add({"w": np.array([-1.0])}, 1.0)
+    # Assert: Delta_a = 2(0 - 1) = -2, Delta_b = 2; delta = 2 * -2 + 1 * 2 = -2;
+    # h = (1 * 4 + 2 * 2) + (1 * 4 + 2 * 1) = 14; x = 0 - (-2 / 14) = 1/7 (the larger loss pulls harder)
+    np.testing.assert_allclose(step.result()["w"], [1 / 7], rtol=1e-8)
+
+
+def test_qfedavg_with_q_zero_takes_the_plain_average_step() -> None:
+    # Prepare: q = 0, L = 1 / lr: x <- x - sum(L (x - x_k)) / (K L) = mean of x_k, whatever the losses
+    from fedge.aggregate import QFedAvgAccumulator
+    step = QFedAvgAccumulator({"w": np.array([0.0, 0.0])}, q=0.0, client_lr=0.1)
+    # Execute
+    step.add({"w": np.array([1.0, 2.0])}, 5.0)
+    step.add({"w": np.array([3.0, 0.0])}, 0.01)
+    # Assert
+    np.testing.assert_allclose(step.result()["w"], [2.0, 1.0], rtol=1e-6)
+
+
+def test_qfedavg_leaves_out_a_reply_without_its_loss(caplog: pytest.LogCaptureFixture) -> None:
+    # Prepare: two replies report 'train-loss' (0.5); the third's is taken out
+    from fedge.strategies import QFedAvg
+    strategy = QFedAvg(client_learning_rate=1.0, q=0.0, train_loss_key="train-loss", validator=ReplyValidator())
+    strategy.global_arrays = global_arrays()  # as configure_train sets it
+    replies = [train_reply(11, good_arrays(1.0)), train_reply(12, good_arrays(3.0)), train_reply(13, good_arrays(50.0))]
+    del replies[2].content["metrics"]["train-loss"]
+    # Execute
+    with caplog.at_level(logging.WARNING, logger="fedge.strategies"):
+        arrays, _ = strategy.aggregate_train(1, replies)
+    # Assert: q = 0 -> the mean of the two with a loss; the third named
+    assert arrays is not None
+    np.testing.assert_allclose(arrays["w"].numpy(), np.full((2, 3), 2.0))
+    assert "node 13 reported no usable 'train-loss'" in caplog.text

@@ -1,0 +1,58 @@
+"""Bulyan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from flwr.serverapp.strategy import Bulyan as FlowerBulyan
+from numpy.typing import NDArray
+
+from fedge.aggregate import bulyan
+from fedge.errors import ConfigError
+from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.flower_args import flower_constructor
+from fedge.strategies.registry import register
+from fedge.strategies.validation import AcceptedUpdate
+
+log = logging.getLogger("fedge.strategies")
+
+
+@register("bulyan", needs_individual_updates=True, options=lambda c, n: {"num_byzantine": int(c["num-byzantine"])})
+@flower_constructor(FlowerBulyan, num_malicious_nodes="num_byzantine")
+class Bulyan(FedAvg):
+    """Bulyan (El Mhamdi et al., ICML 2018): Krum selection, then a trimmed mean around the median.
+
+    Tolerates ``f`` Byzantine updates per round with at least ``4f + 3`` replies; a round
+    with fewer keeps the global model (logged), as Flower's ``Bulyan`` does. Takes Flower's
+    call (``num_malicious_nodes``, default 0); Flower's ``selection_rule`` (a function of
+    Flower records) is not taken: the selection is Multi-Krum, Flower's default.
+
+    Parameters
+    ----------
+    num_byzantine : int
+        f, the Byzantine updates to tolerate per round (Flower's ``num_malicious_nodes``).
+    """
+
+    def __init__(self, *, num_byzantine: int = 0, selection_rule: Any = None, **kwargs: Any) -> None:
+        if selection_rule is not None:
+            raise ConfigError("Bulyan(selection_rule=...) is Flower's hook on its own records; fedge's Bulyan selects "
+                              "by Multi-Krum (Flower's default): leave selection_rule out")
+        if num_byzantine < 0:
+            raise ConfigError(f"num-byzantine (Flower's num_malicious_nodes) = {num_byzantine}: give 0 or more")
+        super().__init__(**kwargs)
+        self.num_byzantine = num_byzantine
+
+    def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
+        """Bulyan over all accepted updates (needs them all at once)."""
+        accepted = list(updates)
+        needed = 4 * self.num_byzantine + 3
+        if len(accepted) < needed:
+            log.warning("bulyan: %d accepted updates, fewer than 4f + 3 = %d (f = %d); global model kept",
+                        len(accepted), needed, self.num_byzantine)
+            return None
+        aggregate, chosen = bulyan([u.arrays for u in accepted], self.num_byzantine)
+        log.info("bulyan kept nodes %s", [accepted[i].node_id for i in chosen])
+        return aggregate
