@@ -2,8 +2,8 @@
 
 Every strategy validates replies (see :class:`FedAvg`); they differ only in the
 ``aggregate_updates`` hook. Flower's message-API strategies are here under Flower's names and
-calls (``FedMedian``, ``FedTrimmedAvg``, ``MultiKrum``, ``FedAdagrad``, ``Bulyan``, ``QFedAvg`` beside fedge's names;
-see :mod:`fedge.strategies.flower_args` and docs/flower-dropin.md).
+calls (``FedMedian``, ``FedTrimmedAvg``, ``MultiKrum``, ``FedAdagrad``, ``Bulyan``, ``QFedAvg``
+beside fedge's names; see :mod:`fedge.strategies.flower_args` and docs/flower-dropin.md).
 """
 
 import importlib
@@ -32,6 +32,6 @@ for _module in pkgutil.iter_modules(__path__):
 # Every registered strategy by run-config name.
 STRATEGIES: dict[str, type[FedAvg]] = {name: spec.cls for name, spec in REGISTRY.items()}
 
-__all__ = ["REGISTRY", "STRATEGIES", "Bulyan", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedBuff", "FedMedian", "FedNova",
-           "FedProx", "FedTrimmedAvg", "FedYogi", "Krum", "Median", "MultiKrum", "QFedAvg", "RoundReport", "StrategySpec",
-           "TrimmedMean", "register", "strategy_spec"]
+__all__ = ["REGISTRY", "STRATEGIES", "Bulyan", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedBuff", "FedMedian",
+           "FedNova", "FedProx", "FedTrimmedAvg", "FedYogi", "Krum", "Median", "MultiKrum", "QFedAvg", "RoundReport",
+           "StrategySpec", "TrimmedMean", "register", "strategy_spec"]
