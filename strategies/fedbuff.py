@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ class FedBuff(FedAvg):
         self.concurrency, self.buffer_size = concurrency, buffer_size
         self.server_learning_rate, self.staleness_exponent = server_learning_rate, staleness_exponent
 
-    federated_evaluation = False  # asynchronous: no evaluation rounds, only central evaluation
+    federated_evaluation = True  # after each flush, idle devices evaluate the new model (fraction_evaluate)
 
     def start(  # type: ignore[override]
         self,
@@ -91,9 +92,34 @@ class FedBuff(FedAvg):
         while run.version < num_rounds and run.step():
             if run.flushed:
                 result.arrays = run.arrays
-                if evaluate_fn:
-                    evaluate_fn(run.version, run.arrays)
+                metrics = self.evaluate_idle(grid, run.version, run.arrays, evaluate_config or ConfigRecord(),
+                                             run.arrivals.busy(), timeout)
+                if metrics is not None:
+                    result.evaluate_metrics_clientapp[run.version] = self.evaluated[run.version] = metrics
+                if evaluate_fn and (res := evaluate_fn(run.version, run.arrays)) is not None:
+                    result.evaluate_metrics_serverapp[run.version] = res
         return result
+
+    def evaluate_idle(self, grid: Grid, version: int, arrays: ArrayRecord, config: ConfigRecord, busy: set[int],
+                      timeout: float) -> MetricRecord | None:
+        """Federated evaluation of a new model version on devices not training now.
+
+        Flower's sample size (``fraction_evaluate`` of the connected devices, at least
+        ``min_evaluate_nodes``), drawn (seeded) from those with no work in flight: a busy one
+        would answer only after its training. Flower's own sampling is not used: it waits for
+        ``min_available_nodes`` idle devices, which an asynchronous run may never have. The
+        replies are aggregated by ``evaluate_metrics_aggr_fn``; None when nothing is asked.
+        """
+        connected = list(grid.get_node_ids())
+        idle = sorted(node for node in connected if node not in busy)
+        size = min(len(idle), max(int(len(connected) * self.fraction_evaluate), self.min_evaluate_nodes))
+        if self.fraction_evaluate <= 0 or size <= 0:
+            return None
+        record = RecordDict({self.arrayrecord_key: arrays,
+                             self.configrecord_key: ConfigRecord({**config, wire.SERVER_ROUND: version})})
+        chosen = random.Random(self.selector.seed * 7_907 + version).sample(idle, size)
+        messages = [Message(record, dst_node_id=node, message_type=MessageType.EVALUATE) for node in chosen]
+        return self.aggregate_evaluate(version, grid.send_and_receive(messages, timeout=timeout))
 
     def weight(self, staleness: int) -> float:
         """The weight of an update ``staleness`` versions old."""

@@ -373,3 +373,31 @@ def test_an_app_that_swaps_the_import_gets_as_far_as_flowers_own_strategy(name: 
     # v0 = tau^2, no bias correction); with fedge's old defaults FedAdam stayed 1.43 away where Flower's got 0.20
     flower_error, fedge_error = errors
     assert fedge_error <= flower_error + 0.05, (flower_error, fedge_error)
+
+
+def test_fedbuff_asks_idle_devices_to_evaluate_each_new_version() -> None:
+    # Prepare: a plain ClientApp that counts its evaluate calls
+    app, calls = plain_client_app(), []
+    counting = ClientApp()
+
+    @counting.train()
+    def train(msg: Message, context: Context) -> Message:
+        return app(msg, context)
+
+    @counting.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        calls.append(int(context.node_config["partition-id"]))
+        return app(msg, context)
+
+    from fedge.strategies import FedBuff
+    strategy = FedBuff(concurrency=3, buffer_size=2, fraction_evaluate=0.4, min_evaluate_nodes=1,
+                       min_available_nodes=5)
+    grid = InlineGrid(counting, [{"partition-id": i, "num-partitions": 5} for i in range(5)], {})
+    # Execute: eight versions (buffer flushes)
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord({"w": Array(np.zeros(3, np.float32))}),
+                            num_rounds=8, timeout=10.0)
+    # Assert: every version evaluated by idle devices (fedge's FedBuff never called evaluate), each below the
+    # initial model's loss ||TARGET||^2 = 1 + 4 + 0.25 = 5.25 (stale updates make it wander), the last below the first
+    assert sorted(result.evaluate_metrics_clientapp) == list(range(1, 9)) and len(calls) >= 8
+    losses = [float(result.evaluate_metrics_clientapp[v]["eval-loss"]) for v in range(1, 9)]
+    assert max(losses) < 5.25 and losses[-1] < losses[0]

@@ -154,11 +154,14 @@ def test_a_task_without_central_data_is_scored_by_federated_evaluation(tmp_path:
     assert config["fraction-evaluate"] == pytest.approx(0.5)  # about clients-per-round of the 10 devices
 
 
-def test_fedbuff_is_refused_on_a_task_without_central_data(tmp_path: Path) -> None:
-    # Execute / Assert
-    with pytest.raises(ConfigError, match="no central evaluation data and strategy 'fedbuff'"):
-        _run(GridRegression(central=False), tmp_path, strategy="fedbuff")
-    assert not (tmp_path / "run").exists()
+def test_fedbuff_on_a_task_without_central_data_is_scored_by_its_idle_devices(tmp_path: Path) -> None:
+    # Execute: asynchronous rounds (buffer flushes); after each, devices not training evaluate (it was refused)
+    rows, summary = _run(GridRegression(central=False), tmp_path, strategy="fedbuff", concurrency=3,
+                         **{"buffer-size": 2})
+    # Assert: every flushed version scored by the devices' weighted mean
+    assert rows[0]["headline"] is None
+    assert all(row["evaluation"] == "federated" and row["mse"] == row["headline"] > 0 for row in rows[1:])
+    assert summary["final_mse"] == rows[-1]["mse"]
 
 
 def test_a_custom_task_resumes_where_an_uninterrupted_run_ends(tmp_path: Path) -> None:
