@@ -401,3 +401,73 @@ def test_fedbuff_asks_idle_devices_to_evaluate_each_new_version() -> None:
     assert sorted(result.evaluate_metrics_clientapp) == list(range(1, 9)) and len(calls) >= 8
     losses = [float(result.evaluate_metrics_clientapp[v]["eval-loss"]) for v in range(1, 9)]
     assert max(losses) < 5.25 and losses[-1] < losses[0]
+
+
+# --- a BatchNorm model, as Flower's quickstart-pytorch trains it ---------------------------------
+
+def _blobs(seed: int, size: int = 128) -> tuple[Any, Any]:
+    """Two Gaussian classes in 8 dimensions, centres at -1 and +1 (a device's own data)."""
+    import torch
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 2, (size,), generator=generator)
+    features = torch.randn(size, 8, generator=generator) * 1.5 + (labels[:, None] * 2.0 - 1.0)
+    return features, labels
+
+
+def _bn_model() -> Any:
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+def bn_client_app() -> ClientApp:
+    """A plain Flower ClientApp (no fedge): torch state_dict in and out, BatchNorm buffers included."""
+    import torch
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        model = _bn_model()
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        features, labels = _blobs(int(context.node_config["partition-id"]))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model.train()
+        for start in range(0, len(labels), 32):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(features[start:start + 32]), labels[start:start + 32]).backward()
+            optimizer.step()
+        return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                                   "metrics": MetricRecord({"num-examples": len(labels)})}), reply_to=msg)
+
+    return app
+
+
+def _bn_accuracy(arrays: ArrayRecord) -> float:
+    import torch
+    model = _bn_model()
+    model.load_state_dict(arrays.to_torch_state_dict())
+    features, labels = _blobs(99, 512)
+    with torch.no_grad():
+        return float((model.eval()(features).argmax(1) == labels).float().mean())
+
+
+@pytest.mark.parametrize("name", ["FedAvg", "FedAvgM", "FedAdam"])
+def test_a_batchnorm_model_in_a_plain_flower_app_reaches_flowers_accuracy(name: str) -> None:
+    # Prepare: the same app and call (Flower's defaults; FedAvgM with momentum 0.9, where stepping BatchNorm's
+    # statistics hurt most), Flower's class and then fedge's
+    import flwr.serverapp.strategy as flower_strategies
+
+    import fedge.strategies as fedge_strategies
+    call = {"fraction_evaluate": 0.0, "min_available_nodes": 4, **({"server_momentum": 0.9} if name == "FedAvgM" else {})}
+    accuracy = []
+    for module in (flower_strategies, fedge_strategies):
+        grid = InlineGrid(bn_client_app(), [{"partition-id": i, "num-partitions": 4} for i in range(4)], {})
+        strategy = getattr(module, name)(**call)
+        # Execute
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(_bn_model().state_dict()), num_rounds=5,
+                                timeout=30.0)
+        accuracy.append(_bn_accuracy(result.arrays))
+    # Assert: the 0-d counter went through and fedge's model is at least as accurate as Flower's
+    flower_accuracy, fedge_accuracy = accuracy
+    assert fedge_accuracy >= flower_accuracy - 0.02, accuracy
+    assert fedge_accuracy > 0.8
