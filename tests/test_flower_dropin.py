@@ -417,7 +417,8 @@ def _blobs(seed: int, size: int = 128) -> tuple[Any, Any]:
 def _bn_model() -> Any:
     import torch
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 2))
 
 
 def bn_client_app() -> ClientApp:
@@ -458,7 +459,8 @@ def test_a_batchnorm_model_in_a_plain_flower_app_reaches_flowers_accuracy(name: 
     import flwr.serverapp.strategy as flower_strategies
 
     import fedge.strategies as fedge_strategies
-    call = {"fraction_evaluate": 0.0, "min_available_nodes": 4, **({"server_momentum": 0.9} if name == "FedAvgM" else {})}
+    momentum = {"server_momentum": 0.9} if name == "FedAvgM" else {}
+    call = {"fraction_evaluate": 0.0, "min_available_nodes": 4, **momentum}
     accuracy = []
     for module in (flower_strategies, fedge_strategies):
         grid = InlineGrid(bn_client_app(), [{"partition-id": i, "num-partitions": 4} for i in range(4)], {})
