@@ -172,13 +172,15 @@ class EdgeModel:
                               "apply it to the raw inputs yourself, then call run()")
         return preprocessing.apply(raw)  # the same function devices apply to their raw files
 
-    def run(self, *inputs: ArrayLike | Mapping[str, ArrayLike]) -> list[NDArray[Any]]:
+    def run(self, *inputs: ArrayLike | Mapping[str, ArrayLike], **named: ArrayLike) -> list[NDArray[Any]]:
         """The model's outputs for a batch of inputs (already preprocessed, see :meth:`preprocess`).
 
         Parameters
         ----------
         *inputs : array-like, or one mapping of input name to array-like
             One array per input in the order of :attr:`inputs` (or by name), examples on axis 0.
+        **named : array-like
+            Or the inputs as keywords: ``run(features=x, tokens=ids)``.
             A one-input model also takes a single example without the batch axis (the
             outputs keep a batch axis of 1). Arrays of another precision of the declared
             kind (float64 for float32, int32 for int64) are converted.
@@ -195,7 +197,7 @@ class EdgeModel:
             naming the input, what the bundle expects and what was given; or when
             onnxruntime fails on inputs that pass those checks.
         """
-        arrays = self._batch(inputs)
+        arrays = self._batch(self._given(inputs, named))
         feeds = {spec.name: np.ascontiguousarray(array) for spec, array in zip(self.inputs, arrays, strict=True)}
         try:
             outputs = self.session.run(None, feeds)
@@ -206,7 +208,7 @@ class EdgeModel:
                               "on its dynamic axes than the manifest declares") from exc
         return [np.asarray(out) for out in outputs]
 
-    def predict(self, *inputs: ArrayLike | Mapping[str, ArrayLike]) -> Prediction:
+    def predict(self, *inputs: ArrayLike | Mapping[str, ArrayLike], **named: ArrayLike) -> Prediction:
         """Class probabilities and labels for one sample or a batch (inputs as :meth:`run` takes them).
 
         Raises
@@ -222,7 +224,7 @@ class EdgeModel:
         if len(self.outputs) > 1:
             raise ConfigError(f"bundle '{self._name}' has {len(self.outputs)} outputs; predict() handles one "
                               "output of class scores, use run() for all of them")
-        (scores,) = self.run(*inputs)
+        (scores,) = self.run(*inputs, **named)
         if scores.ndim != 2:
             raise ConfigError(f"bundle '{self._name}' gives class scores of shape {scores.shape}; predict() "
                               "handles (batch, classes) only, use run() for the scores")
@@ -235,6 +237,13 @@ class EdgeModel:
 
     def _meaning(self) -> str:
         return str(self.outputs[0].get("meaning", "no meaning given")) if self.outputs else "none declared"
+
+    def _given(self, inputs: Inputs, named: Mapping[str, ArrayLike]) -> Inputs:
+        """Positional inputs, or keyword inputs as one mapping (not both)."""
+        if named and inputs:
+            raise ConfigError(f"bundle '{self._name}': give the inputs by position, as one mapping, or by name "
+                              f"(run({', '.join(f'{spec.name}=...' for spec in self.inputs)})), not both")
+        return (dict(named),) if named else inputs
 
     def _batch(self, given: Inputs) -> list[np.ndarray]:
         """The inputs as arrays in manifest order, converted within their kind and checked."""

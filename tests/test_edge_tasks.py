@@ -409,8 +409,12 @@ def test_inputs_may_come_by_name_and_in_a_wider_dtype_of_the_same_kind(shipped: 
     # Execute
     by_position = model.run(features, tokens)[0]
     by_name = model.run({"tokens": tokens.astype(np.int32), "features": features.astype(np.float64)})[0]
+    by_keyword = model.run(features=features, tokens=tokens)[0]
     # Assert
     np.testing.assert_array_equal(by_position, by_name)
+    np.testing.assert_array_equal(by_position, by_keyword)
+    with pytest.raises(ConfigError, match=r"not both"):
+        model.run(features, tokens=tokens)
 
 
 def test_one_unbatched_example_runs_as_a_batch_of_one(shipped: dict[str, Shipped]) -> None:
