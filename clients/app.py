@@ -91,8 +91,9 @@ def make_client_app(
         config = effective_config(context, config_defaults)
         order = train_order(msg, context, config)
         if device_runtime(context, config) == "onnx":
-            from fedge.clients.onnx_client import onnx_train_content  # noqa: PLC0415
+            from fedge.clients.onnx_client import current_trainer, onnx_train_content  # noqa: PLC0415
 
+            current_trainer(msg, context, config)  # the run's graph (fetched if new) before the data is read for it
             return onnx_train_content(msg, context, config, order, onnx_data(task, context, config))
         from fedge.clients.torch_client import torch_local_work  # noqa: PLC0415 - torch only on torch devices
 
@@ -113,8 +114,9 @@ def make_client_app(
     def evaluate_(msg: Message, context: Context) -> Message:
         config = effective_config(context, config_defaults)
         if device_runtime(context, config) == "onnx":
-            from fedge.clients.onnx_client import onnx_evaluate_content  # noqa: PLC0415
+            from fedge.clients.onnx_client import current_trainer, onnx_evaluate_content  # noqa: PLC0415
 
+            current_trainer(msg, context, config)
             return Message(onnx_evaluate_content(msg, context, config, onnx_data(task, context, config)),
                            reply_to=msg)
         from fedge.clients.torch_client import torch_scores  # noqa: PLC0415

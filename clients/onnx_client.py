@@ -122,12 +122,23 @@ def refresh_training_bundle(context: Context, path: Path, key: Path) -> bool:
 
 
 
+def expected_graph(msg: Message) -> str | None:
+    """The architecture of the run's training graph, as a train or evaluate instruction names it."""
+    record = msg.content.config_records.get(wire.CONFIG)
+    named = record.get(wire.TRAINING_GRAPH) if record is not None else None
+    return str(named) if named else None
+
+
+def current_trainer(msg: Message, context: Context, config: RunConfig) -> tuple[TrainingBundle, OnnxTrainer]:
+    """The trainer of the graph ``msg`` names, fetched first if this device holds another (before
+    its data is read: the new graph's inputs and preprocessing are what the data must meet)."""
+    return load_trainer(context, config, expected_graph(msg))
+
+
 def onnx_local_work(msg: Message, context: Context, config: RunConfig, order: TrainOrder,
                     data: DeviceArrays) -> tuple[ArrayRecord, dict[str, np.ndarray], LocalWork]:
     """Train the instruction's weights on ``data`` with the training graph; the trained arrays."""
-    instruction = msg.content[wire.CONFIG]
-    expected = instruction.get(wire.TRAINING_GRAPH)
-    _, trainer = load_trainer(context, config, str(expected) if expected else None)
+    _, trainer = current_trainer(msg, context, config)
     base = received_weights(msg.content.array_records[wire.ARRAYS])
     inputs, targets = data
     if len(targets) == 0:
@@ -149,7 +160,7 @@ def onnx_train_content(msg: Message, context: Context, config: RunConfig, order:
 
 def onnx_evaluate_content(msg: Message, context: Context, config: RunConfig, data: DeviceArrays) -> RecordDict:
     """The evaluate reply of an onnx device: the graph's metrics as unsummarised means."""
-    _, trainer = load_trainer(context, config, None)
+    _, trainer = current_trainer(msg, context, config)
     weights = received_weights(msg.content.array_records[wire.ARRAYS])
     inputs, targets = data
     scores = trainer.evaluate(weights, inputs, targets)

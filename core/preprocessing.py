@@ -126,13 +126,21 @@ class Preprocessing:
 def prepare_device_inputs(inputs: tuple[NDArray[Any], ...], spec: Mapping[str, Any] | None,
                           ) -> tuple[tuple[NDArray[Any], ...], str]:
     """A device's own inputs as the model takes them, and what they were (:data:`AS_GIVEN`,
-    :data:`RAW_SCALED` or :data:`OUTSIDE`); raw ones get the declared preprocessing, in
-    their declared dtype (float32 for affine)."""
+    :data:`RAW_SCALED` or :data:`OUTSIDE`: the worst of its inputs).
+
+    Each floating-point input (in its declared dtype, as the loaders cast it) is judged on its
+    own; raw ones get the declared preprocessing (float32 for affine). Integer inputs (token
+    ids, categories) are what the model takes and are left as they are, as ``fedge predict
+    --raw`` leaves them.
+    """
     preprocessing = Preprocessing.of(spec)
-    verdict = preprocessing.judge(inputs)
-    if verdict == RAW_SCALED:
-        return tuple(preprocessing.apply(array) for array in inputs), verdict
-    return inputs, verdict
+    prepared, verdicts = [], set()
+    for array in inputs:
+        verdict = preprocessing.judge((array,)) if np.asarray(array).dtype.kind == "f" else AS_GIVEN
+        verdicts.add(verdict)
+        prepared.append(preprocessing.apply(array) if verdict == RAW_SCALED else array)
+    worst = OUTSIDE if OUTSIDE in verdicts else RAW_SCALED if RAW_SCALED in verdicts else AS_GIVEN
+    return tuple(prepared), worst
 
 
 def _number(spec: Mapping[str, Any], key: str, default: float) -> float:

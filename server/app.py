@@ -308,11 +308,14 @@ def run_coordinator(
     train_config = ConfigRecord({**{key: config[key] for key in TRAIN_KEYS}, **codec_policy(config)})
     if strategy.privacy is not None and strategy.privacy.client_side:
         train_config[CLIENT_CLIPPING] = config.text("dp").removeprefix("client-")
-    if training is not None:
+    evaluate_config = ConfigRecord()
+    if training is not None:  # onnx devices train and evaluate with this graph (fetching it if they hold another)
         train_config[wire.TRAINING_GRAPH] = publish_training_graph(training, task, config, run_dir)
+        evaluate_config[wire.TRAINING_GRAPH] = train_config[wire.TRAINING_GRAPH]
     with recorder.progress:
         strategy.start(metered, model_arrays(model), config.integer("num-rounds"),
                        timeout=config.number("round-timeout"), train_config=train_config,
+                       evaluate_config=evaluate_config,
                        evaluate_fn=recorder.on_round_end,
                        start_round=int(history[-1]["round"]) + 1 if history else 1)
     recorder.finish()

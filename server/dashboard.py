@@ -136,7 +136,7 @@ class RunView:
             "dp_epsilon": last.get("dp_epsilon"), "dp_delta": last.get("dp_delta"),
             "strategy": config.get("strategy"), "task": (finished or {}).get("task") or named_task or None,
             "dataset": None if named_task else config.get("dataset"),
-            "model": None if named_task else config.get("model"),
+            "model": None if ":" in named_task else config.get("model"),  # a task of the user's own: its own model
             "secure_aggregation": config.get("secure-aggregation"), "dp": config.get("dp"),
             "summary": finished, "config": config,
         }

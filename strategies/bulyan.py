@@ -42,6 +42,12 @@ class Bulyan(FedAvg):
                               "by Multi-Krum (Flower's default): leave selection_rule out")
         if num_byzantine < 0:
             raise ConfigError(f"num-byzantine (Flower's num_malicious_nodes) = {num_byzantine}: give 0 or more")
+        per_round = kwargs.get("clients_per_round")
+        if per_round is not None and per_round < 4 * num_byzantine + 3:
+            needed = 4 * num_byzantine + 3
+            raise ConfigError(f"bulyan tolerating num-byzantine = {num_byzantine} needs 4f + 3 = {needed} updates a "
+                              f"round, but clients-per-round = {per_round}: every round would keep the model; raise "
+                              "clients-per-round or lower num-byzantine")
         super().__init__(**kwargs)
         self.num_byzantine = num_byzantine
 

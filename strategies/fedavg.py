@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -132,7 +133,9 @@ class FedAvg(FlowerFedAvg):
         self.clients_per_round = clients_per_round
         self.round_target = clients_per_round or self.min_train_nodes  # devices the current round wants
         self.validator = validator or ReplyValidator(require_round_tag=False)
-        self.validator.weight_key = self.weighted_by_key  # Flower's weighted_by_key: what a reply's weight is
+        if self.validator.weight_key != self.weighted_by_key:  # Flower's weighted_by_key: what a reply's weight is
+            self.validator = copy.copy(self.validator)  # a validator the caller shares stays as it was
+            self.validator.weight_key = self.weighted_by_key
         self.selector = selector or RandomSelector()
         self.policy: RoundPolicy = policy or SyncPolicy()
         self.min_train_replies = min_train_replies
@@ -194,7 +197,7 @@ class FedAvg(FlowerFedAvg):
             evaluate_messages = list(self.configure_evaluate(server_round, arrays, evaluate_config, grid))
             if evaluate_messages:
                 evaluate_replies = grid.send_and_receive(evaluate_messages, timeout=timeout)
-                if (metrics := self.aggregate_evaluate(server_round, evaluate_replies)) is not None:
+                if (metrics := self.evaluation_metrics(server_round, evaluate_replies)) is not None:
                     result.evaluate_metrics_clientapp[server_round] = self.evaluated[server_round] = metrics
             if evaluate_fn and (res := evaluate_fn(server_round, arrays)) is not None:
                 result.evaluate_metrics_serverapp[server_round] = res
@@ -439,17 +442,14 @@ class FedAvg(FlowerFedAvg):
 
     def _reference(self, replies: Iterable[Message]) -> tuple[Iterable[Message], ArrayRecord]:
         """What replies are checked against: the arrays :meth:`configure_train` sent, or (called
-        alone, as Flower's ``aggregate_train`` may be) the first reply's names, shapes and dtypes."""
+        alone, as Flower's ``aggregate_train`` may be) the names, shapes and dtypes most replies share."""
         if self.global_arrays is not None:
             return replies, self.global_arrays
         if self.needs_global_model:
             raise AggregationError(f"{type(self).__name__} steps from the global model configure_train sent: "
                                    "call configure_train before aggregate_train")
         replies = list(replies)
-        first = next((r for r in replies if not r.has_error() and len(r.content.array_records) == 1), None)
-        reference = next(iter(first.content.array_records.values())) if first is not None else ArrayRecord()
-        log.info("aggregate_train without configure_train: replies are checked against the first reply's arrays")
-        return replies, reference
+        return replies, _shared_arrays(replies)
 
     @staticmethod
     def _count_inputs(report: RoundReport, update: AcceptedUpdate) -> None:
@@ -457,6 +457,17 @@ class FedAvg(FlowerFedAvg):
         said = update.meta.inputs if update.meta is not None else None
         report.inputs_raw += said == RAW_SCALED
         report.inputs_outside += said == OUTSIDE
+
+    def evaluation_metrics(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Flower's ``aggregate_evaluate`` on the evaluate replies; what devices sent wrongly (metric
+        keys that differ between replies, a missing weight key: Flower's ``InconsistentMessageReplies``)
+        costs the round its evaluation, logged, not the run."""
+        try:
+            return self.aggregate_evaluate(server_round, replies)
+        except Exception as exc:  # the devices' evaluation metrics, not the model: the run goes on
+            log.error("round %d: evaluation not aggregated (%s: %s); the run goes on", server_round,
+                      type(exc).__name__, exc)
+            return None
 
     def _train_metrics(self, server_round: int, records: list[RecordDict]) -> MetricRecord | None:
         """``train_metrics_aggr_fn`` over the accepted replies' metrics (None without any).
@@ -518,3 +529,26 @@ class FedAvg(FlowerFedAvg):
             self.reports.append(RoundReport(server_round=server_round, selected=0))
         return self.reports[-1]
 
+
+def _shared_arrays(replies: list[Message]) -> ArrayRecord:
+    """The arrays of a reply whose names, shapes and dtypes more replies share than any other's.
+
+    Without the global model (``aggregate_train`` called alone) one reply must not set what the
+    others are checked against: the most common signature wins, and replies off it are rejected
+    by validation. A tie has no answer: an empty reference, so every reply is rejected and the
+    model is kept (Flower raises ``InconsistentMessageReplies`` on any disagreement).
+    """
+    counts: dict[tuple[tuple[str, tuple[int, ...], str], ...], list[ArrayRecord]] = {}
+    for reply in replies:
+        if reply.has_error() or len(reply.content.array_records) != 1:
+            continue
+        record = next(iter(reply.content.array_records.values()))
+        signature = tuple(sorted((name, tuple(array.shape), str(array.dtype)) for name, array in record.items()))
+        counts.setdefault(signature, []).append(record)
+    ranked = sorted(counts.values(), key=len, reverse=True)
+    if not ranked or (len(ranked) > 1 and len(ranked[0]) == len(ranked[1])):
+        log.warning("aggregate_train without configure_train: the replies disagree on the model's arrays with no "
+                    "majority; none is used (call configure_train first)")
+        return ArrayRecord()
+    log.info("aggregate_train without configure_train: replies are checked against the arrays most of them share")
+    return ranked[0][0]

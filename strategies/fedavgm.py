@@ -23,22 +23,24 @@ class FedAvgM(FedAvg):
     """FedAvg with server momentum (Hsu et al., "Measuring the Effects of Non-Identical
     Data Distribution for Federated Visual Classification", 2019).
 
-    The velocity is strategy state: it is checkpointed and restored on resume.
+    The velocity is strategy state: it is checkpointed and restored on resume. With Flower's
+    defaults (momentum 0, learning rate 1) it is FedAvg, and like Flower's it then aggregates
+    without ``configure_train``.
     """
-
-    needs_global_model = True  # steps from the global model configure_train sent
 
     def __init__(self, *, server_learning_rate: float = 1.0, server_momentum: float = 0.0,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.server_learning_rate, self.server_momentum = server_learning_rate, server_momentum
         self.velocity: State = {}
+        # steps from the global model configure_train sent, unless the step is FedAvg's mean
+        self.needs_global_model = not (server_momentum == 0 and server_learning_rate == 1)
 
     def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
         """FedAvg's mean, then one server momentum step."""
         average = super().aggregate_updates(updates)
-        if average is None:
-            return None
+        if average is None or self.global_arrays is None:  # None: called alone, with FedAvg's step (see above)
+            return average
         new, self.velocity = fedavgm_step(self.global_numpy(), average, self.velocity,
                                           server_lr=self.server_learning_rate, momentum=self.server_momentum)
         return with_statistics(new, average, self.statistics_of(average))

@@ -82,6 +82,7 @@ class FedBuff(FedAvg):
         start_round: int = 1,
     ) -> Result:
         """Run ``num_rounds`` buffer flushes (resuming after ``start_round - 1``)."""
+        self._log_start(num_rounds, initial_arrays, train_config, evaluate_config)
         clock = virtual(grid)
         arrivals: _Arrivals = _SimulatedArrivals(clock, timeout) if clock is not None else _LiveArrivals(grid, timeout)
         run = _AsyncRun(self, grid, arrivals, initial_arrays, train_config or ConfigRecord(), start_round - 1)
@@ -119,7 +120,7 @@ class FedBuff(FedAvg):
                              self.configrecord_key: ConfigRecord({**config, wire.SERVER_ROUND: version})})
         chosen = random.Random(self.selector.seed * 7_907 + version).sample(idle, size)
         messages = [Message(record, dst_node_id=node, message_type=MessageType.EVALUATE) for node in chosen]
-        return self.aggregate_evaluate(version, grid.send_and_receive(messages, timeout=timeout))
+        return self.evaluation_metrics(version, grid.send_and_receive(messages, timeout=timeout))
 
     def weight(self, staleness: int) -> float:
         """The weight of an update ``staleness`` versions old."""

@@ -12,7 +12,7 @@ from flwr.serverapp.strategy import QFedAvg as FlowerQFedAvg
 from numpy.typing import NDArray
 
 from fedge import wire
-from fedge.aggregate import QFedAvgAccumulator, WeightedMeanAccumulator, with_statistics
+from fedge.aggregate import QFedAvgAccumulator, WeightedMeanAccumulator
 from fedge.errors import ConfigError
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.flower_args import flower_constructor
@@ -60,8 +60,9 @@ class QFedAvg(FedAvg):
     def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
         """The q-FedAvg step over the accepted updates that report their loss."""
         global_arrays = self.global_numpy()
-        step = QFedAvgAccumulator(global_arrays, q=self.q, client_lr=self.client_learning_rate)
-        statistics = self.statistics_of(global_arrays)
+        statistics = self.statistics_of(global_arrays)  # averaged, and kept out of the step and its ||Delta||^2
+        weights = {name: value for name, value in global_arrays.items() if name not in statistics}
+        step = QFedAvgAccumulator(weights, q=self.q, client_lr=self.client_learning_rate)
         means = WeightedMeanAccumulator()
         for update in updates:
             loss = next(iter(update.content.metric_records.values())).get(self.train_loss_key)
@@ -69,11 +70,10 @@ class QFedAvg(FedAvg):
                 log.warning("qfedavg: node %d reported no usable '%s' (%r); its update is left out of the step",
                             update.node_id, self.train_loss_key, loss)
                 continue
-            step.add(update.arrays, float(loss))
+            step.add({name: update.arrays[name] for name in weights}, float(loss))
             if statistics:
                 means.add({name: update.arrays[name] for name in statistics}, update.weight)
             update.arrays.clear()
         if not step.count:
             return None
-        new = step.result()
-        return with_statistics(new, means.result(), statistics) if statistics else new
+        return {**step.result(), **means.result()} if statistics else step.result()

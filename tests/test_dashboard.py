@@ -100,6 +100,8 @@ def test_an_empty_run_directory_is_starting(tmp_path: Path) -> None:
      {"task": "houses.task:Houses", "dataset": None, "model": None}),       # the defaults are not its data
     ({"task": "", "dataset": "synthetic", "model": "logreg"},
      {"task": None, "dataset": "synthetic", "model": "logreg"}),
+    ({"task": "digits", "dataset": "synthetic", "model": "mlp"},
+     {"task": "digits", "dataset": None, "model": "mlp"}),                  # a registered task takes the model
 ])
 def test_the_summary_names_the_task_that_ran(tmp_path: Path, config: dict[str, Any],
                                              expected: dict[str, Any]) -> None:

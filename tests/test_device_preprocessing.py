@@ -37,7 +37,7 @@ DIGITS = {"kind": "affine", "scale": 1 / 16, "offset": 0.0, "raw-range": [0, 16]
 
 @pytest.mark.parametrize(("inputs", "verdict", "first"), [
     (np.array([[0.0, 0.5, 1.0]], np.float32), AS_GIVEN, 0.5),        # scaled already: used as it is
-    (np.array([[0, 8, 16]], np.int64), RAW_SCALED, 0.5),              # grey levels: 8 / 16
+    (np.array([[0, 8, 16]], np.float32), RAW_SCALED, 0.5),            # grey levels (loaders cast to float32): 8 / 16
     (np.array([[0.0, 8.0, 16.5]], np.float32), RAW_SCALED, 0.5),      # a small overshoot is inside
     (np.array([[0.0, 300.0, 16.0]], np.float32), OUTSIDE, 300.0),     # neither: used as it is, reported
     (np.array([[-3.0, 0.5, 1.0]], np.float32), OUTSIDE, 0.5),
@@ -186,3 +186,17 @@ def test_a_reply_naming_an_unknown_input_verdict_is_rejected() -> None:
     (rejection,) = strategy.reports[-1].rejected
     assert rejection.reason.startswith("reply meta 'inputs' must be one of raw, outside")
     assert len(rejection.reason) < 120
+
+
+def test_each_input_is_judged_on_its_own_and_integer_inputs_are_left_alone() -> None:
+    # Prepare: images already scaled (0..0.95) beside token ids 0..700 (a two-input task), then raw images
+    scaled = np.linspace(0, 0.95, 8, dtype=np.float32).reshape(2, 4)
+    raw = np.array([[0, 4, 8, 16], [2, 2, 2, 2]], np.float32)
+    ids = np.array([[0, 9], [700, 3]], np.int64)
+    # Execute
+    (same_images, same_ids), first = prepare_device_inputs((scaled, ids), DIGITS)
+    (scaled_images, kept_ids), second = prepare_device_inputs((raw, ids), DIGITS)
+    # Assert: scaled images untouched (ids neither judged nor scaled); raw images scaled by 1/16, ids kept
+    assert first == AS_GIVEN and same_images is scaled and same_ids is ids
+    assert second == RAW_SCALED and kept_ids is ids
+    np.testing.assert_array_equal(scaled_images, raw / np.float32(16))

@@ -473,3 +473,70 @@ def test_a_batchnorm_model_in_a_plain_flower_app_reaches_flowers_accuracy(name: 
     flower_accuracy, fedge_accuracy = accuracy
     assert fedge_accuracy >= flower_accuracy - 0.02, accuracy
     assert fedge_accuracy > 0.8
+
+
+def test_aggregate_train_alone_checks_replies_against_what_most_of_them_share() -> None:
+    # Prepare: the first reply has another shape than the two after it
+    odd = _reply(1, 9.0, {"num-examples": 5})
+    odd.content["arrays"] = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
+    replies = [odd, _reply(2, 1.0, {"num-examples": 5}), _reply(3, 3.0, {"num-examples": 5})]
+    strategy = FedAvg()
+    # Execute
+    arrays, _ = strategy.aggregate_train(1, replies)
+    # Assert: the two that agree make the model, the odd one is rejected (it set the reference before)
+    assert arrays is not None and np.allclose(arrays["w"].numpy(), 2.0)
+    assert [r.node_id for r in strategy.reports[-1].rejected] == [1]
+
+
+def test_aggregate_train_alone_with_no_majority_keeps_the_model() -> None:
+    # Prepare: two replies, two shapes
+    odd = _reply(1, 9.0, {"num-examples": 5})
+    odd.content["arrays"] = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
+    strategy = FedAvg()
+    # Execute
+    arrays, _ = strategy.aggregate_train(1, [odd, _reply(2, 1.0, {"num-examples": 5})])
+    # Assert
+    assert arrays is None and len(strategy.reports[-1].rejected) == 2
+
+
+def test_evaluation_replies_that_disagree_cost_the_round_its_evaluation_not_the_run() -> None:
+    # Prepare: one device names its evaluation metric differently (Flower raises InconsistentMessageReplies)
+    app = plain_client_app()
+    odd = ClientApp()
+
+    @odd.train()
+    def train(msg: Message, context: Context) -> Message:
+        return app(msg, context)
+
+    @odd.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        reply = app(msg, context)
+        if int(context.node_config["partition-id"]) == 0:
+            reply.content["metrics"] = MetricRecord({"num-examples": 5, "loss": 1.0})
+        return reply
+
+    strategy = FedAvg(fraction_evaluate=1.0, min_available_nodes=3)
+    grid = InlineGrid(odd, [{"partition-id": i, "num-partitions": 3} for i in range(3)], {})
+    # Execute: two rounds
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord({"w": Array(np.zeros(3, np.float32))}),
+                            num_rounds=2, timeout=10.0)
+    # Assert: both rounds trained, no evaluation recorded
+    assert [report.aggregated for report in strategy.reports] == [True, True]
+    assert not result.evaluate_metrics_clientapp
+
+
+@pytest.mark.parametrize(("call", "works"), [({}, True), ({"server_momentum": 0.9}, False),
+                                             ({"server_learning_rate": 0.5}, False)])
+def test_fedavgm_alone_works_where_flowers_does(call: dict[str, float], works: bool) -> None:
+    # Prepare: Flower's FedAvgM aggregates alone with its defaults (the plain mean) and not otherwise
+    from flwr.serverapp.exception import AggregationError
+
+    from fedge.strategies import FedAvgM
+    replies = [_reply(1, 1.0, {"num-examples": 5}), _reply(2, 3.0, {"num-examples": 5})]
+    # Execute / Assert
+    if works:
+        arrays, _ = FedAvgM(**call).aggregate_train(1, replies)
+        assert arrays is not None and np.allclose(arrays["w"].numpy(), 2.0)
+    else:
+        with pytest.raises(AggregationError, match="call configure_train before aggregate_train"):
+            FedAvgM(**call).aggregate_train(1, replies)

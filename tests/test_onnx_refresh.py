@@ -138,3 +138,21 @@ def test_fedge_device_gives_its_app_what_the_pull_at_start_used(tmp_path: Path, 
     got = {key: Path(str(node[key])).name if key in ("device-key", "ca") else node[key] for key in expected}
     assert got == expected and not {"device-key", "ca"} & set(node) - set(expected)
     assert node["freshness-dir"] == str((tmp_path / "state" / "freshness").resolve())
+
+
+def test_a_device_asked_only_to_evaluate_fetches_the_graph_too(
+        runs: dict[str, Any], service: tuple[BundleService, CoordinatorKeys], tmp_path: Path) -> None:
+    # Prepare: the new run's evaluate instruction (the coordinator names its graph there too)
+    new_config, new_architecture = runs["new"]
+    publish_bundle("training", Path(new_config["run-dir"]) / TRAINING_BUNDLE, service[0].published)
+    context = _device(tmp_path, runs, service, can_refresh=True)
+    task = load_task(resolve_run_config(new_config))
+    instruction = Message(RecordDict({wire.ARRAYS: model_arrays(seeded_model(task, int(new_config["seed"]))),
+                                      wire.CONFIG: ConfigRecord({wire.TRAINING_GRAPH: new_architecture})}),
+                          dst_node_id=5, message_type="evaluate")
+    # Execute
+    reply = make_default_client_app()(instruction, context)
+    # Assert: evaluated with the new graph
+    assert not reply.has_error() and reply.content[wire.METRICS][wire.NUM_EXAMPLES] > 0
+    assert (tmp_path / "state" / "bundles" / "training.zip").read_bytes() == \
+        (Path(new_config["run-dir"]) / TRAINING_BUNDLE).read_bytes()

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ("krum", "num_byzantine", "num-byzantine", 3),
     ("fedbuff", "buffer_size", "buffer-size", 7),
     ("fedadagrad", "server_learning_rate", "adaptive-learning-rate", 0.2),
-    ("bulyan", "num_byzantine", "num-byzantine", 1),
+    ("bulyan", "num_byzantine", "num-byzantine", 0),  # 5 a round: 4f + 3 <= 5 needs f = 0
     ("qfedavg", "q", "qfedavg-q", 0.5),
 ])
 def test_each_strategy_reads_its_own_options_from_the_run_config(name: str, attribute: str, key: str,

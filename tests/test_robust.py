@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from flwr.app import Array, ArrayRecord
 
 from fedge.aggregate import coordinate_median, krum_scores, multi_krum, trimmed_mean
 from fedge.simulation.byzantine import byzantine_partitions
@@ -173,3 +174,32 @@ def test_qfedavg_leaves_out_a_reply_without_its_loss(caplog: pytest.LogCaptureFi
     assert arrays is not None
     np.testing.assert_allclose(arrays["w"].numpy(), np.full((2, 3), 2.0))
     assert "node 13 reported no usable 'train-loss'" in caplog.text
+
+
+def test_qfedavg_keeps_batchnorm_statistics_out_of_its_step() -> None:
+    # Prepare: a weight and a BatchNorm counter that moves by 100s; q = 1, lr 0.5 (L = 2), both losses 1
+    from fedge.strategies import QFedAvg
+    strategy = QFedAvg(client_learning_rate=0.5, q=1.0, train_loss_key="train-loss", validator=ReplyValidator())
+    strategy.global_arrays = ArrayRecord({"w": Array(np.zeros(2, np.float32)),
+                                          "bn.num_batches_tracked": Array(np.asarray(0, np.int64))})
+    replies = [train_reply(11, {"w": np.full(2, 1.0, np.float32), "bn.num_batches_tracked": np.asarray(100)}),
+               train_reply(12, {"w": np.full(2, 3.0, np.float32), "bn.num_batches_tracked": np.asarray(300)})]
+    for reply in replies:
+        reply.content["metrics"]["train-loss"] = 1.0
+    # Execute
+    arrays, _ = strategy.aggregate_train(1, replies)
+    # Assert: Delta = 2 (0 - x_k): -2 and -6 a coordinate; h = ||Delta||^2 + L = 10 and 74; the weight moves
+    # 8 / 84 = 2/21 (with the counter's Delta of -200 in ||Delta||^2 it moved about 2e-4); the counter is the mean
+    assert arrays is not None
+    np.testing.assert_allclose(arrays["w"].numpy(), [2 / 21, 2 / 21], rtol=1e-5)
+    assert int(arrays["bn.num_batches_tracked"].numpy()) == 200
+
+
+def test_bulyan_refuses_at_start_a_round_size_it_cannot_aggregate() -> None:
+    # Prepare: fedge's defaults, num-byzantine 2 and clients-per-round 10 (4f + 3 = 11)
+    from fedge.config import resolve_run_config
+    from fedge.errors import ConfigError
+    from fedge.server.app import build_strategy
+    # Execute / Assert: refused before any round, naming both settings
+    with pytest.raises(ConfigError, match="needs 4f \\+ 3 = 11 updates a round, but clients-per-round = 10"):
+        build_strategy(resolve_run_config({"strategy": "bulyan"}), 20)
