@@ -93,6 +93,7 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None) -> FedAvg:
         min_train_replies=min(config.integer("min-train-replies"), per_round),
         wait_for_nodes_s=config.number("round-timeout"),
         straggler_fraction=config.number("straggler-fraction"),
+        flower_lines=False,  # fedge's console has its own round lines
         fraction_evaluate=config.number("fraction-evaluate"),
         min_evaluate_nodes=0 if not config["fraction-evaluate"] else 1,
         **extra,

@@ -115,9 +115,9 @@ class LoopbackFederation:
         raise AssertionError(f"timed out waiting for {what}\n{self.log('coordinator')}")
 
     def log(self, name: str) -> str:
-        """The tail of a process's log (``coordinator``, ``device0``, ...)."""
+        """A process's log (``coordinator``, ``device0``, ...), whole: a line looked for may be early."""
         path = self.root / f"{name}.log"
-        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def kill_coordinator_hard(self) -> None:
         """SIGKILL the coordinator and every Flower process it started, as a host crash would."""

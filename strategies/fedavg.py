@@ -104,6 +104,9 @@ class FedAvg(FlowerFedAvg):
         Defaults to ``ReplyValidator(require_round_tag=False)`` (standard Flower replies pass).
     min_train_replies : int
         Accepted updates needed to change the global model.
+    flower_lines : bool
+        Log Flower's start, round and final lines through Flower's logger (fedge's own runs
+        turn them off: their console has fedge's round lines).
     wait_for_nodes_s : float, optional
         How long a round waits for enough devices to connect (logging every 10 s); None
         (the default, as Flower) waits until they do. fedge's runs set ``round-timeout``.
@@ -125,6 +128,7 @@ class FedAvg(FlowerFedAvg):
         min_train_replies: int = 1,
         wait_for_nodes_s: float | None = None,
         straggler_fraction: float = 0.0,
+        flower_lines: bool = True,
         **kwargs: Any,
     ) -> None:
         if clients_per_round is not None and clients_per_round < 1:
@@ -142,6 +146,7 @@ class FedAvg(FlowerFedAvg):
         self.buffer_names: frozenset[str] | None = None  # the model's buffers (statistics), set by the coordinator
         self.wait_for_nodes_s = wait_for_nodes_s
         self.straggler_fraction = straggler_fraction
+        self.flower_lines = flower_lines
         self.stragglers: set[int] = set()
         self.global_arrays: ArrayRecord | None = None
         self.reports: list[RoundReport] = []
@@ -184,7 +189,7 @@ class FedAvg(FlowerFedAvg):
         if evaluate_fn and start_round == 1 and (res := evaluate_fn(0, arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
         for server_round in range(start_round, num_rounds + 1):
-            flower_log(logging.INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            self._say("[ROUND %s/%s]", server_round, num_rounds)
             new_arrays, train_metrics = self.train_round(grid, server_round, arrays, train_config, timeout)
             if self.reports and self.reports[-1].server_round == server_round:
                 self._log_round(self.reports[-1], train_metrics)
@@ -201,25 +206,34 @@ class FedAvg(FlowerFedAvg):
                     result.evaluate_metrics_clientapp[server_round] = self.evaluated[server_round] = metrics
             if evaluate_fn and (res := evaluate_fn(server_round, arrays)) is not None:
                 result.evaluate_metrics_serverapp[server_round] = res
-        flower_log(logging.INFO, "Strategy execution finished in %.2fs", time.time() - started)
-        flower_log(logging.INFO, "Final results:\n%s", result)
+        self._say("Strategy execution finished in %.2fs", time.time() - started)
+        self._say("Final results:\n%s", result)
         return result
 
     def _log_start(self, num_rounds: int, arrays: ArrayRecord, train_config: ConfigRecord | None,
                    evaluate_config: ConfigRecord | None) -> None:
         """Flower's start lines (strategy, rounds, arrays, configs, sampling), through Flower's logger."""
-        flower_log(logging.INFO, "Starting %s strategy:", type(self).__name__)
+        if not self.flower_lines:
+            return
+        self._say("Starting %s strategy:", type(self).__name__)
         log_strategy_start_info(num_rounds, arrays, train_config, evaluate_config)
         self.summary()
 
-    @staticmethod
-    def _log_round(report: RoundReport, train_metrics: MetricRecord | None) -> None:
+    def _say(self, message: str, *args: Any) -> None:
+        """One of Flower's round lines: through Flower's logger in a Flower app, at debug level in
+        fedge's own runs (their console has fedge's round lines; Flower's crowded them out)."""
+        if self.flower_lines:
+            flower_log(logging.INFO, message, *args)
+        else:
+            log.debug(message, *args)
+
+    def _log_round(self, report: RoundReport, train_metrics: MetricRecord | None) -> None:
         """One line per training round as Flower's, with what validation left out."""
-        flower_log(logging.INFO, "aggregate_train: %d of %d updates accepted (%d rejected, %d failed, %d late)%s",
+        self._say("aggregate_train: %d of %d updates accepted (%d rejected, %d failed, %d late)%s",
                    report.accepted, report.selected, len(report.rejected), len(report.failed), report.late,
                    "" if report.aggregated else "; the global model is kept")
         if train_metrics is not None:
-            flower_log(logging.INFO, "\t└──> Aggregated MetricRecord: %s", train_metrics)
+            self._say("\t└──> Aggregated MetricRecord: %s", train_metrics)
 
     def train_round(
         self, grid: Grid, server_round: int, arrays: ArrayRecord, config: ConfigRecord, timeout: float
