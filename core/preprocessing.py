@@ -17,7 +17,7 @@ range nothing is guessed: the inputs are used as they are.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,13 +101,12 @@ class Preprocessing:
         ends = [value * self.scale + self.offset if self.kind == AFFINE else value for value in self.raw_range]
         return min(ends), max(ends)
 
-    def judge(self, inputs: Sequence[NDArray[Any]]) -> str:
-        """Whether inputs are preprocessed already, raw, or outside both declared ranges."""
+    def judge(self, values: NDArray[Any]) -> str:
+        """Whether one input's values are preprocessed already, raw, or outside both declared ranges."""
         model = self.model_range()
-        if model is None or not any(np.asarray(a).size for a in inputs):
+        if model is None or not np.asarray(values).size:
             return AS_GIVEN
-        low = min(float(np.min(a)) for a in inputs if np.asarray(a).size)
-        high = max(float(np.max(a)) for a in inputs if np.asarray(a).size)
+        low, high = float(np.min(values)), float(np.max(values))
         if _within(low, high, model):
             return AS_GIVEN
         if self.kind == AFFINE and self.raw_range is not None and _within(low, high, self.raw_range):
@@ -136,7 +135,7 @@ def prepare_device_inputs(inputs: tuple[NDArray[Any], ...], spec: Mapping[str, A
     preprocessing = Preprocessing.of(spec)
     prepared, verdicts = [], set()
     for array in inputs:
-        verdict = preprocessing.judge((array,)) if np.asarray(array).dtype.kind == "f" else AS_GIVEN
+        verdict = preprocessing.judge(array) if np.asarray(array).dtype.kind == "f" else AS_GIVEN
         verdicts.add(verdict)
         prepared.append(preprocessing.apply(array) if verdict == RAW_SCALED else array)
     worst = OUTSIDE if OUTSIDE in verdicts else RAW_SCALED if RAW_SCALED in verdicts else AS_GIVEN

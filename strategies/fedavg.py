@@ -405,7 +405,7 @@ class FedAvg(FlowerFedAvg):
         ``weighted_by_key`` unless given) over the accepted replies' metrics; what was
         accepted, rejected and failed is in :attr:`reports`, not mixed into the metrics.
         Called without :meth:`configure_train` (Flower's tests, custom loops), replies are
-        checked against the first reply's array names, shapes and dtypes.
+        checked against the array names, shapes and dtypes most of them share.
         """
         replies, reference = self._reference(replies)
         report = self._report_for(server_round)

@@ -9,6 +9,7 @@ the global weights, so every strategy must drive the model to ``target`` (hand-p
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,23 @@ def plain_client_app() -> ClientApp:
         return Message(RecordDict({"metrics": MetricRecord({"num-examples": 5, "eval-loss": loss})}), reply_to=msg)
 
     return app
+
+
+def evaluating_with(change: Callable[[Message, Context], None]) -> ClientApp:
+    """:func:`plain_client_app`, with ``change`` run on each evaluate reply (given its device's context)."""
+    app, wrapped = plain_client_app(), ClientApp()
+
+    @wrapped.train()
+    def train(msg: Message, context: Context) -> Message:
+        return app(msg, context)
+
+    @wrapped.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        reply = app(msg, context)
+        change(reply, context)
+        return reply
+
+    return wrapped
 
 
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -380,18 +398,8 @@ def test_an_app_that_swaps_the_import_gets_as_far_as_flowers_own_strategy(name: 
 
 def test_fedbuff_asks_idle_devices_to_evaluate_each_new_version() -> None:
     # Prepare: a plain ClientApp that counts its evaluate calls
-    app, calls = plain_client_app(), []
-    counting = ClientApp()
-
-    @counting.train()
-    def train(msg: Message, context: Context) -> Message:
-        return app(msg, context)
-
-    @counting.evaluate()
-    def evaluate(msg: Message, context: Context) -> Message:
-        calls.append(int(context.node_config["partition-id"]))
-        return app(msg, context)
-
+    calls: list[int] = []
+    counting = evaluating_with(lambda reply, context: calls.append(int(context.node_config["partition-id"])))
     from fedge.strategies import FedBuff
     strategy = FedBuff(concurrency=3, buffer_size=2, fraction_evaluate=0.4, min_evaluate_nodes=1,
                        min_available_nodes=5)
@@ -504,19 +512,11 @@ def test_aggregate_train_alone_with_no_majority_keeps_the_model() -> None:
 
 def test_evaluation_replies_that_disagree_cost_the_round_its_evaluation_not_the_run() -> None:
     # Prepare: one device names its evaluation metric differently (Flower raises InconsistentMessageReplies)
-    app = plain_client_app()
-    odd = ClientApp()
-
-    @odd.train()
-    def train(msg: Message, context: Context) -> Message:
-        return app(msg, context)
-
-    @odd.evaluate()
-    def evaluate(msg: Message, context: Context) -> Message:
-        reply = app(msg, context)
+    def rename(reply: Message, context: Context) -> None:
         if int(context.node_config["partition-id"]) == 0:
             reply.content["metrics"] = MetricRecord({"num-examples": 5, "loss": 1.0})
-        return reply
+
+    odd = evaluating_with(rename)
 
     strategy = FedAvg(fraction_evaluate=1.0, min_available_nodes=3)
     grid = InlineGrid(odd, [{"partition-id": i, "num-partitions": 3} for i in range(3)], {})
