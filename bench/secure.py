@@ -60,7 +60,7 @@ from fedge.config import RunConfig, resolve_run_config
 from fedge.server.app import TRAIN_KEYS
 from fedge.simulation.grid import InlineGrid
 from fedge.strategies import FedAvg
-from fedge.strategies.secure import SecureAggregation
+from fedge.strategies.drivers.secure import SecureAggregation
 from fedge.task.api import TaskData
 from fedge.task.models import model_arrays
 from fedge.task.training import train_local
@@ -169,7 +169,7 @@ def run_fedge(n: int, dropout: float, secure: bool) -> dict[str, Any]:
     metered = Metered(fedge_client(config, n), dropped, lambda m: m.metadata.message_type == step)
     grid = FleetGrid(metered, n, config)
     kwargs: dict[str, Any] = {"clients_per_round": n, "min_train_replies": 1}
-    strategy = (SecureAggregation(threshold=0.5, neighbours=neighbours_for(n), **kwargs) if secure
+    strategy = (FedAvg(driver=SecureAggregation(threshold=0.5, neighbours=neighbours_for(n)), **kwargs) if secure
                 else FedAvg(**kwargs))
     arrays = model_arrays(wide_mlp())
     started = time.perf_counter()

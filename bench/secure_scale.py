@@ -73,7 +73,7 @@ from fedge.profiles import BUILTIN_PROFILES, parse_fleet
 from fedge.server.app import TRAIN_KEYS
 from fedge.simulation.grid import FIRST_NODE_ID, InlineGrid
 from fedge.strategies import FedAvg
-from fedge.strategies.secure import SecureAggregation
+from fedge.strategies.drivers.secure import SecureAggregation
 from fedge.task.api import TaskData
 from fedge.task.models import model_arrays
 from fedge.task.training import train_local
@@ -219,8 +219,8 @@ def run_fedge(n: int, dropout: float, secure: bool) -> dict[str, Any]:
     torch_client.train_local = metered.timed_training  # type: ignore[assignment]  # the device runtime's trainer
     grid = FleetGrid(metered, n, config)
     kwargs: dict[str, Any] = {"clients_per_round": n, "min_train_replies": 1}
-    strategy = (SecureAggregation(threshold=0.5, neighbours=neighbours_for(n), **SECAGG, **kwargs) if secure
-                else FedAvg(**kwargs))
+    strategy = (FedAvg(driver=SecureAggregation(threshold=0.5, neighbours=neighbours_for(n), **SECAGG), **kwargs)
+                if secure else FedAvg(**kwargs))
     arrays = model_arrays(wide_mlp())
     started, cpu = time.perf_counter(), time.process_time()
     new, _ = strategy.train_round(grid, 1, arrays, ConfigRecord({k: config[k] for k in TRAIN_KEYS}), 3600.0)

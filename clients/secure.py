@@ -1,5 +1,5 @@
 """Device side of fedge's secure aggregation (see :mod:`fedge.secagg` and
-:mod:`fedge.strategies.secure`): five train actions of the ClientApp, after SecAgg
+:mod:`fedge.strategies.drivers.secure`): five train actions of the ClientApp, after SecAgg
 (Bonawitz et al., CCS 2017, §4) and SecAgg+ (Bell et al., CCS 2020).
 
 ``secagg_setup``: make two X25519 key pairs (share encryption, pairwise masks) and an

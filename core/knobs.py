@@ -125,9 +125,12 @@ KNOBS: dict[str, Knob] = {
     "server-momentum": Knob(0.9, "fedavgm: server momentum", "strategies", check=within(0, 1, closed="[)")),
     "adaptive-learning-rate": Knob(0.01, "fedadagrad, fedadam, fedyogi: server learning rate", "strategies",
                                    check=above(0)),
-    "concurrency": Knob(20, "fedbuff: devices training at once", "strategies", check=at_least(1)),
-    "buffer-size": Knob(10, "fedbuff: updates per server step", "strategies", check=at_least(1)),
-    "staleness-exponent": Knob(0.5, "fedbuff: weight 1 / (1 + staleness)^a", "strategies", check=at_least(0)),
+    "asynchronous": Knob(False, "run the strategy's rule in FedBuff's asynchronous rounds (a server round is one "
+                         "buffer; fedbuff always is)", "strategies"),
+    "concurrency": Knob(20, "fedbuff, asynchronous: devices training at once", "strategies", check=at_least(1)),
+    "buffer-size": Knob(10, "fedbuff, asynchronous: updates per server step", "strategies", check=at_least(1)),
+    "staleness-exponent": Knob(0.5, "fedbuff, asynchronous: weight 1 / (1 + staleness)^a", "strategies",
+                               check=at_least(0)),
     # ---- simulated attacks
     "byzantine-fraction": Knob(0.0, "share of simulated devices that attack", "simulation",
                                check=within(0, 1, closed="[)")),

@@ -32,8 +32,10 @@ from fedge.server.privacy import CLIENT_CLIPPING, build_privacy
 from fedge.server.recorder import RoundRecorder
 from fedge.server.report import config_summary, run_dir_for, write_json_atomic
 from fedge.strategies import FedAvg, strategy_spec
+from fedge.strategies.drivers.asynchronous import AsynchronousDriver
+from fedge.strategies.drivers.secure import MIN_DEVICES, SecureAggregation
+from fedge.strategies.fedavg import DownlinkLayer, PrivacyLayer
 from fedge.strategies.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
-from fedge.strategies.secure import MIN_DEVICES, secure_variant
 from fedge.strategies.selection import OortSelector, RandomSelector
 from fedge.strategies.validation import ReplyValidator
 from fedge.task.api import Task, seeded_model
@@ -69,9 +71,13 @@ def make_server_app(
 app = make_server_app()
 
 
-def build_strategy(config: RunConfig, num_nodes: int | None = None) -> FedAvg:
+def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_names: frozenset[str] | None = None,
+                   privacy: PrivacyLayer | None = None, downlink: DownlinkLayer | None = None) -> FedAvg:
     """The strategy named by ``strategy``, sampling ``clients-per-round`` devices a round.
 
+    Its rule comes from the strategy's class, its driver from the run config (secure
+    aggregation, or the strategy's own: synchronous, FedBuff's asynchronous); ``buffer_names``
+    (the model's statistics), ``privacy`` and ``downlink`` are its collaborators.
     ``num_nodes`` (the simulated fleet's size) is checked against ``clients-per-round``;
     in deployment it is unknown and the strategy waits for devices to connect.
     """
@@ -80,11 +86,15 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None) -> FedAvg:
         raise ConfigError(f"clients-per-round = {per_round} exceeds the fleet's {num_nodes} "
                           "devices; lower clients-per-round or enlarge the fleet")
     spec = strategy_spec(config.text("strategy"))
-    extra, strategy_class = spec.options(config, num_nodes), spec.cls
+    extra = spec.options(config, num_nodes)
+    if config["secure-aggregation"] and config["asynchronous"]:
+        raise ConfigError("secure-aggregation runs synchronous rounds (it sums one round's masked updates); turn "
+                          "asynchronous off or drop secure-aggregation")
     if config["secure-aggregation"]:
-        strategy_class = secure_variant(strategy_class)
-        extra = {**extra, **secure_options(config, build_policy(config).selection_size(per_round))}
-    return strategy_class(
+        extra["driver"] = SecureAggregation(**secure_options(config, build_policy(config).selection_size(per_round)))
+    if config["asynchronous"]:
+        extra["driver"] = AsynchronousDriver.from_config(config, num_nodes)
+    return spec.cls(  # type: ignore[no-any-return]
         clients_per_round=per_round,
         policy=build_policy(config),
         validator=ReplyValidator(max_num_examples=config.integer("max-num-examples"),
@@ -96,6 +106,9 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None) -> FedAvg:
         flower_lines=False,  # fedge's console has its own round lines
         fraction_evaluate=config.number("fraction-evaluate"),
         min_evaluate_nodes=0 if not config["fraction-evaluate"] else 1,
+        buffer_names=buffer_names,
+        privacy=privacy,
+        downlink=downlink,
         **extra,
     )
 
@@ -215,8 +228,7 @@ def check_deployment(config: RunConfig, *, registered: int | None) -> None:
     fleet = fleet_of(config)
     task = load_task(config)
     check_task(task, config)
-    strategy = build_strategy(config, None)
-    build_privacy(strategy, config, registered or per_round)
+    build_strategy(config, None, privacy=build_privacy(config, registered or per_round))
     check_codecs(config, fleet)
     model = seeded_model(task, config.integer("seed"))
     check_deadline(config, fleet, sum(len(array.data) for array in model_arrays(model).values()))
@@ -281,12 +293,11 @@ def run_coordinator(
         saved = load_checkpoint(config.text("init-checkpoint")).arrays
         load_arrays(model, ArrayRecord({name: Array(value) for name, value in saved.items()}),
                     source=f"checkpoint '{config['init-checkpoint']}'")
-    strategy = build_strategy(config, fleet.size if simulated else None)
-    strategy.buffer_names = frozenset(name for name, _ in model.named_buffers())  # statistics: averaged, not stepped
-    strategy.privacy = build_privacy(strategy, config, fleet.size)
     check_codecs(config, fleet)
     downlink = DownlinkEncoder(config, seed=config.integer("seed"))
-    strategy.downlink = downlink if downlink.active else None
+    strategy = build_strategy(config, fleet.size if simulated else None,
+                              buffer_names=frozenset(name for name, _ in model.named_buffers()),  # never stepped
+                              privacy=build_privacy(config, fleet.size), downlink=downlink if downlink.active else None)
     check_deadline(config, fleet, sum(len(array.data) for array in model_arrays(model).values()))
     training = training_graph_for(task, model, config, fleet, simulated=simulated)
     run_dir = run_dir_for(config, task.name)

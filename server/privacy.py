@@ -61,10 +61,11 @@ CLIENT_CLIPPING = wire.DP_CLIENT_CLIPPING
 class DifferentialPrivacy:
     """One run's DP: the Flower wrapper around the strategy, and the privacy spent so far.
 
+    Given to a strategy's constructor (``FedAvg(privacy=...)``), which attaches it: the Flower
+    wrapper goes around that strategy, whose aggregate gets noise.
+
     Parameters
     ----------
-    strategy : Strategy
-        fedge's strategy (FedAvg or FedProx) whose aggregate gets noise.
     mode : str
         One of :data:`DP_MODES` except ``off``.
     noise_multiplier : float
@@ -79,17 +80,29 @@ class DifferentialPrivacy:
         ε is reported at this δ.
     """
 
-    def __init__(self, *, strategy: Strategy, mode: str, noise_multiplier: float, clipping_norm: float,
+    def __init__(self, *, mode: str, noise_multiplier: float, clipping_norm: float,
                  num_sampled: int, population: int, delta: float, target_quantile: float = 0.5,
                  clip_norm_lr: float = 0.2, clipped_count_stddev: float | None = None) -> None:
         self.mode, self.noise_multiplier, self.num_sampled = mode, noise_multiplier, num_sampled
         self.population = max(population, num_sampled)
-        self.wrapper = _wrapper(strategy, mode, noise_multiplier, clipping_norm, num_sampled,
-                                target_quantile, clip_norm_lr, clipped_count_stddev)
+        self._wrapping = (mode, noise_multiplier, clipping_norm, num_sampled, target_quantile, clip_norm_lr,
+                          clipped_count_stddev)
+        self._wrapper: Strategy | None = None
         self.accountant = RdpAccountant(PrivacyConfig(
             target_delta=delta, population_size=self.population,
             neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
             sampling_method=SamplingMethod.NO_AMPLIFICATION))
+
+    def attach(self, strategy: Strategy) -> None:
+        """Wrap ``strategy`` in Flower's DP wrapper for this mode (the strategy's constructor calls this)."""
+        self._wrapper = _wrapper(strategy, *self._wrapping)
+
+    @property
+    def wrapper(self) -> Strategy:
+        """Flower's DP wrapper around the strategy this privacy was given to."""
+        if self._wrapper is None:
+            raise RuntimeError("DifferentialPrivacy is not attached to a strategy: give it as FedAvg(privacy=...)")
+        return self._wrapper
 
     @property
     def client_side(self) -> bool:
@@ -152,7 +165,7 @@ def _wrapper(strategy: Strategy, mode: str, z: float, clip: float, k: int, quant
                     clip_norm_lr=lr, clipped_count_stddev=stddev)
 
 
-def build_privacy(strategy: Strategy, config: RunConfig, population: int) -> DifferentialPrivacy | None:
+def build_privacy(config: RunConfig, population: int) -> DifferentialPrivacy | None:
     """The run's DP from run config (``dp`` and ``dp-*`` keys), or ``None`` when ``dp = "off"``.
 
     Raises
@@ -174,7 +187,7 @@ def build_privacy(strategy: Strategy, config: RunConfig, population: int) -> Dif
     if config.number("dp-noise-multiplier") <= 0:
         raise ConfigError("dp-noise-multiplier must be > 0 when dp is on (0 adds no noise and ε is infinite)")
     return DifferentialPrivacy(
-        strategy=strategy, mode=mode, noise_multiplier=config.number("dp-noise-multiplier"),
+        mode=mode, noise_multiplier=config.number("dp-noise-multiplier"),
         clipping_norm=config.number("dp-clipping-norm"), num_sampled=config.integer("clients-per-round"),
         population=population, delta=config.number("dp-delta"),
         target_quantile=config.number("dp-target-quantile"), clip_norm_lr=config.number("dp-clip-norm-lr"),

@@ -3,24 +3,40 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 from flwr.serverapp.strategy import Bulyan as FlowerBulyan
-from numpy.typing import NDArray
 
 from fedge.aggregate import bulyan
 from fedge.errors import ConfigError
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.flower_args import flower_constructor
 from fedge.strategies.registry import register
-from fedge.strategies.validation import AcceptedUpdate
+from fedge.strategies.rule import Arrays, EachUpdateRule, Update
 
 log = logging.getLogger("fedge.strategies")
 
 
-@register("bulyan", needs_individual_updates=True, options=lambda c, n: {"num_byzantine": int(c["num-byzantine"])})
+class BulyanSelection(EachUpdateRule):
+    """Bulyan (El Mhamdi et al., ICML 2018): Multi-Krum selection, then a trimmed mean around the
+    median; None (the model kept, logged) with fewer than ``4f + 3`` updates."""
+
+    def __init__(self, *, num_byzantine: int) -> None:
+        super().__init__()
+        self.num_byzantine = num_byzantine
+
+    def combine(self, updates: list[Update]) -> Arrays | None:  # noqa: D102
+        needed = 4 * self.num_byzantine + 3
+        if len(updates) < needed:
+            log.warning("bulyan: %d accepted updates, fewer than 4f + 3 = %d (f = %d); global model kept",
+                        len(updates), needed, self.num_byzantine)
+            return None
+        aggregate, chosen = bulyan([u.arrays for u in updates], self.num_byzantine)
+        log.info("bulyan kept nodes %s", [updates[i].node_id for i in chosen])
+        return aggregate
+
+
+@register("bulyan", options=lambda c, n: {"num_byzantine": int(c["num-byzantine"])})
 @flower_constructor(FlowerBulyan, num_malicious_nodes="num_byzantine")
 class Bulyan(FedAvg):
     """Bulyan (El Mhamdi et al., ICML 2018): Krum selection, then a trimmed mean around the median.
@@ -48,17 +64,5 @@ class Bulyan(FedAvg):
             raise ConfigError(f"bulyan tolerating num-byzantine = {num_byzantine} needs 4f + 3 = {needed} updates a "
                               f"round, but clients-per-round = {per_round}: every round would keep the model; raise "
                               "clients-per-round or lower num-byzantine")
-        super().__init__(**kwargs)
+        super().__init__(rule=BulyanSelection(num_byzantine=num_byzantine), **kwargs)
         self.num_byzantine = num_byzantine
-
-    def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
-        """Bulyan over all accepted updates (needs them all at once)."""
-        accepted = list(updates)
-        needed = 4 * self.num_byzantine + 3
-        if len(accepted) < needed:
-            log.warning("bulyan: %d accepted updates, fewer than 4f + 3 = %d (f = %d); global model kept",
-                        len(accepted), needed, self.num_byzantine)
-            return None
-        aggregate, chosen = bulyan([u.arrays for u in accepted], self.num_byzantine)
-        log.info("bulyan kept nodes %s", [accepted[i].node_id for i in chosen])
-        return aggregate

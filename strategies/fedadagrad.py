@@ -21,7 +21,7 @@ class FedAdagrad(FedAdam):
     ``FedAdagrad``). Takes Flower's ``FedAdagrad`` call and defaults (``eta``, ``eta_l``, ``tau``).
     """
 
-    rule = "adagrad"
+    kind = "adagrad"
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(beta1=0.0, **kwargs)

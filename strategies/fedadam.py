@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -13,17 +13,47 @@ from fedge.aggregate import State, adaptive_step, with_statistics
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.flower_args import flower_constructor
 from fedge.strategies.registry import register
-from fedge.strategies.validation import AcceptedUpdate
+from fedge.strategies.rule import Arrays, LinearRule
+
+
+class Adaptive(LinearRule):
+    """FedAvg's mean as the pseudo-gradient, then one adaptive server step (Reddi et al., ICLR 2021).
+
+    ``kind`` is the second-moment update: ``"adam"``, ``"yogi"`` or ``"adagrad"``. The moment
+    estimates are rule state (checkpointed as ``m/<name>`` and ``v/<name>``, restored on resume).
+    """
+
+    needs_global_model = True  # steps from the global model configure_train sent
+
+    def __init__(self, *, kind: str = "adam", server_learning_rate: float = 0.1, beta1: float = 0.9,
+                 beta2: float = 0.99, tau: float = 1e-3) -> None:
+        super().__init__()
+        self.kind, self.server_learning_rate, self.beta1, self.beta2, self.tau = (
+            kind, server_learning_rate, beta1, beta2, tau)
+        self.first: State = {}
+        self.second: State = {}
+
+    def step(self, mean: Arrays) -> Arrays:
+        """One adaptive step from the global model along the mean's pseudo-gradient."""
+        new, self.first, self.second = adaptive_step(
+            self.context.global_numpy(), mean, self.first, self.second, server_lr=self.server_learning_rate,
+            beta1=self.beta1, beta2=self.beta2, tau=self.tau, rule=self.kind)
+        return with_statistics(new, mean, self.context.statistics_of(mean))
+
+    def state_dict(self) -> Arrays:  # noqa: D102
+        return {**{f"m/{k}": v for k, v in self.first.items()}, **{f"v/{k}": v for k, v in self.second.items()}}
+
+    def load_state_dict(self, state: Mapping[str, NDArray[np.generic]]) -> None:  # noqa: D102
+        self.first = {k[2:]: np.asarray(v, np.float64) for k, v in state.items() if k.startswith("m/")}
+        self.second = {k[2:]: np.asarray(v, np.float64) for k, v in state.items() if k.startswith("v/")}
 
 
 @register("fedadam", options=lambda c, n: {"server_learning_rate": float(c["adaptive-learning-rate"])})
 @flower_constructor(FlowerFedAdam, eta="server_learning_rate", beta_1="beta1", beta_2="beta2")
 class FedAdam(FedAvg):
-    """FedAdam (Reddi et al., "Adaptive Federated Optimization", ICLR 2021).
-
-    FedAvg's mean gives the pseudo-gradient; the server applies an Adam step. The
-    moment estimates are strategy state (checkpointed, restored on resume).
-    Subclasses change :attr:`rule` (see :class:`~fedge.strategies.FedYogi`).
+    """FedAdam (Reddi et al., "Adaptive Federated Optimization", ICLR 2021): :class:`FedAvg`
+    with the :class:`Adaptive` rule. Subclasses change :attr:`kind` (see
+    :class:`~fedge.strategies.FedYogi`).
 
     Takes Flower's ``FedAdam`` call as well (``eta``, ``eta_l``, ``beta_1``, ``beta_2``, ``tau``
     and Flower's defaults, :mod:`fedge.strategies.flower_args`); fedge's run config sets
@@ -42,31 +72,11 @@ class FedAdam(FedAvg):
         Adaptivity: the smallest root second moment.
     """
 
-    rule = "adam"
-
-    needs_global_model = True  # steps from the global model configure_train sent
+    kind = "adam"
 
     def __init__(self, *, server_learning_rate: float = 0.1, eta_l: float = 0.1, beta1: float = 0.9,
                  beta2: float = 0.99, tau: float = 1e-3, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(rule=Adaptive(kind=self.kind, server_learning_rate=server_learning_rate, beta1=beta1,
+                                       beta2=beta2, tau=tau), **kwargs)
         self.eta_l = eta_l
         self.server_learning_rate, self.beta1, self.beta2, self.tau = server_learning_rate, beta1, beta2, tau
-        self.first: State = {}
-        self.second: State = {}
-
-    def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
-        """FedAvg's mean, then one adaptive server step."""
-        average = super().aggregate_updates(updates)
-        if average is None:
-            return None
-        new, self.first, self.second = adaptive_step(
-            self.global_numpy(), average, self.first, self.second, server_lr=self.server_learning_rate,
-            beta1=self.beta1, beta2=self.beta2, tau=self.tau, rule=self.rule)
-        return with_statistics(new, average, self.statistics_of(average))
-
-    def state_dict(self) -> dict[str, NDArray[np.generic]]:  # noqa: D102
-        return {**{f"m/{k}": v for k, v in self.first.items()}, **{f"v/{k}": v for k, v in self.second.items()}}
-
-    def load_state_dict(self, state: dict[str, NDArray[np.generic]]) -> None:  # noqa: D102
-        self.first = {k[2:]: np.asarray(v, np.float64) for k, v in state.items() if k.startswith("m/")}
-        self.second = {k[2:]: np.asarray(v, np.float64) for k, v in state.items() if k.startswith("v/")}

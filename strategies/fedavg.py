@@ -1,15 +1,21 @@
-"""FedAvg with reply validation and streaming aggregation."""
+"""FedAvg: the strategy every fedge strategy is, a composition of an aggregation rule and a round driver.
+
+:class:`FedAvg` is the Flower-facing strategy (Flower's ``FedAvg`` name, arguments and
+defaults) and holds what all of them share: selection, the round policy, reply
+validation, privacy, the downlink codec and the round reports. What happens to accepted
+updates is its rule (:mod:`fedge.strategies.rule`; here :class:`Mean`); how rounds run
+is its driver (:mod:`fedge.strategies.drivers`). The other strategies are this class with
+another rule (or driver) given in their constructor, nothing overridden.
+"""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -23,35 +29,20 @@ from flwr.supercore import log as flower_log
 from numpy.typing import NDArray
 
 from fedge import wire
-from fedge.aggregate import WeightedMeanAccumulator, c_contiguous, statistic_names, weighted_mean_metrics
-from fedge.errors import ConfigError, RunFailed
+from fedge.aggregate import c_contiguous, weighted_mean_metrics
+from fedge.errors import ConfigError
 from fedge.preprocessing import OUTSIDE, RAW_SCALED
+from fedge.strategies.drivers.base import Driver, RoundReport
+from fedge.strategies.drivers.sync import SyncDriver
 from fedge.strategies.flower_args import flower_constructor
-from fedge.strategies.policies import RoundPolicy, SyncPolicy, let_go
+from fedge.strategies.policies import RoundPolicy, SyncPolicy
 from fedge.strategies.registry import register
+from fedge.strategies.rule import LinearRule, RoundContext, Rule, Update
 from fedge.strategies.selection import RandomSelector
-from fedge.strategies.systematic import stop_message, systematic_reason
 from fedge.strategies.timing import durations
 from fedge.strategies.validation import AcceptedUpdate, Failure, Rejection, ReplyValidator
 
 log = logging.getLogger("fedge.strategies")
-
-
-@dataclass
-class RoundReport:
-    """What happened to the replies of one training round (explicit server state)."""
-
-    server_round: int
-    selected: int
-    accepted: int = 0
-    late: int = 0
-    train_loss: float | None = None
-    rejected: list[Rejection] = field(default_factory=list)
-    failed: list[Rejection] = field(default_factory=list)
-    aggregated: bool = False
-    epsilon: float | None = None  # DP: privacy spent after this round
-    inputs_raw: int = 0  # accepted updates whose device preprocessed raw inputs of its own (fedge.preprocessing)
-    inputs_outside: int = 0  # ... whose device's inputs fall outside the task's declared range
 
 
 class PrivacyLayer(Protocol):
@@ -60,6 +51,8 @@ class PrivacyLayer(Protocol):
     wrapper: Strategy
     client_side: bool
     num_sampled: int
+
+    def attach(self, strategy: Strategy) -> None: ...
 
     def release(self) -> float: ...
 
@@ -82,7 +75,11 @@ class FedAvg(FlowerFedAvg):
     """Federated Averaging (McMahan et al., AISTATS 2017) that never trusts a reply.
 
     A subclass of Flower's message-based ``FedAvg``, usable in any Flower
-    ``ServerApp``. Before aggregation every reply goes through a
+    ``ServerApp``: its rule (default :class:`Mean`) and its driver (default
+    :class:`~fedge.strategies.drivers.sync.SyncDriver`) are given to the constructor, so
+    ``FedAvg(driver=SecureAggregation())`` runs FedAvg's rounds under secure aggregation and
+    ``FedAdam(driver=AsynchronousDriver())`` runs FedAdam's step asynchronously.
+    Before aggregation every reply goes through a
     :class:`~fedge.strategies.validation.ReplyValidator`; rejected replies are logged,
     counted in the round's metrics and left out. Accepted updates are folded into
     a running weighted sum one at a time (memory O(model size)). If fewer than
@@ -100,8 +97,21 @@ class FedAvg(FlowerFedAvg):
     clients_per_round : int, optional
         A fixed number of devices a round (fedge's runs). Without it, a round trains
         ``max(int(fraction_train * connected), min_train_nodes)`` devices, as Flower does.
+    rule : Rule, optional
+        What accepted updates become (default :class:`Mean`, FedAvg's weighted mean).
+    driver : Driver, optional
+        How rounds run (default :class:`~fedge.strategies.drivers.sync.SyncDriver`); it refuses
+        a rule it cannot run (secure aggregation: a rule that is not linear).
     validator : ReplyValidator, optional
         Defaults to ``ReplyValidator(require_round_tag=False)`` (standard Flower replies pass).
+    selector, policy
+        Which devices train (default: seeded random) and which replies a round keeps (default: all).
+    privacy : PrivacyLayer, optional
+        Differential privacy (:mod:`fedge.server.privacy`); attached to this strategy here.
+    downlink : DownlinkLayer, optional
+        Per-device downlink codecs (:mod:`fedge.server.compression`).
+    buffer_names : frozenset, optional
+        The model's statistics (BatchNorm buffers): averaged, never stepped.
     min_train_replies : int
         Accepted updates needed to change the global model.
     flower_lines : bool
@@ -115,12 +125,16 @@ class FedAvg(FlowerFedAvg):
     """
 
     keeps_partial_work = False  # FedAvg drops stragglers' replies; FedProx keeps them
-    needs_global_model = False  # its rule steps from the global model (FedAvgM, FedAdam, FedNova, ...)
     wait_log_every_s = 10.0
 
     def __init__(
         self,
         *,
+        rule: Rule | None = None,
+        driver: Driver | None = None,
+        privacy: PrivacyLayer | None = None,
+        downlink: DownlinkLayer | None = None,
+        buffer_names: frozenset[str] | None = None,
         clients_per_round: int | None = None,
         validator: ReplyValidator | None = None,
         selector: RandomSelector | None = None,
@@ -143,7 +157,7 @@ class FedAvg(FlowerFedAvg):
         self.selector = selector or RandomSelector()
         self.policy: RoundPolicy = policy or SyncPolicy()
         self.min_train_replies = min_train_replies
-        self.buffer_names: frozenset[str] | None = None  # the model's buffers (statistics), set by the coordinator
+        self.buffer_names = buffer_names  # the model's buffers (statistics)
         self.wait_for_nodes_s = wait_for_nodes_s
         self.straggler_fraction = straggler_fraction
         self.flower_lines = flower_lines
@@ -151,10 +165,23 @@ class FedAvg(FlowerFedAvg):
         self.global_arrays: ArrayRecord | None = None
         self.reports: list[RoundReport] = []
         self.evaluated: dict[int, MetricRecord] = {}  # the devices' aggregated evaluation, by round
-        self.privacy: PrivacyLayer | None = None  # set by the coordinator when dp is on
-        self.downlink: DownlinkLayer | None = None  # set by the coordinator for per-profile downlink codecs
+        self.rule: Rule = rule or Mean()
+        self.driver: Driver = driver or SyncDriver()
+        self.downlink = downlink
+        self.privacy = privacy
+        if privacy is not None:
+            privacy.attach(self)
+        self.driver.bind(self)
 
-    federated_evaluation = True  # runs Flower's evaluation rounds (FedBuff does not)
+    @property
+    def federated_evaluation(self) -> bool:
+        """Whether the driver runs Flower's federated evaluation rounds."""
+        return self.driver.federated_evaluation
+
+    @property
+    def needs_global_model(self) -> bool:
+        """Whether the rule steps from the global model ``configure_train`` sent."""
+        return self.rule.needs_global_model
 
     def start(  # type: ignore[override]
         self,
@@ -168,58 +195,29 @@ class FedAvg(FlowerFedAvg):
         *,
         start_round: int = 1,
     ) -> Result:
-        """Flower's ``Strategy.start`` loop, able to resume at ``start_round``.
+        """Flower's ``Strategy.start``, run by the driver, able to resume at ``start_round``."""
+        self.log_start(num_rounds, initial_arrays, train_config, evaluate_config)
+        return self.driver.start(self, grid, initial_arrays, num_rounds, timeout,
+                                 ConfigRecord() if train_config is None else train_config,
+                                 ConfigRecord() if evaluate_config is None else evaluate_config,
+                                 evaluate_fn, start_round)
 
-        Flower's own loop always begins at round 1 and has no way to continue a run
-        from a checkpoint, so the loop (train -> federated evaluation -> central
-        evaluation, per round) is restated here with the same semantics. Round 0
-        (central evaluation of ``initial_arrays``) happens only on a fresh start.
+    def train_round(
+        self, grid: Grid, server_round: int, arrays: ArrayRecord, config: ConfigRecord, timeout: float
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """One training round, as the driver runs it (synchronous drivers only)."""
+        return self.driver.train_round(self, grid, server_round, arrays, config, timeout)  # type: ignore[attr-defined]
 
-        Raises
-        ------
-        RunFailed
-            Every reply of two rounds in a row was left out for one and the same reason
-            (:mod:`fedge.strategies.systematic`): the run stops instead of going on unchanged.
-        """
-        self._log_start(num_rounds, initial_arrays, train_config, evaluate_config)
-        train_config = ConfigRecord() if train_config is None else train_config
-        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
-        result, arrays, started = Result(), initial_arrays, time.time()
-        result.arrays = arrays
-        if evaluate_fn and start_round == 1 and (res := evaluate_fn(0, arrays)) is not None:
-            result.evaluate_metrics_serverapp[0] = res
-        for server_round in range(start_round, num_rounds + 1):
-            self._say("[ROUND %s/%s]", server_round, num_rounds)
-            new_arrays, train_metrics = self.train_round(grid, server_round, arrays, train_config, timeout)
-            if self.reports and self.reports[-1].server_round == server_round:
-                self._log_round(self.reports[-1], train_metrics)
-            if (reason := systematic_reason(self.reports)) is not None:
-                raise RunFailed(stop_message(self.reports, reason))
-            if new_arrays is not None:
-                result.arrays = arrays = new_arrays
-            if train_metrics is not None:
-                result.train_metrics_clientapp[server_round] = train_metrics
-            evaluate_messages = list(self.configure_evaluate(server_round, arrays, evaluate_config, grid))
-            if evaluate_messages:
-                evaluate_replies = grid.send_and_receive(evaluate_messages, timeout=timeout)
-                if (metrics := self.evaluation_metrics(server_round, evaluate_replies)) is not None:
-                    result.evaluate_metrics_clientapp[server_round] = self.evaluated[server_round] = metrics
-            if evaluate_fn and (res := evaluate_fn(server_round, arrays)) is not None:
-                result.evaluate_metrics_serverapp[server_round] = res
-        self._say("Strategy execution finished in %.2fs", time.time() - started)
-        self._say("Final results:\n%s", result)
-        return result
-
-    def _log_start(self, num_rounds: int, arrays: ArrayRecord, train_config: ConfigRecord | None,
-                   evaluate_config: ConfigRecord | None) -> None:
+    def log_start(self, num_rounds: int, arrays: ArrayRecord, train_config: ConfigRecord | None,
+                  evaluate_config: ConfigRecord | None) -> None:
         """Flower's start lines (strategy, rounds, arrays, configs, sampling), through Flower's logger."""
         if not self.flower_lines:
             return
-        self._say("Starting %s strategy:", type(self).__name__)
+        self.say("Starting %s strategy:", type(self).__name__)
         log_strategy_start_info(num_rounds, arrays, train_config, evaluate_config)
         self.summary()
 
-    def _say(self, message: str, *args: Any) -> None:
+    def say(self, message: str, *args: Any) -> None:
         """One of Flower's round lines: through Flower's logger in a Flower app, at debug level in
         fedge's own runs (their console has fedge's round lines; Flower's crowded them out)."""
         if self.flower_lines:
@@ -227,79 +225,27 @@ class FedAvg(FlowerFedAvg):
         else:
             log.debug(message, *args)
 
-    def _log_round(self, report: RoundReport, train_metrics: MetricRecord | None) -> None:
+    def log_round(self, report: RoundReport, train_metrics: MetricRecord | None) -> None:
         """One line per training round as Flower's, with what validation left out."""
-        self._say("aggregate_train: %d of %d updates accepted (%d rejected, %d failed, %d late)%s",
-                   report.accepted, report.selected, len(report.rejected), len(report.failed), report.late,
-                   "" if report.aggregated else "; the global model is kept")
+        self.say("aggregate_train: %d of %d updates accepted (%d rejected, %d failed, %d late)%s",
+                 report.accepted, report.selected, len(report.rejected), len(report.failed), report.late,
+                 "" if report.aggregated else "; the global model is kept")
         if train_metrics is not None:
-            self._say("\t└──> Aggregated MetricRecord: %s", train_metrics)
+            self.say("\t└──> Aggregated MetricRecord: %s", train_metrics)
 
-    def train_round(
-        self, grid: Grid, server_round: int, arrays: ArrayRecord, config: ConfigRecord, timeout: float
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """One training round: select, exchange under the round policy, validate, aggregate.
-
-        Override to change how a round talks to devices (secure aggregation does). With
-        differential privacy, Flower's DP wrapper drives configure/aggregate (it clips and
-        adds noise around this strategy's own steps) and the release is accounted.
-        """
-        driver: Strategy = self.privacy.wrapper if self.privacy else self
-        messages = list(driver.configure_train(server_round, arrays, config, grid))
-        if self.privacy is not None:  # Flower's DP wrappers take a list: O(replies x model) here
-            exchange = self.policy.exchange(grid, messages, timeout, self.round_target)
-            self.reports[-1].late = exchange.late
-            self._learn(server_round, exchange.replies, grid)
-            screened = self._screened(server_round, exchange.replies)
-            new_arrays, metrics = driver.aggregate_train(server_round, screened)
-            if screened:  # conservative: adaptive clipping released a noised count even if no model came out
-                self.reports[-1].epsilon = self.privacy.release()
-            return new_arrays, metrics
-        stream = self.policy.stream(grid, messages, timeout, self.round_target)
-        result = self.aggregate_train(server_round, self._learning(server_round, stream, grid))
-        self._report_for(server_round).late += stream.late  # on top of stragglers dropped in aggregation
-        return result
-
-    def _learning(self, server_round: int, replies: Iterable[Message], grid: Grid) -> Iterator[Message]:
-        """Pass each reply on as it arrives, after the selector and downlink learn from it.
-
-        Nothing here keeps a reply: aggregation folds it in and it goes (O(model) memory).
-        """
-        for reply in replies:
-            self._learn(server_round, [reply], grid)
-            yield reply
-            let_go(reply)  # aggregation asked for the next reply: this one is folded in
-
-    def _learn(self, server_round: int, replies: list[Message], grid: Grid) -> None:
+    def learn(self, server_round: int, replies: list[Message], grid: Grid) -> None:
         """What selection and the downlink learn from replies (metrics, profiles; never the update)."""
         self.selector.observe(server_round, replies, durations(grid))
         if self.downlink is not None:
             self.downlink.learn(replies)
 
-    def _screened(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
-        """The replies that pass validation (others recorded), before a DP wrapper clips them.
-
-        Flower's wrappers skip a whole round on one error reply and clip before anything is
-        validated; fedge keeps its rule: a bad reply is left out and the round goes on.
-        """
-        report, kept = self._report_for(server_round), []
-        replies = list(replies)
-        by_node = {reply.metadata.src_node_id: reply for reply in replies}
-        for verdict in self.validator.screen(server_round, replies, self.global_arrays or ArrayRecord()):
-            if isinstance(verdict, Failure):
-                report.failed.append(verdict)
-            elif isinstance(verdict, Rejection):
-                report.rejected.append(verdict)
-            else:
-                kept.append(by_node[verdict.node_id])
-        return kept
-
     def state_dict(self) -> dict[str, NDArray[np.generic]]:
-        """Strategy state to checkpoint with the model (FedAvg has none; FedAvgM etc. do)."""
-        return {}
+        """The rule's state, checkpointed with the model (FedAvg's has none; FedAvgM's velocity, ...)."""
+        return self.rule.state_dict()
 
     def load_state_dict(self, state: dict[str, NDArray[np.generic]]) -> None:
         """Restore what :meth:`state_dict` returned."""
+        self.rule.load_state_dict(state)
 
     def checkpoint_state(self) -> dict[str, NDArray[np.generic]]:
         """:meth:`state_dict` plus the privacy accountant's, what a checkpoint keeps."""
@@ -408,12 +354,12 @@ class FedAvg(FlowerFedAvg):
         checked against the array names, shapes and dtypes most of them share.
         """
         replies, reference = self._reference(replies)
-        report = self._report_for(server_round)
+        report = self.report_for(server_round)
         metric_rows: list[dict[str, float]] = []
         weights: list[float] = []
         records: list[RecordDict] = []
 
-        def accepted() -> Iterator[AcceptedUpdate]:
+        def accepted() -> Iterator[Update]:
             for verdict in self.validator.screen(server_round, replies, reference):
                 if verdict.node_id in self.stragglers and not self.keeps_partial_work:
                     report.late += 1  # FedAvg drops stragglers
@@ -425,16 +371,13 @@ class FedAvg(FlowerFedAvg):
                 else:
                     report.accepted += 1
                     self._count_inputs(report, verdict)
-                    if self.privacy:  # DP noise is calibrated to the uniform mean
-                        verdict = dataclasses.replace(verdict, weight=1.0)
-                    metrics = next(iter(verdict.content.metric_records.values()))
-                    records.append(RecordDict({"metrics": metrics}))
-                    metric_rows.append({k: float(v) for k, v in metrics.items()  # type: ignore[arg-type]
-                                        if k == wire.TRAIN_LOSS})
-                    weights.append(verdict.weight)
-                    yield verdict
+                    update = _update_of(verdict, uniform=self.privacy is not None)  # DP: the uniform mean
+                    records.append(RecordDict({"metrics": next(iter(verdict.content.metric_records.values()))}))
+                    metric_rows.append({k: float(v) for k, v in update.metrics.items() if k == wire.TRAIN_LOSS})
+                    weights.append(update.weight)
+                    yield update
 
-        aggregate = self.aggregate_updates(accepted())
+        aggregate = self.aggregate(accepted())
         if report.inputs_outside:
             log.warning("round %d: %d of %d accepted updates come from devices whose inputs fall outside the task's "
                         "declared range (their logs name the file): check those devices' data (units, scaling)",
@@ -453,6 +396,21 @@ class FedAvg(FlowerFedAvg):
         if self.privacy is not None:
             aggregate = self._fixed_denominator(aggregate, report.accepted)
         return ArrayRecord({k: Array(c_contiguous(v)) for k, v in aggregate.items()}), metrics
+
+    def aggregate(self, updates: Iterable[Update]) -> dict[str, NDArray[np.generic]] | None:
+        """Fold ``updates`` into the rule, one at a time as they come; its result (None without any)."""
+        self.rule.begin(self.round_context())
+        for update in updates:
+            self.rule.fold(update)
+        return self.rule.result()
+
+    def round_context(self) -> RoundContext:
+        """What the rule knows of this round: the model it started from (read only if the rule
+        asks) and the model's statistics."""
+        sent = self.global_arrays
+        if sent is None:
+            return RoundContext(None, self.buffer_names)
+        return RoundContext(lambda: {name: array.numpy() for name, array in sent.items()}, self.buffer_names)
 
     def _reference(self, replies: Iterable[Message]) -> tuple[Iterable[Message], ArrayRecord]:
         """What replies are checked against: the arrays :meth:`configure_train` sent, or (called
@@ -511,37 +469,29 @@ class FedAvg(FlowerFedAvg):
             out[name] = (start + scale * (np.asarray(value, np.float64) - start)).astype(value.dtype)
         return out
 
-    def aggregate_updates(
-        self, updates: Iterator[AcceptedUpdate]
-    ) -> dict[str, NDArray[np.generic]] | None:
-        """Weighted mean of the accepted updates by ``num-examples``; ``None`` if none.
-
-        Override this hook for another aggregation rule; consume ``updates`` lazily.
-        """
-        accumulator = WeightedMeanAccumulator()
-        for update in updates:
-            accumulator.add(update.arrays, update.weight)
-            update.arrays.clear()  # folded in: let it go before the next reply is made or pulled
-        return accumulator.result() if accumulator.count else None
-
-    def statistics_of(self, arrays: Mapping[str, NDArray[np.generic]]) -> frozenset[str]:
-        """Which of ``arrays`` are model statistics (BatchNorm buffers): averaged, never stepped.
-
-        The coordinator sets :attr:`buffer_names` from its model; without it (a plain Flower
-        app) torch's BatchNorm buffer names and integer arrays count.
-        """
-        return statistic_names(arrays, self.buffer_names)
-
     def global_numpy(self) -> dict[str, NDArray[np.generic]]:
         """The arrays this round's replies are measured against, as numpy."""
         if self.global_arrays is None:
             raise RuntimeError("no global arrays yet: configure_train has not run")
         return {name: array.numpy() for name, array in self.global_arrays.items()}
 
-    def _report_for(self, server_round: int) -> RoundReport:
+    def report_for(self, server_round: int) -> RoundReport:
+        """The report of ``server_round`` (a new one if it has none yet)."""
         if not self.reports or self.reports[-1].server_round != server_round:
             self.reports.append(RoundReport(server_round=server_round, selected=0))
         return self.reports[-1]
+
+
+class Mean(LinearRule):
+    """FedAvg's rule: the weighted mean of the updates (McMahan et al., AISTATS 2017), streaming."""
+
+
+def _update_of(accepted: AcceptedUpdate, *, uniform: bool) -> Update:
+    """An accepted reply as the rule sees it: numpy arrays, a weight (1 when ``uniform``), local steps, metrics."""
+    meta = accepted.meta
+    metrics = next(iter(accepted.content.metric_records.values()))
+    return Update(accepted.node_id, accepted.arrays, 1.0 if uniform else accepted.weight,
+                  steps=meta.steps if meta is not None else None, metrics=dict(metrics))
 
 
 def _shared_arrays(replies: list[Message]) -> ArrayRecord:

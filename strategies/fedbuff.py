@@ -2,319 +2,82 @@
 
 from __future__ import annotations
 
-import heapq
-import logging
-import random
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
-from numpy.typing import NDArray
 
-from fedge import wire
-from fedge.aggregate import (
-    WeightedMeanAccumulator,
-    apply_buffer,
-    c_contiguous,
-    staleness_weight,
-    with_statistics,
-)
-from fedge.errors import ConfigError, UpdateRejected
-from fedge.strategies.fedavg import FedAvg, RoundReport
+from fedge.aggregate import WeightedMeanAccumulator, apply_buffer, with_statistics
+from fedge.errors import ConfigError
+from fedge.strategies.drivers.asynchronous import AsynchronousDriver
+from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.registry import register
-from fedge.strategies.timing import TimedGrid, timed, virtual
-from fedge.strategies.validation import Rejection, spec_of
-
-log = logging.getLogger("fedge.strategies")
+from fedge.strategies.rule import Arrays, RoundContext, Rule, Update
 
 
-@dataclass(order=True)
-class _InFlight:
-    arrival: float
-    sequence: int
-    node: int = field(compare=False)
-    version: int = field(compare=False)
-    reply: Message = field(compare=False)
-    duration: float = field(default=0.0, compare=False)  # how long the device took (what selectors learn)
+class Buffered(Rule):
+    """FedBuff's server step (Nguyen et al., AISTATS 2022): ``x <- x - lr * (1/K) sum_i w_i delta_i``
+    over the ``K`` buffered updates, ``delta_i`` each one's change from the model it trained from
+    and ``w_i`` its staleness weight; statistics (BatchNorm buffers) are averaged as values (a
+    stale change would overshoot them).
+
+    Not a weighted mean (it divides by ``K``, not by the weights' sum), so not offered to secure
+    aggregation; it holds the buffer's changes (O(K x model)).
+    """
+
+    takes_stale_updates = True
+
+    def __init__(self, *, server_learning_rate: float = 1.0) -> None:
+        super().__init__()
+        self.server_learning_rate = server_learning_rate
+
+    def begin(self, context: RoundContext) -> None:  # noqa: D102
+        super().begin(context)
+        self.deltas: list[Arrays] = []
+        self.weights: list[float] = []
+        self.statistics = WeightedMeanAccumulator()
+
+    def fold(self, update: Update) -> None:
+        """Keep ``update``'s change from its model, and its statistics' share of the mean."""
+        start = update.base if update.base is not None else self.context.global_numpy()
+        self.deltas.append({k: np.asarray(start[k], np.float64) - np.asarray(v, np.float64)
+                            for k, v in update.arrays.items()})
+        self.weights.append(update.weight)
+        if statistics := self.context.statistics_of(update.arrays):
+            self.statistics.add({k: update.arrays[k] for k in statistics}, update.weight)
+
+    def result(self) -> Arrays | None:  # noqa: D102
+        if not self.deltas:
+            return None
+        new = apply_buffer(self.context.global_numpy(), self.deltas, self.weights, self.server_learning_rate)
+        if self.statistics.count:
+            means = self.statistics.result()
+            new = with_statistics(new, means, means)
+        return new
 
 
-@register("fedbuff", options=lambda c, n: {
-    "concurrency": min(int(c["concurrency"]), n or int(c["concurrency"])), "buffer_size": int(c["buffer-size"]),
-    "server_learning_rate": float(c["server-learning-rate"]), "staleness_exponent": float(c["staleness-exponent"])})
+@register("fedbuff", options=lambda c, n: {"driver": AsynchronousDriver.from_config(c, n),
+                                           "server_learning_rate": float(c["server-learning-rate"])})
 class FedBuff(FedAvg):
     """FedBuff (Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation",
-    AISTATS 2022).
+    AISTATS 2022): the :class:`Buffered` rule under the
+    :class:`~fedge.strategies.drivers.asynchronous.AsynchronousDriver`.
 
     ``concurrency`` devices train at once on whatever global model was current when
     they started; every ``buffer_size`` arrived updates are applied with weight
     ``1/sqrt(1 + staleness)`` and a new device starts as each one finishes. A server
-    "round" is one buffer flush. In simulation arrivals are ordered by fedge's virtual
-    clock; in deployment they come in real time through the Grid's push/pull API.
+    "round" is one buffer flush.
     """
 
     keeps_partial_work = True  # asynchronous: whatever arrives is aggregated, stragglers' partial work too
 
     def __init__(self, *, concurrency: int = 20, buffer_size: int = 10, server_learning_rate: float = 1.0,
-                 staleness_exponent: float = 0.5, **kwargs: Any) -> None:
-        if buffer_size < 1 or concurrency < 1:
-            raise ConfigError("FedBuff needs buffer-size >= 1 and concurrency >= 1")
-        super().__init__(**kwargs)
+                 staleness_exponent: float = 0.5, driver: Any = None, **kwargs: Any) -> None:
+        if driver is not None and not isinstance(driver, AsynchronousDriver):
+            raise ConfigError("FedBuff is asynchronous: it takes no other driver (secure aggregation runs synchronous "
+                              "rounds); use a synchronous strategy, or give another rule AsynchronousDriver()")
+        driver = driver or AsynchronousDriver(concurrency=concurrency, buffer_size=buffer_size,
+                                              staleness_exponent=staleness_exponent)
+        concurrency, buffer_size, staleness_exponent = driver.concurrency, driver.buffer_size, driver.staleness_exponent
+        super().__init__(rule=Buffered(server_learning_rate=server_learning_rate), driver=driver, **kwargs)
         self.concurrency, self.buffer_size = concurrency, buffer_size
         self.server_learning_rate, self.staleness_exponent = server_learning_rate, staleness_exponent
-
-    federated_evaluation = True  # after each flush, idle devices evaluate the new model (fraction_evaluate)
-
-    def start(  # type: ignore[override]
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-        *,
-        start_round: int = 1,
-    ) -> Result:
-        """Run ``num_rounds`` buffer flushes (resuming after ``start_round - 1``)."""
-        self._log_start(num_rounds, initial_arrays, train_config, evaluate_config)
-        clock = virtual(grid)
-        arrivals: _Arrivals = _SimulatedArrivals(clock, timeout) if clock is not None else _LiveArrivals(grid, timeout)
-        run = _AsyncRun(self, grid, arrivals, initial_arrays, train_config or ConfigRecord(), start_round - 1)
-        result = Result()
-        result.arrays = initial_arrays
-        if evaluate_fn and start_round == 1:
-            evaluate_fn(0, initial_arrays)
-        while run.version < num_rounds and run.step():
-            if run.flushed:
-                result.arrays = run.arrays
-                metrics = self.evaluate_idle(grid, run.version, run.arrays, evaluate_config or ConfigRecord(),
-                                             run.arrivals.busy(), timeout)
-                if metrics is not None:
-                    result.evaluate_metrics_clientapp[run.version] = self.evaluated[run.version] = metrics
-                if evaluate_fn and (res := evaluate_fn(run.version, run.arrays)) is not None:
-                    result.evaluate_metrics_serverapp[run.version] = res
-        return result
-
-    def evaluate_idle(self, grid: Grid, version: int, arrays: ArrayRecord, config: ConfigRecord, busy: set[int],
-                      timeout: float) -> MetricRecord | None:
-        """Federated evaluation of a new model version on devices not training now.
-
-        Flower's sample size (``fraction_evaluate`` of the connected devices, at least
-        ``min_evaluate_nodes``), drawn (seeded) from those with no work in flight: a busy one
-        would answer only after its training. Flower's own sampling is not used: it waits for
-        ``min_available_nodes`` idle devices, which an asynchronous run may never have. The
-        replies are aggregated by ``evaluate_metrics_aggr_fn``; None when nothing is asked.
-        """
-        connected = list(grid.get_node_ids())
-        idle = sorted(node for node in connected if node not in busy)
-        size = min(len(idle), max(int(len(connected) * self.fraction_evaluate), self.min_evaluate_nodes))
-        if self.fraction_evaluate <= 0 or size <= 0:
-            return None
-        record = RecordDict({self.arrayrecord_key: arrays,
-                             self.configrecord_key: ConfigRecord({**config, wire.SERVER_ROUND: version})})
-        chosen = random.Random(self.selector.seed * 7_907 + version).sample(idle, size)
-        messages = [Message(record, dst_node_id=node, message_type=MessageType.EVALUATE) for node in chosen]
-        return self.evaluation_metrics(version, grid.send_and_receive(messages, timeout=timeout))
-
-    def weight(self, staleness: int) -> float:
-        """The weight of an update ``staleness`` versions old."""
-        return staleness_weight(staleness, self.staleness_exponent)
-
-
-class _SimulatedArrivals:
-    """Arrivals ordered by the virtual clock: the inline grid runs a device's work at launch,
-    and its reply is delivered when the clock reaches launch time + its simulated duration."""
-
-    def __init__(self, grid: TimedGrid, timeout: float) -> None:
-        self.grid, self.timeout = grid, timeout
-        self.heap: list[_InFlight] = []
-        self.sequence = 0
-
-    def busy(self) -> set[int]:
-        """Nodes with work in flight."""
-        return {event.node for event in self.heap}
-
-    def versions(self) -> set[int]:
-        """Model versions that work in flight started from."""
-        return {event.version for event in self.heap}
-
-    def connected(self, strategy: FedBuff, server_round: int) -> list[int]:
-        """The simulated devices online now (the fleet exists from the start: nothing to wait for)."""
-        return list(self.grid.get_node_ids())
-
-    def launch(self, message: Message, node: int, version: int) -> None:
-        """Give ``node`` work (a device that drops out never arrives)."""
-        for reply, seconds in self.grid.exchange_timed([message], self.timeout):
-            self.sequence += 1
-            heapq.heappush(self.heap, _InFlight(self.grid.sim_time + seconds, self.sequence, node, version, reply,
-                                                seconds))
-
-    def next(self) -> _InFlight | None:
-        """The earliest arrival, with the clock moved to it; ``None`` when nothing is in flight."""
-        if not self.heap:
-            return None
-        event = heapq.heappop(self.heap)
-        self.grid.advance(max(event.arrival - self.grid.sim_time, 0.0))
-        return event
-
-
-class _LiveArrivals:
-    """Arrivals in real time through the Grid's push/pull API (deployment).
-
-    Replies are matched by ``reply_to_message_id`` (SuperLink-generated errors come from
-    node 1); work older than ``timeout`` is given up and its device freed.
-    """
-
-    def __init__(self, grid: Grid, timeout: float, poll_s: float = 0.1) -> None:
-        self.grid, self.timeout, self.poll_s = grid, timeout, poll_s
-        self.pending: dict[str, tuple[int, int, float]] = {}
-        self.ready: list[_InFlight] = []
-        self.sequence = 0
-
-    def busy(self) -> set[int]:  # noqa: D102
-        return {node for node, _, _ in self.pending.values()} | {event.node for event in self.ready}
-
-    def versions(self) -> set[int]:  # noqa: D102
-        return {version for _, version, _ in self.pending.values()} | {event.version for event in self.ready}
-
-    def connected(self, strategy: FedBuff, server_round: int) -> list[int]:
-        """The devices online now; with no work in flight, first waits for the devices a round
-        needs, as a synchronous round does: devices connect after the coordinator starts, and
-        with none online FedBuff would have nothing to wait for and stop."""
-        if self.pending or self.ready:
-            return list(self.grid.get_node_ids())
-        return strategy.wait_for_devices(server_round, self.grid)
-
-    def launch(self, message: Message, node: int, version: int) -> None:  # noqa: D102
-        for message_id in self.grid.push_messages([message]):
-            self.pending[message_id] = (node, version, time.monotonic())
-        if (clock := timed(self.grid)) is not None:
-            clock.count_bytes(down=wire.payload_bytes(message.content))
-
-    def next(self) -> _InFlight | None:
-        """The next reply to arrive (waiting for it); ``None`` when nothing is in flight."""
-        while not self.ready and self.pending:
-            for reply in self.grid.pull_messages(list(self.pending)):
-                node, version, started = self.pending.pop(reply.metadata.reply_to_message_id, (0, 0, 0.0))
-                if node:
-                    self.sequence += 1
-                    took = time.monotonic() - started
-                    self.ready.append(_InFlight(took, self.sequence, node, version, reply, took))
-            expired = [i for i, (_, _, started) in self.pending.items() if time.monotonic() - started > self.timeout]
-            for message_id in expired:
-                log.warning("fedbuff: node %d did not reply within %.0f s", self.pending.pop(message_id)[0],
-                            self.timeout)
-            if not self.ready:
-                time.sleep(self.poll_s)
-        if not self.ready:
-            return None
-        event = self.ready.pop(0)
-        if (clock := timed(self.grid)) is not None and not event.reply.has_error():
-            clock.count_bytes(up=wire.payload_bytes(event.reply.content))
-        return event
-
-
-_Arrivals = _SimulatedArrivals | _LiveArrivals
-
-
-class _AsyncRun:
-    """The event loop of one FedBuff run (explicit server state)."""
-
-    def __init__(self, strategy: FedBuff, grid: Grid, arrivals: _Arrivals, arrays: ArrayRecord,
-                 config: ConfigRecord, version: int) -> None:
-        self.strategy, self.grid, self.arrivals, self.config = strategy, grid, arrivals, config
-        self.arrays, self.version = arrays, version
-        self.snapshots: dict[int, dict[str, NDArray[Any]]] = {version: _numpy(arrays)}
-        self.launches = 0
-        self.buffer: list[tuple[dict[str, NDArray[Any]], float]] = []
-        self.statistics = WeightedMeanAccumulator()  # the buffered devices' BatchNorm statistics, as values
-        self.replies: list[Message] = []
-        self.report = RoundReport(server_round=version + 1, selected=0)
-        self.flushed = False
-
-    def step(self) -> bool:
-        """Start devices up to the concurrency, then take the next arrival; False when none can run."""
-        self.flushed = False
-        self._launch()
-        event = self.arrivals.next()
-        if event is None:
-            log.warning("fedbuff: no device available to train; stopping")
-            return False
-        self._receive(event)
-        if len(self.buffer) >= self.strategy.buffer_size:
-            self._flush()
-        return True
-
-    def _launch(self) -> None:
-        """Start idle devices, as a round of the synchronous strategies would: chosen by the
-        selector for the current server round, stragglers simulated, each model in its
-        device's downlink codec."""
-        busy = self.arrivals.busy()
-        server_round = self.version + 1
-        idle = [node for node in self.arrivals.connected(self.strategy, server_round) if node not in busy]
-        wanted = self.strategy.concurrency - len(busy)
-        chosen = self.strategy.selector.select(server_round, idle, wanted) if wanted > 0 else []
-        self.strategy.stragglers = self.strategy._pick_stragglers(server_round * 1_009 + self.launches, chosen)
-        config = ConfigRecord({**self.config, wire.SERVER_ROUND: server_round})
-        record = RecordDict({self.strategy.arrayrecord_key: self.arrays, self.strategy.configrecord_key: config})
-        for node in chosen:
-            self.launches += 1
-            content = self.strategy._instruction(node, record, config, server_round, self.grid)
-            message = Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
-            self.report.selected += 1
-            self.arrivals.launch(message, node, self.version)
-
-    def _receive(self, event: _InFlight) -> None:
-        node, reply = event.node, event.reply
-        if reply.has_error():
-            self.report.failed.append(Rejection(node, f"device error: {reply.error.reason}"))
-            return
-        self.strategy.selector.observe(event.version + 1, [reply], {node: event.duration})
-        if self.strategy.downlink is not None:
-            self.strategy.downlink.learn([reply])
-        try:
-            arrays, weight = self.strategy.validator.check(reply.content, server_round=event.version + 1,
-                                                           spec=spec_of(self.arrays),
-                                                           reference=self.snapshots[event.version])
-        except UpdateRejected as exc:
-            log.warning("fedbuff: rejected update from node %d: %s", node, exc.reason)
-            self.report.rejected.append(Rejection(node, exc.reason))
-            return
-        start = self.snapshots[event.version]
-        delta = {k: np.asarray(start[k], np.float64) - np.asarray(v, np.float64) for k, v in arrays.items()}
-        self.buffer.append((delta, self.strategy.weight(self.version - event.version)))
-        if statistics := self.strategy.statistics_of(arrays):  # averaged as values: a stale delta overshoots them
-            self.statistics.add({k: arrays[k] for k in statistics}, self.buffer[-1][1])
-        self.replies.append(reply)
-        self.report.accepted += 1
-
-    def _flush(self) -> None:
-        deltas, weights = zip(*self.buffer, strict=True)
-        new = apply_buffer(self.snapshots[self.version], list(deltas), list(weights),
-                           self.strategy.server_learning_rate)
-        if self.statistics.count:
-            means = self.statistics.result()
-            new = with_statistics(new, means, means)
-            self.statistics = WeightedMeanAccumulator()
-        self.version += 1
-        self.arrays = ArrayRecord({k: Array(c_contiguous(v)) for k, v in new.items()})
-        self.snapshots[self.version] = new
-        live = self.arrivals.versions() | {self.version}
-        self.snapshots = {v: a for v, a in self.snapshots.items() if v in live}
-        if (clock := timed(self.grid)) is not None:
-            clock.count_participants(self.replies)
-        self.report.aggregated = True
-        self.strategy.reports.append(self.report)
-        self.buffer, self.replies = [], []
-        self.report = RoundReport(server_round=self.version + 1, selected=0)
-        self.flushed = True
-
-
-def _numpy(arrays: ArrayRecord) -> dict[str, NDArray[Any]]:
-    return {k: a.numpy() for k, a in arrays.items()}

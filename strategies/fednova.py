@@ -2,16 +2,44 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
-
-import numpy as np
-from numpy.typing import NDArray
 
 from fedge.aggregate import FedNovaAccumulator, fednova_norm
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.registry import register
-from fedge.strategies.validation import AcceptedUpdate
+from fedge.strategies.rule import Arrays, LinearRule, RoundContext, Update
+
+
+class NormalisedMean(LinearRule):
+    """FedNova's normalised averaging (Wang et al., NeurIPS 2020), streaming.
+
+    Each device's change is divided by ``a_i`` (its local steps, adjusted for momentum) and
+    the mean change rescaled by the weighted mean ``a``. Linear in ``(w * delta / a, w, w * a)``:
+    secure aggregation masks those three (:attr:`work_momentum` tells devices ``a_i``'s momentum).
+    """
+
+    needs_global_model = True  # steps from the global model configure_train sent
+    takes_stale_updates = False  # normalises by local steps, which asynchronous arrivals do not carry
+
+    def __init__(self, *, local_momentum: float = 0.0) -> None:
+        super().__init__()
+        self.work_momentum = local_momentum
+
+    def begin(self, context: RoundContext) -> None:  # noqa: D102
+        super().begin(context)
+        self.normalised: FedNovaAccumulator | None = None
+
+    def fold(self, update: Update) -> None:
+        """Add ``update``'s change normalised by its local work (steps checked by validation)."""
+        if self.normalised is None:
+            self.normalised = FedNovaAccumulator(self.context.global_numpy())
+        steps = update.steps if update.steps is not None else 1
+        self.normalised.add(update.arrays, update.weight, fednova_norm(steps, self.work_momentum or 0.0))
+
+    def result(self) -> Arrays | None:  # noqa: D102
+        if self.normalised is None or not self.normalised.count:
+            return None
+        return self.step(self.normalised.result())
 
 
 @register("fednova", options=lambda c, n: {"local_momentum": float(c["momentum"])})
@@ -22,7 +50,7 @@ class FedNova(FedAvg):
     toward them. FedNova divides each device's change by ``a_i`` (its number of
     local steps, adjusted for momentum) and rescales by the weighted mean ``a``, so
     the objective stays the weighted sum of local objectives. Devices report their
-    steps in fedge's reply meta (``steps``).
+    steps in fedge's reply meta (``steps``). :class:`FedAvg` with the :class:`NormalisedMean` rule.
 
     Parameters
     ----------
@@ -30,16 +58,6 @@ class FedNova(FedAvg):
         The devices' SGD momentum (enters ``a_i``).
     """
 
-    needs_global_model = True  # steps from the global model configure_train sent
-
     def __init__(self, *, local_momentum: float = 0.0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(rule=NormalisedMean(local_momentum=local_momentum), **kwargs)
         self.local_momentum = local_momentum
-
-    def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
-        """Streaming normalised averaging."""
-        accumulator = FedNovaAccumulator(self.global_numpy())
-        for update in updates:  # steps were checked (type, range, the instruction's limit) by validation
-            steps = update.meta.steps if update.meta is not None and update.meta.steps is not None else 1
-            accumulator.add(update.arrays, update.weight, fednova_norm(steps, self.local_momentum))
-        return accumulator.result() if accumulator.count else None

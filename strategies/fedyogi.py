@@ -17,4 +17,4 @@ class FedYogi(FedAdam):
 
     Takes Flower's ``FedYogi`` call and defaults (``eta`` 0.01, ``eta_l`` 0.0316, ...)."""
 
-    rule = "yogi"
+    kind = "yogi"

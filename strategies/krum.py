@@ -3,31 +3,44 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 from flwr.serverapp.strategy import Krum as FlowerKrum
 from flwr.serverapp.strategy import MultiKrum as FlowerMultiKrum
-from numpy.typing import NDArray
 
 from fedge.aggregate import multi_krum
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.flower_args import flower_constructor
 from fedge.strategies.registry import register
-from fedge.strategies.validation import AcceptedUpdate
+from fedge.strategies.rule import Arrays, EachUpdateRule, Update
 
 log = logging.getLogger("fedge.strategies")
 
 
-@register("krum", needs_individual_updates=True,
+class KrumSelection(EachUpdateRule):
+    """Multi-Krum (Blanchard et al., NeurIPS 2017): the unweighted mean of the ``num_selected``
+    updates closest to their ``n - f - 2`` nearest neighbours (1: Krum)."""
+
+    def __init__(self, *, num_byzantine: int, num_selected: int) -> None:
+        super().__init__()
+        self.num_byzantine, self.num_selected = num_byzantine, num_selected
+
+    def combine(self, updates: list[Update]) -> Arrays | None:  # noqa: D102
+        selected = min(self.num_selected, len(updates))
+        aggregate, chosen = multi_krum([u.arrays for u in updates], self.num_byzantine, selected)
+        log.info("krum kept nodes %s", [updates[i].node_id for i in chosen])
+        return aggregate
+
+
+@register("krum",
           options=lambda c, n: {"num_byzantine": int(c["num-byzantine"]), "num_selected": int(c["krum-select"])})
 @flower_constructor(FlowerKrum, num_malicious_nodes="num_byzantine")
 class Krum(FedAvg):
     """Krum / Multi-Krum (Blanchard et al., NeurIPS 2017).
 
     Scores each update by the summed squared distance to its ``n - f - 2`` nearest
-    neighbours and averages the ``num_selected`` best (1 = Krum). Tolerates ``f``
+    neighbours and averages the ``num_selected`` best (1 = Krum): :class:`FedAvg` with the
+    :class:`KrumSelection` rule. Tolerates ``f``
     Byzantine updates when ``n > 2f + 2``.
 
     Takes Flower's ``Krum`` call (``num_malicious_nodes``, default 0); the selected updates are
@@ -42,19 +55,9 @@ class Krum(FedAvg):
     """
 
     def __init__(self, *, num_byzantine: int = 0, num_selected: int = 1, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(rule=KrumSelection(num_byzantine=num_byzantine, num_selected=num_selected), **kwargs)
         self.num_byzantine = num_byzantine
         self.num_selected = num_selected
-
-    def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
-        """Multi-Krum over all accepted updates."""
-        accepted = list(updates)
-        if not accepted:
-            return None
-        selected = min(self.num_selected, len(accepted))
-        aggregate, chosen = multi_krum([u.arrays for u in accepted], self.num_byzantine, selected)
-        log.info("krum kept nodes %s", [accepted[i].node_id for i in chosen])
-        return aggregate
 
 
 @flower_constructor(FlowerMultiKrum, num_malicious_nodes="num_byzantine", num_nodes_to_select="num_selected")

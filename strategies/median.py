@@ -2,30 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import Any
 
-import numpy as np
 from flwr.serverapp.strategy import FedMedian as FlowerFedMedian
-from numpy.typing import NDArray
 
 from fedge.aggregate import coordinate_median
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.flower_args import flower_constructor
 from fedge.strategies.registry import register
-from fedge.strategies.validation import AcceptedUpdate
+from fedge.strategies.rule import Arrays, EachUpdateRule, Update
 
 
-@register("median", needs_individual_updates=True)
+class CoordinateMedian(EachUpdateRule):
+    """The coordinate-wise median of the updates (Yin et al., ICML 2018); unweighted."""
+
+    def combine(self, updates: list[Update]) -> Arrays | None:  # noqa: D102
+        return coordinate_median([update.arrays for update in updates])
+
+
+@register("median")
 @flower_constructor(FlowerFedMedian)
 class Median(FedAvg):
-    """FedAvg with the coordinate-wise median (Yin et al., ICML 2018); unweighted.
+    """FedAvg with the coordinate-wise median (Yin et al., ICML 2018): :class:`FedAvg` with the
+    :class:`CoordinateMedian` rule.
 
     Flower's name for it, ``FedMedian``, is the same class and takes Flower's call."""
 
-    def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
-        """Median of all accepted updates."""
-        arrays = [update.arrays for update in updates]
-        return coordinate_median(arrays) if arrays else None
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(rule=CoordinateMedian(), **kwargs)
 
 
 FedMedian = Median  # Flower's name

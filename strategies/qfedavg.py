@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 from flwr.serverapp.strategy import QFedAvg as FlowerQFedAvg
-from numpy.typing import NDArray
 
 from fedge import wire
 from fedge.aggregate import QFedAvgAccumulator, WeightedMeanAccumulator
@@ -17,9 +14,49 @@ from fedge.errors import ConfigError
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.flower_args import flower_constructor
 from fedge.strategies.registry import register
-from fedge.strategies.validation import AcceptedUpdate
+from fedge.strategies.rule import Arrays, RoundContext, Rule, Update
 
 log = logging.getLogger("fedge.strategies")
+
+
+class FairStep(Rule):
+    """q-FedAvg's step (Li et al., ICLR 2020, Algorithm 2) over the updates that report their loss,
+    streaming (:class:`fedge.aggregate.QFedAvgAccumulator`); statistics are averaged, never stepped.
+
+    Not linear: each update is weighted by its own loss to the power ``q``.
+    """
+
+    def __init__(self, *, client_learning_rate: float, q: float, train_loss_key: str) -> None:
+        super().__init__()
+        self.client_learning_rate, self.q, self.train_loss_key = client_learning_rate, q, train_loss_key
+
+    def begin(self, context: RoundContext) -> None:  # noqa: D102
+        super().begin(context)
+        self.step: QFedAvgAccumulator | None = None
+        self.means = WeightedMeanAccumulator()
+
+    def fold(self, update: Update) -> None:
+        """Add ``update`` to the step, or leave it out (logged) without a usable loss."""
+        if self.step is None:
+            global_arrays = self.context.global_numpy()
+            self.statistics = self.context.statistics_of(global_arrays)  # kept out of the step and its ||Delta||^2
+            self.weights = [name for name in global_arrays if name not in self.statistics]
+            self.step = QFedAvgAccumulator({name: global_arrays[name] for name in self.weights}, q=self.q,
+                                           client_lr=self.client_learning_rate)
+        loss = update.metrics.get(self.train_loss_key)
+        if isinstance(loss, bool) or not isinstance(loss, int | float) or not math.isfinite(loss) or loss < 0:
+            log.warning("qfedavg: node %d reported no usable '%s' (%r); its update is left out of the step",
+                        update.node_id, self.train_loss_key, loss)
+            return
+        self.step.add({name: update.arrays[name] for name in self.weights}, float(loss))
+        if self.statistics:
+            self.means.add({name: update.arrays[name] for name in self.statistics}, update.weight)
+        update.arrays.clear()
+
+    def result(self) -> Arrays | None:  # noqa: D102
+        if self.step is None or not self.step.count:
+            return None
+        return {**self.step.result(), **self.means.result()} if self.statistics else self.step.result()
 
 
 @register("qfedavg", options=lambda c, n: {"client_learning_rate": float(c["learning-rate"]),
@@ -47,33 +84,11 @@ class QFedAvg(FedAvg):
         the step (logged), where Flower's would stop the round with an error.
     """
 
-    needs_global_model = True  # steps from the global model configure_train sent
-
     def __init__(self, *, client_learning_rate: float, q: float = 0.1, train_loss_key: str = "train_loss",
                  **kwargs: Any) -> None:
         if not client_learning_rate > 0 or not q >= 0:
             raise ConfigError(f"qfedavg: client_learning_rate = {client_learning_rate} must be > 0 and q = {q} "
                               ">= 0 (0: FedAvg's objective)")
-        super().__init__(**kwargs)
+        super().__init__(rule=FairStep(client_learning_rate=client_learning_rate, q=q, train_loss_key=train_loss_key),
+                         **kwargs)
         self.client_learning_rate, self.q, self.train_loss_key = client_learning_rate, q, train_loss_key
-
-    def aggregate_updates(self, updates: Iterator[AcceptedUpdate]) -> dict[str, NDArray[np.generic]] | None:
-        """The q-FedAvg step over the accepted updates that report their loss."""
-        global_arrays = self.global_numpy()
-        statistics = self.statistics_of(global_arrays)  # averaged, and kept out of the step and its ||Delta||^2
-        weights = {name: value for name, value in global_arrays.items() if name not in statistics}
-        step = QFedAvgAccumulator(weights, q=self.q, client_lr=self.client_learning_rate)
-        means = WeightedMeanAccumulator()
-        for update in updates:
-            loss = next(iter(update.content.metric_records.values())).get(self.train_loss_key)
-            if isinstance(loss, bool) or not isinstance(loss, int | float) or not math.isfinite(loss) or loss < 0:
-                log.warning("qfedavg: node %d reported no usable '%s' (%r); its update is left out of the step",
-                            update.node_id, self.train_loss_key, loss)
-                continue
-            step.add({name: update.arrays[name] for name in weights}, float(loss))
-            if statistics:
-                means.add({name: update.arrays[name] for name in statistics}, update.weight)
-            update.arrays.clear()
-        if not step.count:
-            return None
-        return {**step.result(), **means.result()} if statistics else step.result()

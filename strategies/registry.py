@@ -2,14 +2,15 @@
 it reads its options from the run config. Adding a strategy is one file (plus tests).
 
 The registry knows whether a strategy works with ``dp`` (the noise is calibrated to a mean
-of clipped updates), so DP asks it instead of keeping a list of names; and which class runs
-its rounds under secure aggregation (:func:`register_secure`), so secure aggregation asks it too.
+of clipped updates), so DP asks it instead of keeping a list of names. What a strategy's
+rule allows (secure aggregation, asynchronous rounds) the rule declares itself
+(:mod:`fedge.strategies.rule`) and the driver checks (:mod:`fedge.strategies.drivers`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fedge.config import Scalar
@@ -38,49 +39,24 @@ class StrategySpec:
         Constructor keyword arguments from the run config (and the fleet size, when known).
     dp : bool
         Works with differential privacy (a mean of clipped updates).
-    needs_individual_updates : bool
-        Needs each update on its own (robust aggregation): cannot run under secure aggregation,
-        and holds all of a round's updates (O(K x P) memory).
-    secure : type | None
-        The class that runs its rounds under secure aggregation (None: it cannot).
     """
 
     name: str
     cls: type
     options: Options
     dp: bool = False
-    needs_individual_updates: bool = False
-    secure: type | None = None
 
 
 REGISTRY: dict[str, StrategySpec] = {}
 
 
-def register(name: str, *, options: Options = no_options, dp: bool = False,
-             needs_individual_updates: bool = False) -> Callable[[T], T]:
+def register(name: str, *, options: Options = no_options, dp: bool = False) -> Callable[[T], T]:
     """Class decorator: register a strategy under ``name``."""
     def decorate(cls: T) -> T:
         if name in REGISTRY and REGISTRY[name].cls is not cls:
             raise ConfigError(f"two strategies registered as '{name}': {REGISTRY[name].cls.__name__} and "
                               f"{cls.__name__}; give one another name")
-        REGISTRY[name] = StrategySpec(name, cls, options, dp, needs_individual_updates)
-        return cls
-    return decorate
-
-
-def register_secure(name: str) -> Callable[[T], T]:
-    """Class decorator: ``cls`` runs strategy ``name``'s rounds under secure aggregation.
-
-    Register the plain strategy first (its module is imported by the secure one's).
-    """
-    def decorate(cls: T) -> T:
-        if name not in REGISTRY:
-            raise ConfigError(f"{cls.__name__} is registered as the secure variant of '{name}', which is not a "
-                              "registered strategy; register the strategy first")
-        if REGISTRY[name].needs_individual_updates:
-            raise ConfigError(f"strategy '{name}' needs individual updates, which secure aggregation hides; "
-                              f"{cls.__name__} cannot be its secure variant")
-        REGISTRY[name] = replace(REGISTRY[name], secure=cls)
+        REGISTRY[name] = StrategySpec(name, cls, options, dp)
         return cls
     return decorate
 

@@ -73,7 +73,8 @@ def test_every_python_example_is_run_or_covered() -> None:
         ("README.md", "from fedge.edge import EdgeModel"),
         ("docs/edge-bundles.md", "from fedge.edge import EdgeModel"),
         ("docs/edge-bundles.md", "import base64, hashlib, json, pathlib"),
-        ("docs/strategies.md", "from flwr.serverapp.strategy import FedYogi as FlowerFedYogi"),
+        ("docs/strategies.md", "from typing import Any"),
+        ("docs/strategies.md", "from fedge.strategies import AsynchronousDriver, FedAdam, FedAvg, SecureAggregation"),
     }
     # Execute
     unaccounted = [(page, _first_line(code)) for page, code in python_examples()
@@ -175,6 +176,20 @@ def test_verifying_without_fedge_example_passes_and_catches_an_altered_file(in_t
 
 def test_the_strategy_example_is_the_file_itself() -> None:
     # Prepare
-    code = _example("docs/strategies.md", "from flwr.serverapp.strategy import FedYogi as FlowerFedYogi")
-    # Assert: the docs show strategies/fedyogi.py as it is (importing it registers the strategy)
-    assert code in (ROOT / "strategies" / "fedyogi.py").read_text()
+    code = _example("docs/strategies.md", "from typing import Any")
+    # Assert: the docs show strategies/median.py as it is (importing it registers the strategy)
+    assert code in (ROOT / "strategies" / "median.py").read_text()
+
+
+def test_the_composition_example_builds_what_it_says() -> None:
+    # Prepare
+    code = _example("docs/strategies.md", "from fedge.strategies import AsynchronousDriver, FedAdam, FedAvg, "
+                                          "SecureAggregation")
+    namespace: dict[str, Any] = {}
+    # Execute
+    exec(compile(code, "docs/strategies.md", "exec"), namespace)
+    # Assert: FedAvg's rule under the secure driver, FedAdam's under the asynchronous one
+    secure, asynchronous = namespace["secure_fedavg"], namespace["asynchronous_fedadam"]
+    assert type(secure.driver).__name__ == "SecureAggregation" and type(secure.rule).__name__ == "Mean"
+    assert type(asynchronous.driver).__name__ == "AsynchronousDriver"
+    assert type(asynchronous.rule).__name__ == "Adaptive"

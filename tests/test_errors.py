@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 from flwr.app import Array, RecordDict
 
-import fedge.strategies.secure as secure
+import fedge.strategies.drivers.secure as secure
 from fedge.config import resolve_run_config
 from fedge.errors import ConfigError, FedgeError, ProtocolError, RunFailed, SecureRoundFailed
 from fedge.server.app import run_coordinator
 from fedge.server.report import read_jsonl
 from fedge.simulation.grid import FIRST_NODE_ID, InlineGrid
+from fedge.strategies.drivers.secure import SecureAggregation
 from fedge.strategies.policies import DeadlinePolicy
-from fedge.strategies.secure import SecureAggregation
 from fedge.strategies.validation import Rejection
 from replies import capture_strategies, tampered_app
 

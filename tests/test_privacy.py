@@ -115,9 +115,8 @@ def test_the_mean_has_a_fixed_denominator_whoever_dropped_out() -> None:
     from fedge.server.privacy import DifferentialPrivacy
     from fedge.strategies import FedAvg
 
-    strategy = FedAvg(clients_per_round=6)
-    strategy.privacy = DifferentialPrivacy(strategy=strategy, mode="server-fixed", noise_multiplier=1.0,
-                                           clipping_norm=1.0, num_sampled=6, population=10, delta=1e-5)
+    strategy = FedAvg(clients_per_round=6, privacy=DifferentialPrivacy(
+        mode="server-fixed", noise_multiplier=1.0, clipping_norm=1.0, num_sampled=6, population=10, delta=1e-5))
     strategy.global_arrays = ArrayRecord({"w": Array(np.zeros(3, np.float32))})
     # Execute
     result = strategy._fixed_denominator({"w": np.full(3, 3.0, np.float32)}, count=2)

@@ -56,7 +56,7 @@ def test_dp_asks_the_registry_which_strategies_it_combines_with() -> None:
     config = resolve_run_config({"strategy": "median", "dp": "server-fixed"})
     # Execute / Assert
     with pytest.raises(ConfigError, match="works with strategy fedavg, fedprox"):
-        build_privacy(build_strategy(config, 20), config, 20)
+        build_privacy(config, 20)
 
 
 def test_the_cli_refuses_an_unknown_strategy_with_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -155,19 +155,31 @@ def test_coordinator_start_refuses_unregistered_names_before_starting_anything(
     assert not (tmp_path / "state").exists()
 
 
-def test_secure_aggregation_asks_the_registry_for_each_strategys_secure_class() -> None:
-    # Prepare
-    from fedge.strategies.secure import SecureAggregation, SecureFedNova, SecureFedProx
-    # Assert: the three with a secure class, none of those needing individual updates
-    assert {name: spec.secure for name, spec in REGISTRY.items() if spec.secure} == {
-        "fedavg": SecureAggregation, "fedprox": SecureFedProx, "fednova": SecureFedNova}
-    assert all(spec.secure is None for spec in REGISTRY.values() if spec.needs_individual_updates)
+LINEAR = {"fedavg", "fedprox", "fednova", "fedavgm", "fedadam", "fedyogi", "fedadagrad"}
 
 
-def test_a_strategy_that_needs_individual_updates_cannot_register_a_secure_class() -> None:
-    # Prepare
-    from fedge.strategies.registry import register_secure
-    # Execute / Assert
-    with pytest.raises(ConfigError, match="needs individual updates, which secure aggregation hides"):
-        register_secure("median")(type("SecureMedian", (), {}))
-    assert REGISTRY["median"].secure is None
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_secure_aggregation_is_a_driver_any_linear_rule_takes(name: str) -> None:
+    # Prepare: the run config of each registered strategy with secure aggregation on
+    config = resolve_run_config({"strategy": name, "secure-aggregation": True, "clients-per-round": 11})
+    # Execute / Assert: linear rules compose with the secure driver; the others are refused by name
+    if name in LINEAR:
+        strategy = build_strategy(config, 20)
+        assert type(strategy.driver).__name__ == "SecureAggregation" and strategy.rule.linear
+    else:
+        with pytest.raises(ConfigError, match="secure-aggregation works with linear rules|FedBuff is asynchronous"):
+            build_strategy(config, 20)
+
+
+def test_no_strategy_or_driver_is_a_mixin() -> None:
+    # Prepare: every class the strategies package defines
+    import inspect
+
+    import fedge.strategies
+    import fedge.strategies.drivers.asynchronous
+    import fedge.strategies.drivers.secure  # noqa: F401
+
+    classes = {cls for module in list(sys.modules.values()) if module and module.__name__.startswith("fedge.strategies")
+               for _, cls in inspect.getmembers(module, inspect.isclass) if cls.__module__.startswith("fedge.")}
+    # Assert: no class has two fedge bases (composition, not multiple inheritance)
+    assert classes and all(sum(base.__module__.startswith("fedge.") for base in cls.__bases__) <= 1 for cls in classes)

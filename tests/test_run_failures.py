@@ -14,7 +14,7 @@ import torch
 
 from fedge.config import resolve_run_config
 from fedge.errors import ExportError, RunFailed
-from fedge.strategies.fedavg import RoundReport
+from fedge.strategies.drivers.base import RoundReport
 from fedge.strategies.systematic import systematic_reason
 from fedge.strategies.validation import Failure, Rejection
 from fedge.tasks.digits import Digits

@@ -45,8 +45,8 @@ from fedge.secagg import (
 from fedge.server.app import run_coordinator
 from fedge.server.report import read_jsonl
 from fedge.simulation.grid import InlineGrid
-from fedge.strategies.fedavg import RoundReport
-from fedge.strategies.secure import SecureAggregation, _Expected
+from fedge.strategies.drivers.base import RoundReport
+from fedge.strategies.drivers.secure import SecureAggregation, _Expected
 from replies import tampered_app
 
 BASE = {"fleet": "phone=6,laptop=3,gpu-box=1", "clients-per-round": 6, "num-rounds": 2, "model": "mlp",
@@ -127,7 +127,7 @@ def _masked_reply(node: int, vector: np.ndarray, key: Ed25519PrivateKey) -> Mess
 def test_the_coordinator_folds_masked_inputs_in_as_they_come_and_keeps_none_of_them() -> None:
     # Prepare: 40 well-formed masked inputs; then one from a device that was never asked, a second one
     # from a device already summed, one of the wrong length and an error
-    strategy, length = SecureAggregation(clients_per_round=42, min_train_replies=1), 50_000
+    strategy, length = SecureAggregation(), 50_000
     rng = np.random.default_rng(0)
     vectors = {10_000 + i: rng.integers(0, 2**32, length, dtype=np.uint64).astype(np.uint32) for i in range(40)}
     signing = {node: Ed25519PrivateKey.generate() for node in [*vectors, 10_040, 10_041, 99_999]}
@@ -303,7 +303,7 @@ def test_impossible_secure_settings_are_refused_at_start(
 ])
 def test_a_secret_always_needs_a_majority_and_at_least_two_shares(fraction: float, neighbours: int,
                                                                   expected: int) -> None:
-    from fedge.strategies.secure import shares_needed
+    from fedge.strategies.drivers.secure import shares_needed
 
     assert shares_needed(fraction, neighbours) == expected
     assert expected >= minimum_threshold(neighbours)  # what devices accept

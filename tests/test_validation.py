@@ -11,7 +11,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord
 
 from fedge import wire
-from fedge.strategies import FedAvg
+from fedge.strategies import FedAvg, LinearRule
 from fedge.strategies.validation import ReplyValidator
 from replies import global_arrays, good_arrays, instruction, train_reply
 
@@ -165,12 +165,11 @@ def test_metrics_are_weighted_by_num_examples() -> None:
 
 def test_a_diverged_aggregate_keeps_the_global_model() -> None:
     # Prepare: a strategy whose aggregation rule overflows (as an unstable server step can)
-    class Overflowing(FedAvg):
-        def aggregate_updates(self, updates):  # type: ignore[no-untyped-def]
-            average = super().aggregate_updates(updates)
-            return {k: v * np.float32(1e38) * np.float32(1e38) for k, v in average.items()}
+    class Overflowing(LinearRule):
+        def step(self, mean):  # type: ignore[no-untyped-def]
+            return {k: v * np.float32(1e38) * np.float32(1e38) for k, v in mean.items()}
 
-    strategy = Overflowing(validator=ReplyValidator(max_num_examples=1000))
+    strategy = FedAvg(rule=Overflowing(), validator=ReplyValidator(max_num_examples=1000))
     strategy.global_arrays = global_arrays()
     # Execute
     with np.errstate(over="ignore"):

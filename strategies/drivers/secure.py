@@ -35,7 +35,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -43,6 +43,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from flwr.serverapp import Grid
 
 from fedge import wire
+from fedge.aggregate import c_contiguous
 from fedge.errors import ConfigError, ProtocolError, SecureRoundFailed, UpdateRejected
 from fedge.secagg import (
     PUBLIC_KEYS,
@@ -66,11 +67,13 @@ from fedge.secagg import (
     valid_received_signature,
     valid_survivors_signature,
 )
-from fedge.strategies import FedAvg, FedNova, FedProx
-from fedge.strategies.fedavg import RoundReport
+from fedge.strategies.drivers.base import RoundReport
+from fedge.strategies.drivers.sync import SyncDriver
 from fedge.strategies.policies import let_go
-from fedge.strategies.registry import REGISTRY, register_secure
 from fedge.strategies.validation import Rejection, decode_arrays
+
+if TYPE_CHECKING:
+    from fedge.strategies.fedavg import FedAvg
 
 log = logging.getLogger("fedge.strategies.secure")
 
@@ -81,16 +84,17 @@ Keys = dict[str, bytes]
 T = TypeVar("T")
 
 
-@register_secure("fedavg")
-class SecureAggregation(FedAvg):
-    """Rounds that run the secure-aggregation protocol; combine with FedAvg, FedProx or FedNova.
+class SecureAggregation(SyncDriver):
+    """The secure driver: synchronous rounds that run the secure-aggregation protocol around any
+    linear rule (``FedAvg(driver=SecureAggregation())``, FedProx, FedNova, FedAvgM, FedAdam, ...).
 
-    :func:`secure_variant` puts this class in front of a strategy class, so the
-    strategy's own ``configure_train`` (FedProx's ``proximal-mu``, stragglers' partial
+    The strategy's own ``configure_train`` (FedProx's ``proximal-mu``, stragglers' partial
     work) shapes the instructions, and the round policy decides which masked inputs
     count (with a deadline, late devices are treated as dropouts). Devices send
     ``w * delta / a`` and the tail ``[w, w * a]`` (``a``: FedNova's normalised local
-    work, 1 otherwise); the update applied is ``sum(w delta / a) / sum(w) * sum(w a) / sum(w)``.
+    work, 1 otherwise); the weighted mean ``global + sum(w delta / a) / sum(w) * sum(w a) / sum(w)``
+    goes to the rule's server step (:meth:`fedge.strategies.rule.LinearRule.step`). A driver
+    runs one strategy (:meth:`bind`).
 
     Parameters
     ----------
@@ -118,22 +122,44 @@ class SecureAggregation(FedAvg):
     """
 
     def __init__(self, *, threshold: float = 0.5, neighbours: int = 0, clip: float = 1000.0,
-                 precision: float = 1e-4, bits: int = 32, weight_clip: float = 1e5, work_cap: float = 1.0,
-                 **kwargs: Any) -> None:
+                 precision: float = 1e-4, bits: int = 32, weight_clip: float = 1e5, work_cap: float = 1.0) -> None:
         _check_settings(threshold=threshold, neighbours=neighbours, clip=clip, precision=precision, bits=bits,
                         weight_clip=weight_clip, work_cap=work_cap)
-        super().__init__(**kwargs)
         self.threshold_fraction, self.neighbours = threshold, neighbours
         self.clip, self.precision, self.bits, self.weight_clip = clip, precision, bits, weight_clip
-        self.work_cap = work_cap if isinstance(self, FedNova) else 1.0
+        self.requested_work_cap = self.work_cap = work_cap
+        self.strategy: FedAvg | None = None
 
-    def train_round(
-        self, grid: Grid, server_round: int, arrays: ArrayRecord, config: ConfigRecord, timeout: float
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def bind(self, strategy: FedAvg) -> None:
+        """Run ``strategy``'s rounds; refuse a rule that is not linear (secure aggregation reveals only a sum).
+
+        Raises
+        ------
+        ConfigError
+            Naming why, and the linear strategies.
+        """
+        rule = strategy.rule
+        if not rule.linear:
+            why = ("it needs each update, which secure aggregation hides" if rule.needs_each_update else
+                   "its step is not one on the updates' weighted mean, the only thing secure aggregation reveals")
+            raise ConfigError(
+                f"secure-aggregation works with linear rules, not {type(strategy).__name__}'s "
+                f"{type(rule).__name__}: {why}; use fedavg, fedprox, fednova, fedavgm, fedadam, fedyogi or "
+                "fedadagrad, or drop secure-aggregation")
+        if strategy.privacy is not None:
+            raise ConfigError("dp with secure-aggregation is not supported yet (the coordinator cannot clip updates it "
+                              "cannot see, and fedge does not add distributed noise on devices); turn one of them off")
+        self.strategy = strategy
+        self.work_cap = self.requested_work_cap if rule.work_momentum is not None else 1.0  # FedNova's a_i
+
+    def train_round(self, strategy: FedAvg, grid: Grid, server_round: int, arrays: ArrayRecord,
+                    config: ConfigRecord, timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The five protocol steps; the model changes only if enough devices finish them."""
+        if strategy is not self.strategy:
+            self.bind(strategy)
         instructions = {m.metadata.dst_node_id: m.content
-                        for m in self.configure_train(server_round, arrays, config, grid)}
-        report = self.reports[-1]
+                        for m in strategy.configure_train(server_round, arrays, config, grid)}
+        report = strategy.reports[-1]
         codecs = self._codecs(len(instructions))
         try:
             total, survivors = self._attempts(grid, server_round, instructions, codecs, timeout, report)
@@ -143,8 +169,16 @@ class SecureAggregation(FedAvg):
             return None, MetricRecord({"accepted": 0, "failed": len(report.failed), "late": report.late})
         report.accepted, report.aggregated = len(survivors), True
         delta = summed / weight * (weighted_work / weight)
-        return self._apply(arrays, delta), MetricRecord(
+        strategy.rule.begin(strategy.round_context())
+        new = strategy.rule.step(self._apply(arrays, delta))  # type: ignore[attr-defined]
+        return ArrayRecord({name: Array(c_contiguous(new[name])) for name in arrays}), MetricRecord(
             {"accepted": len(survivors), "failed": len(report.failed), "late": report.late, "weight": weight})
+
+    @property
+    def _strategy(self) -> FedAvg:
+        if self.strategy is None:
+            raise RuntimeError("SecureAggregation runs a strategy's rounds: give it as FedAvg(driver=...)")
+        return self.strategy
 
     def _attempts(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
                   codecs: tuple[FixedPoint, FixedPoint, FixedPoint], timeout: float,
@@ -207,7 +241,7 @@ class SecureAggregation(FedAvg):
             {wire.SERVER_ROUND: server_round})}) for n in instructions}, timeout, report)
         keys = _read_each(setup, _read_keys, "secagg_setup", "the round goes on without it", server_round, report)
         alive = _distinct_keys(list(keys), keys, server_round, report)
-        graph = neighbour_graph(alive, self.neighbours or len(alive), seed=self.selector.seed + server_round)
+        graph = neighbour_graph(alive, self.neighbours or len(alive), seed=self._strategy.selector.seed + server_round)
         threshold = self._threshold(graph)
         peers = {n: RecordDict({"peers": _peer_record(keys, graph[n], server_round, threshold)}) for n in alive}
         sealed = _read_each(self._step(grid, "secagg_share", peers, timeout, report),
@@ -221,16 +255,16 @@ class SecureAggregation(FedAvg):
                         few, threshold)
         maskers = {n: inbox for n, inbox in inboxes.items() if n not in few}
         masked, expected = self._masked_step(grid, server_round, instructions, maskers, codecs, timeout, report)
-        length = sum(int(np.prod(a.shape)) for a in self.global_numpy().values()) + 2  # update, w, w * a
+        length = sum(int(np.prod(a.shape)) for a in self._strategy.global_numpy().values()) + 2  # update, w, w * a
         checks = _Expected(set(maskers), expected, keys, graph, server_round)
         folded = self._sum_masked(masked, checks, length, server_round, report)
         total, summed = folded.total, folded.received
         if folded.bad_shares:
             raise _BadShares(_blame(folded.bad_shares, graph, threshold))
         survivors = [n for n in shared if n in summed]
-        if len(survivors) < max(MIN_DEVICES, self.min_train_replies):
+        if len(survivors) < max(MIN_DEVICES, self._strategy.min_train_replies):
             raise SecureRoundFailed(f"{len(survivors)} devices sent masked inputs, need {MIN_DEVICES} and "
-                                    f"min-train-replies {self.min_train_replies}")
+                                    f"min-train-replies {self._strategy.min_train_replies}")
         _enough_holders(graph, shared, survivors, threshold, "sent masked inputs")
         signatures = self._consistency(grid, server_round, survivors, keys, summed, graph, timeout, report)
         signers = set(signatures)
@@ -327,8 +361,8 @@ class SecureAggregation(FedAvg):
         params = ConfigRecord({"clip": values.clip, "scale": values.scale, "bits": self.bits,
                                "weight-clip": weights.clip, "weight-scale": weights.scale,
                                "work-clip": works.clip, "work-scale": works.scale, "work-cap": self.work_cap,
-                               "work-momentum": self.local_momentum if isinstance(self, FedNova) else -1.0})
-        targets = [n for n in inboxes if self.keeps_partial_work or n not in self.stragglers]
+                               "work-momentum": _work_momentum(self._strategy)})
+        targets = [n for n in inboxes if self._strategy.keeps_partial_work or n not in self._strategy.stragglers]
         report.late += len(inboxes) - len(targets)  # FedAvg leaves stragglers out: they count as dropouts
         messages = [Message(RecordDict({wire.ARRAYS: instructions[n][wire.ARRAYS],
                                         wire.CONFIG: instructions[n][wire.CONFIG],
@@ -336,8 +370,8 @@ class SecureAggregation(FedAvg):
                             dst_node_id=n, message_type=f"{MessageType.TRAIN}.secagg_masked") for n in targets]
         expected = _sent_digests(instructions, targets, params)
         # masked replies carry no metrics (a device's loss would leak): the selector learns nothing here
-        return _counting_late(self.policy.stream(grid, messages, timeout, self.round_target), len(messages),
-                              report), expected
+        stream = self._strategy.policy.stream(grid, messages, timeout, self._strategy.round_target)
+        return _counting_late(stream, len(messages), report), expected
 
     def _step(self, grid: Grid, action: str, contents: dict[int, RecordDict], timeout: float,
               report: RoundReport) -> dict[int, Message]:
@@ -375,14 +409,16 @@ class SecureAggregation(FedAvg):
             raise SecureRoundFailed(f"the shares revealed for device {owner} disagree (a wrong share)")
         return secret
 
-    def _apply(self, arrays: ArrayRecord, delta: np.ndarray) -> ArrayRecord:
+    @staticmethod
+    def _apply(arrays: ArrayRecord, delta: np.ndarray) -> dict[str, np.ndarray]:
+        """The weighted mean: ``arrays`` plus the unmasked mean change (laid out by sorted name)."""
         new, offset = {}, 0
         for name in sorted(arrays):
             current = arrays[name].numpy()
             size = current.size
-            new[name] = Array((current + delta[offset:offset + size].reshape(current.shape)).astype(current.dtype))
+            new[name] = (current + delta[offset:offset + size].reshape(current.shape)).astype(current.dtype)
             offset += size
-        return ArrayRecord({name: new[name] for name in arrays})
+        return new
 
 
 MIN_DEVICES = 3  # with 2, each device learns the other's update from the sum
@@ -656,35 +692,10 @@ def _distinct_keys(nodes: list[int], keys: Mapping[int, Keys], server_round: int
     return [node for node in nodes if node not in clashing]
 
 
-@register_secure("fedprox")
-class SecureFedProx(SecureAggregation, FedProx):
-    """FedProx (Li et al., MLSys 2020) with rounds under secure aggregation: devices add the
-    proximal term; stragglers' partial work counts."""
-
-
-@register_secure("fednova")
-class SecureFedNova(SecureAggregation, FedNova):
-    """FedNova (Wang et al., NeurIPS 2020) with rounds under secure aggregation: devices send
-    ``w * delta / a`` and ``w * a`` masked, so the normalised average needs no single ``a_i``."""
-
-
-def secure_variant(strategy_class: type[FedAvg]) -> type[SecureAggregation]:
-    """The class that runs ``strategy_class``'s rounds under secure aggregation (from the registry).
-
-    Raises
-    ------
-    ConfigError
-        For strategies without a registered secure variant, naming why and those that have one.
-    """
-    specs = [spec for spec in REGISTRY.values() if spec.cls is strategy_class]
-    if specs and specs[0].secure is not None:
-        return specs[0].secure  # type: ignore[no-any-return]
-    allowed = ", ".join(sorted(spec.name for spec in REGISTRY.values() if spec.secure is not None))
-    individual = ", ".join(sorted(spec.name for spec in REGISTRY.values() if spec.needs_individual_updates))
-    raise ConfigError(
-        f"secure-aggregation works with strategy {allowed}, not {strategy_class.__name__}: {individual} need "
-        "individual updates, which secure aggregation hides; the others (asynchronous fedbuff, the server "
-        f"optimisers) have no secure variant registered yet; drop secure-aggregation or use one of {allowed}")
+def _work_momentum(strategy: FedAvg) -> float:
+    """FedNova's momentum in ``a_i`` for the devices; -1 for rules without a local-work norm."""
+    momentum = strategy.rule.work_momentum  # type: ignore[attr-defined]
+    return -1.0 if momentum is None else float(momentum)
 
 
 def _counting_late(replies: Iterable[Message], sent: int, report: RoundReport) -> Iterator[Message]:

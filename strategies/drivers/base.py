@@ -1,0 +1,56 @@
+"""What every round driver is, and the round report all of them fill in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+
+from fedge.strategies.validation import Rejection
+
+if TYPE_CHECKING:
+    from fedge.strategies.fedavg import FedAvg
+
+
+@dataclass
+class RoundReport:
+    """What happened to the replies of one training round (explicit server state)."""
+
+    server_round: int
+    selected: int
+    accepted: int = 0
+    late: int = 0
+    train_loss: float | None = None
+    rejected: list[Rejection] = field(default_factory=list)
+    failed: list[Rejection] = field(default_factory=list)
+    aggregated: bool = False
+    epsilon: float | None = None  # DP: privacy spent after this round
+    inputs_raw: int = 0  # accepted updates whose device preprocessed raw inputs of its own (fedge.preprocessing)
+    inputs_outside: int = 0  # ... whose device's inputs fall outside the task's declared range
+
+
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
+
+
+class Driver(Protocol):
+    """Runs a strategy's rounds (see :mod:`fedge.strategies.drivers`)."""
+
+    federated_evaluation: bool  # runs Flower's federated evaluation after its rounds
+
+    def bind(self, strategy: FedAvg) -> None:
+        """Check that this driver can run ``strategy`` (its rule, its settings).
+
+        Raises
+        ------
+        ConfigError
+            Naming why not and what works.
+        """
+
+    def start(self, strategy: FedAvg, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int, timeout: float,
+              train_config: ConfigRecord, evaluate_config: ConfigRecord, evaluate_fn: EvaluateFn | None,
+              start_round: int) -> Result:
+        """Run rounds ``start_round..num_rounds`` (Flower's ``Strategy.start``, resumable)."""

@@ -1,0 +1,199 @@
+"""Aggregation rules: what a round's accepted updates become, and nothing else.
+
+A rule folds updates in (``fold``), gives the new global model (``result``) and keeps its own
+state (``state_dict``); it sees plain numpy arrays and never a Flower type, a device or a
+round. Round drivers (:mod:`fedge.strategies.drivers`) decide how updates reach it: one at
+a time as replies arrive (synchronous), buffered across model versions (asynchronous), or
+as one masked sum (secure aggregation, which only a linear rule can take).
+
+A rule declares what drivers may do with it:
+
+* ``linear``: its result is a server step applied to the weighted mean of the updates
+  (:meth:`LinearRule.step`), so secure aggregation, DP and hierarchical pre-aggregation
+  may compute that mean in another way and hand it over;
+* ``needs_each_update``: it holds every update of a round at once (robust rules: O(K x P)
+  memory), which secure aggregation hides;
+* ``needs_global_model``: it steps from the model the round started from;
+* ``takes_stale_updates``: it folds updates trained from older models (``Update.base``), as
+  the asynchronous driver sends them;
+* state to checkpoint: :meth:`Rule.state_dict`, whose keys name what a checkpoint holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedge.aggregate import WeightedMeanAccumulator, statistic_names
+
+Arrays = dict[str, NDArray[np.generic]]
+
+
+@dataclass
+class Update:
+    """One accepted update, decoded and validated.
+
+    Attributes
+    ----------
+    node_id : int
+        The device it came from (rules that select updates log whom they kept).
+    arrays : dict
+        The model the device trained, by name. A rule may clear it once folded in.
+    weight : float
+        Its weight (``num-examples`` by default; 1 under DP; a staleness weight under FedBuff).
+    steps : int, optional
+        Local optimiser steps the device ran (FedNova normalises by them).
+    metrics : Mapping
+        The device's train metrics (q-FedAvg reads its loss).
+    base : Mapping, optional
+        The model the device trained from when that is not the round's global model (an
+        asynchronous driver's stale update); None otherwise.
+    """
+
+    node_id: int
+    arrays: Arrays
+    weight: float
+    steps: int | None = None
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    base: Mapping[str, NDArray[np.generic]] | None = None
+
+
+class RoundContext:
+    """What a rule knows of the round it aggregates.
+
+    Parameters
+    ----------
+    global_arrays : Mapping or Callable, optional
+        The model the round started from, or a function that reads it (called once, when a
+        rule first asks: FedAvg's mean never does, so it costs no copy of the model); None
+        when Flower's ``aggregate_train`` is called without ``configure_train`` (rules that
+        need it refuse then).
+    buffer_names : frozenset, optional
+        The model's statistics (BatchNorm buffers), averaged and never stepped; None: torch's
+        buffer names and integer arrays count (:func:`fedge.aggregate.statistic_names`).
+    """
+
+    def __init__(self, global_arrays: Mapping[str, NDArray[np.generic]] | Callable[[], Arrays] | None = None,
+                 buffer_names: frozenset[str] | None = None) -> None:
+        self._global = global_arrays
+        self.buffer_names = buffer_names
+
+    @property
+    def has_global_model(self) -> bool:
+        """Whether the round's starting model is known."""
+        return self._global is not None
+
+    def statistics_of(self, arrays: Mapping[str, NDArray[np.generic]]) -> frozenset[str]:
+        """Which of ``arrays`` are model statistics."""
+        return statistic_names(arrays, self.buffer_names)
+
+    def global_numpy(self) -> Arrays:
+        """The round's starting model as numpy (read once)."""
+        if self._global is None:
+            raise RuntimeError("no global model for this round: configure_train has not run")
+        if callable(self._global):
+            self._global = self._global()
+        return dict(self._global)
+
+
+class Rule:
+    """The contract every aggregation rule keeps: begin, fold, result, state.
+
+    Subclasses set the class properties and implement :meth:`fold` and :meth:`result`.
+    """
+
+    linear: ClassVar[bool] = False
+    needs_each_update: ClassVar[bool] = False
+    takes_stale_updates: ClassVar[bool] = False
+    needs_global_model: bool = False
+
+    def __init__(self) -> None:
+        self.context = RoundContext()
+
+    def begin(self, context: RoundContext) -> None:
+        """Start a round's aggregation (drops whatever a previous round folded in)."""
+        self.context = context
+
+    def fold(self, update: Update) -> None:
+        """Take one update in."""
+        raise NotImplementedError
+
+    def result(self) -> Arrays | None:
+        """The new global model from what was folded in; None when nothing was."""
+        raise NotImplementedError
+
+    def state_dict(self) -> Arrays:
+        """State to checkpoint with the model (none by default)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, NDArray[np.generic]]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+
+class LinearRule(Rule):
+    """A server step applied to the weighted mean of the updates (FedAvg: no step).
+
+    Folds each update into a running weighted sum (O(model) memory); subclasses change
+    :meth:`step` (server optimisers) or the mean itself (FedNova's normalised one, with
+    :attr:`work_momentum` set so that secure aggregation masks the same quantities).
+    """
+
+    linear = True
+    takes_stale_updates = True  # rebased onto the round's model (see fold)
+    work_momentum: float | None = None  # FedNova: the devices' momentum in its local-work norm
+
+    def begin(self, context: RoundContext) -> None:  # noqa: D102
+        super().begin(context)
+        self.mean = WeightedMeanAccumulator()
+
+    def fold(self, update: Update) -> None:
+        """Add ``update`` to the weighted sum and let its arrays go.
+
+        An update trained from an older model (``update.base``) counts as its change applied
+        to the round's model; its statistics (BatchNorm buffers) count as they are.
+        """
+        arrays = update.arrays if update.base is None else self.rebased(update.arrays, update.base)
+        self.mean.add(arrays, update.weight)
+        update.arrays.clear()  # folded in: let it go before the next reply is made or pulled
+
+    def result(self) -> Arrays | None:
+        """:meth:`step` from the weighted mean; None without updates."""
+        return self.step(self.mean.result()) if self.mean.count else None
+
+    def step(self, mean: Arrays) -> Arrays:
+        """The new global model from the updates' weighted mean (identity: FedAvg)."""
+        return mean
+
+    def rebased(self, arrays: Arrays, base: Mapping[str, NDArray[np.generic]]) -> Arrays:
+        """``arrays`` trained from ``base``, moved onto the round's model: ``current + (arrays - base)``."""
+        current, statistics = self.context.global_numpy(), self.context.statistics_of(arrays)
+        return {name: value if name in statistics else
+                (np.asarray(current[name], np.float64) + np.asarray(value, np.float64)
+                 - np.asarray(base[name], np.float64)).astype(value.dtype)
+                for name, value in arrays.items()}
+
+
+class EachUpdateRule(Rule):
+    """A rule that needs every update of the round at once (robust aggregation)."""
+
+    needs_each_update = True
+
+    def begin(self, context: RoundContext) -> None:  # noqa: D102
+        super().begin(context)
+        self.updates: list[Update] = []
+
+    def fold(self, update: Update) -> None:
+        """Keep ``update`` until :meth:`result`."""
+        self.updates.append(update)
+
+    def result(self) -> Arrays | None:
+        """:meth:`combine` over the round's updates; None without any."""
+        return self.combine(self.updates) if self.updates else None
+
+    def combine(self, updates: list[Update]) -> Arrays | None:
+        """The new global model from all of the round's updates."""
+        raise NotImplementedError
