@@ -25,6 +25,8 @@ class Adaptive(LinearRule):
 
     needs_global_model = True  # steps from the global model configure_train sent
 
+    state_prefixes = ("m/", "v/")
+
     def __init__(self, *, kind: str = "adam", server_learning_rate: float = 0.1, beta1: float = 0.9,
                  beta2: float = 0.99, tau: float = 1e-3) -> None:
         super().__init__()

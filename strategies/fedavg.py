@@ -252,8 +252,11 @@ class FedAvg(FlowerFedAvg):
         return {**self.state_dict(), **(self.privacy.state_dict() if self.privacy else {})}
 
     def restore_state(self, state: dict[str, NDArray[np.generic]]) -> None:
-        """Restore :meth:`checkpoint_state`."""
-        self.load_state_dict(state)
+        """Restore :meth:`checkpoint_state`, refusing state neither the rule nor DP keeps (named)."""
+        privacy_keys = set(self.privacy.state_dict()) if self.privacy else set()
+        rule_state = {key: value for key, value in state.items() if key not in privacy_keys}
+        self.rule.check_state(rule_state)
+        self.load_state_dict(rule_state)
         if self.privacy:
             self.privacy.load_state_dict(state)
 

@@ -23,6 +23,8 @@ class Momentum(LinearRule):
     learning rate 1 the step is FedAvg's mean, which needs no global model.
     """
 
+    state_prefixes = ("velocity/",)
+
     def __init__(self, *, server_learning_rate: float = 1.0, server_momentum: float = 0.0) -> None:
         super().__init__()
         self.server_learning_rate, self.server_momentum = server_learning_rate, server_momentum

@@ -29,6 +29,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedge.aggregate import WeightedMeanAccumulator, statistic_names
+from fedge.errors import CheckpointMismatch
 
 Arrays = dict[str, NDArray[np.generic]]
 
@@ -110,6 +111,7 @@ class Rule:
     needs_each_update: ClassVar[bool] = False
     takes_stale_updates: ClassVar[bool] = False
     needs_global_model: bool = False
+    state_prefixes: ClassVar[tuple[str, ...]] = ()  # what the keys of its state_dict start with
 
     def __init__(self) -> None:
         self.context = RoundContext()
@@ -132,6 +134,22 @@ class Rule:
 
     def load_state_dict(self, state: Mapping[str, NDArray[np.generic]]) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+    def check_state(self, state: Mapping[str, NDArray[np.generic]]) -> None:
+        """Refuse checkpointed state this rule does not keep (another strategy, or DP, wrote it).
+
+        Raises
+        ------
+        CheckpointMismatch
+            Naming the rule and the keys it does not keep.
+        """
+        foreign = sorted(key for key in state if not key.startswith(self.state_prefixes))
+        if foreign:
+            shown = ", ".join(repr(key) for key in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3
+                                                                   else "")
+            raise CheckpointMismatch(f"the checkpoint holds strategy state the rule {type(self).__name__} does not "
+                                     f"keep: {shown}; resume with the strategy and dp setting that wrote it, or start "
+                                     "a new run-dir")
 
 
 class LinearRule(Rule):
