@@ -68,6 +68,17 @@ class ProtocolError(DeviceFault):
     """
 
 
+class DeviceProtocolError(DeviceFault):
+    """A request of fedge's device protocol (``docs/device-protocol.md``) that is malformed,
+    unauthenticated or out of turn.
+
+    The gateway answers it with an HTTP error whose JSON body says what was wrong and what to
+    do; nothing the request carried reaches a round.
+    """
+
+    status = 400
+
+
 class RunFailed(FedgeError):
     """A run that cannot go on, or that ended without a model worth shipping.
 

@@ -17,6 +17,7 @@ from flwr.app import ConfigRecord, RecordDict
 
 from fedge.errors import UpdateRejected
 from fedge.preprocessing import OUTSIDE, RAW_SCALED
+from fedge.work import LocalWork as LocalWork  # re-exported: every runtime reports its work as one
 
 ARRAYS = "arrays"
 CONFIG = "config"
@@ -47,16 +48,6 @@ SECAGG_BAD_SHARES = "secagg-bad-shares"
 LOCAL_WORK = "fedge-local-work"
 # a deployed device's own state (sent as INPUTS in its train replies): what its inputs looked like
 INPUT_STATE = "fedge-inputs"
-
-@dataclass(frozen=True)
-class LocalWork:
-    """What one local training job did, whichever runtime did it (what a train reply reports)."""
-
-    loss: float
-    num_examples: int
-    samples_processed: int
-    steps: int
-
 
 PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_COUNT = 10**12  # no device processes more samples or steps than this in one round

@@ -33,7 +33,7 @@ from fedge.edge.graph_check import CheckedGraph, check_graph, check_op_list, ses
 from fedge.edge.training_bundle import EVAL_FILE, GRAPH_OPS, TRAIN_FILE
 from fedge.errors import ConfigError
 from fedge.signature import InputSpec, check_inputs
-from fedge.wire import LocalWork as LocalTrainStats  # what a train reply reports
+from fedge.work import LocalWork as LocalTrainStats  # what a train reply reports
 
 log = logging.getLogger("fedge.edge")
 __all__ = ["LocalTrainStats", "MomentumUpdate", "NUMPY_METRICS", "OnnxTrainer", "batch_order"]

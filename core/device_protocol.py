@@ -1,0 +1,236 @@
+"""fedge's device protocol, version 1: the wire format both ends share (no Flower, no torch).
+
+Phones, browsers and other devices that cannot run a Flower SuperNode talk to a fedge
+gateway (:mod:`fedge.clients.gateway`) over HTTPS: JSON for control, and one small binary
+container, the *frame*, for tensors. ``docs/device-protocol.md`` is the specification an
+app developer implements (Kotlin, Swift, JS); this module is its one Python reading, used
+by the gateway and by the reference client (:mod:`fedge.edge.protocol_client`).
+
+Why not Flower's own Fleet API (gRPC, or its HTTP router with protobuf bodies)? Its node
+authentication signs a timestamp header with the SuperNode's ECDSA key on every request,
+and the signature does not cover the body; it needs protobuf in the device; and a
+SuperLink keeps per-node state for every connected node. The probe in
+``../shared/notes/device-gateway-probe.md`` measured the cost of per-request P-384
+signatures at half the upload throughput of an HMAC session key. So: one signature at
+check-in (ECDSA P-256 or Ed25519: both in WebCrypto), then a per-session HMAC over
+method, path, counter and the body's SHA-256.
+
+Written by hand because no maintained library defines a tensor container that is this
+small, streamable, browser-friendly (``DataView`` reads it) and free of code execution
+(numpy's ``.npy`` pickles object arrays; safetensors is close but is not a dependency
+of a torch-free, Flower-free device).
+
+Frame layout (all integers little-endian)::
+
+    b"FDG1" | u32 header length H | H bytes of UTF-8 JSON header | tensor bytes...
+
+The header's ``"tensors"`` lists ``{"name", "dtype", "shape"}`` (and ``"scale"`` for
+``int8``) in the order their bytes follow; nothing else may follow the last tensor.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedge.errors import DeviceProtocolError
+
+VERSION = 1
+PREFIX = "/v1"
+MAGIC = b"FDG1"
+FRAME_TYPE = "application/vnd.fedge.frame"
+JSON_TYPE = "application/json"
+MAX_HEADER = 1 << 20  # 1 MiB of JSON header: thousands of tensor entries
+MAX_TENSORS = 4096
+DTYPES = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8"), "int8": np.dtype("i1"),
+          "int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
+CHECK_IN_CONTEXT = b"fedge-check-in/1"
+MAC_CONTEXT = b"fedge-request/1"
+CLOCK_SKEW_S = 300  # a check-in signed this long before or after the gateway's clock is refused
+NONCE_BYTES = 16
+SESSION_KEY_BYTES = 32
+# the headers of an authenticated request
+SESSION_HEADER = "authorization"  # "Fedge-Session <token>"
+COUNTER_HEADER = "x-fedge-counter"
+MAC_HEADER = "x-fedge-mac"
+# what a device's update says it holds
+ENCODINGS = ("fp32", "int8-delta")
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A decoded frame: its JSON header (without ``"tensors"``) and its tensors, in order."""
+
+    header: dict[str, Any]
+    tensors: dict[str, NDArray[np.generic]]
+
+
+def encode_frame(header: Mapping[str, Any], tensors: Mapping[str, NDArray[np.generic]],
+                 scales: Mapping[str, float] | None = None) -> bytes:
+    """``header`` and ``tensors`` as one frame (``scales``: each ``int8`` tensor's scale)."""
+    entries, blobs = [], []
+    for name, value in tensors.items():
+        array = np.asarray(value)
+        dtype = array.dtype.newbyteorder("<") if array.dtype.itemsize > 1 else array.dtype
+        kind = next((key for key, known in DTYPES.items() if known == dtype), None)
+        if kind is None:
+            raise DeviceProtocolError(f"tensor '{name}' has dtype {array.dtype}; frames carry {', '.join(DTYPES)}")
+        entry: dict[str, Any] = {"name": name, "dtype": kind, "shape": list(array.shape)}
+        if kind == "int8":
+            entry["scale"] = float((scales or {}).get(name, 1.0))
+        entries.append(entry)
+        blobs.append(np.ascontiguousarray(array, dtype=DTYPES[kind]).tobytes())
+    text = json.dumps({**header, "tensors": entries}, separators=(",", ":")).encode()
+    return b"".join([MAGIC, struct.pack("<I", len(text)), text, *blobs])
+
+
+def decode_frame(data: bytes, *, max_elements: int = 1 << 28) -> tuple[Frame, dict[str, float]]:
+    """The frame in ``data`` and the scales of its ``int8`` tensors.
+
+    Threat model: ``data`` comes from a device (or a gateway) that may be hostile. Every
+    length is checked against what is left before anything is allocated; dtypes come from
+    a fixed table (nothing executes); no tensor may overlap or leave bytes unaccounted for.
+
+    Raises
+    ------
+    DeviceProtocolError
+        Naming what is wrong with the frame.
+    """
+    if len(data) < 8 or data[:4] != MAGIC:
+        raise DeviceProtocolError("the body is not a fedge frame (it must start with b'FDG1'); "
+                                  f"send {FRAME_TYPE} as docs/device-protocol.md describes")
+    (length,) = struct.unpack_from("<I", data, 4)
+    if length > min(MAX_HEADER, len(data) - 8):
+        raise DeviceProtocolError(f"frame header length {length} exceeds the body or {MAX_HEADER} bytes")
+    header = _json_object(data[8:8 + length], "frame header")
+    entries = header.pop("tensors", [])
+    if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
+        raise DeviceProtocolError(f"frame 'tensors' must be a list of at most {MAX_TENSORS} entries")
+    offset, tensors, scales = 8 + length, {}, {}
+    for entry in entries:
+        name, dtype, shape, scale = _tensor_entry(entry, max_elements)
+        size = math.prod(shape) * dtype.itemsize
+        if offset + size > len(data):
+            raise DeviceProtocolError(f"tensor '{name}' needs {size} bytes, the frame has {len(data) - offset} left")
+        if name in tensors:
+            raise DeviceProtocolError(f"tensor '{name}' appears twice in the frame")
+        tensors[name] = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
+        if scale is not None:
+            scales[name] = scale
+        offset += size
+    if offset != len(data):
+        raise DeviceProtocolError(f"{len(data) - offset} bytes follow the last tensor of the frame")
+    return Frame(header=header, tensors=tensors), scales
+
+
+def _tensor_entry(entry: object, max_elements: int) -> tuple[str, np.dtype[Any], tuple[int, ...], float | None]:
+    if not isinstance(entry, dict):
+        raise DeviceProtocolError("each frame tensor entry must be an object with name, dtype and shape")
+    name, kind, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
+    if not isinstance(name, str) or not 0 < len(name) <= 256:
+        raise DeviceProtocolError(f"a frame tensor name must be a string of 1-256 characters, got {name!r:.40}")
+    if kind not in DTYPES:
+        raise DeviceProtocolError(f"tensor '{name}': dtype {kind!r:.20} is not one of {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > 8 or \
+            not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= max_elements for d in shape):
+        raise DeviceProtocolError(f"tensor '{name}': shape must be a list of at most 8 non-negative integers")
+    if math.prod(shape) > max_elements:
+        raise DeviceProtocolError(f"tensor '{name}' has {math.prod(shape)} elements, more than {max_elements}")
+    scale = entry.get("scale")
+    if kind == "int8":
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale) or scale < 0:
+            raise DeviceProtocolError(f"int8 tensor '{name}' needs a finite, non-negative 'scale'")
+        return name, DTYPES[kind], tuple(shape), float(scale)
+    return name, DTYPES[kind], tuple(shape), None
+
+
+def _json_object(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DeviceProtocolError(f"the {what} is not valid UTF-8 JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise DeviceProtocolError(f"the {what} must be a JSON object")
+    return value
+
+
+def read_json(data: bytes, what: str = "request body") -> dict[str, Any]:
+    """A JSON object from a device, or :class:`DeviceProtocolError` naming what is wrong."""
+    return _json_object(data, what)
+
+
+# --------------------------------------------------------------------------- int8 delta (the uplink codec)
+def int8_delta(trained: Mapping[str, NDArray[np.generic]], base: Mapping[str, NDArray[np.generic]]
+               ) -> tuple[dict[str, NDArray[np.int8]], dict[str, float]]:
+    """``trained - base`` per float tensor as int8 and a scale (``value = q * scale``, round to nearest)."""
+    quantised, scales = {}, {}
+    for name, value in trained.items():
+        delta = np.asarray(value, np.float64) - np.asarray(base[name], np.float64)
+        peak = float(np.max(np.abs(delta))) if delta.size else 0.0
+        scale = peak / 127.0 if peak > 0 else 0.0
+        quantised[name] = (np.rint(delta / scale) if scale else np.zeros_like(delta)).astype(np.int8)
+        scales[name] = scale
+    return quantised, scales
+
+
+def from_int8_delta(tensors: Mapping[str, NDArray[np.generic]], scales: Mapping[str, float],
+                    base: Mapping[str, NDArray[np.generic]]) -> dict[str, NDArray[np.generic]]:
+    """The trained weights an ``int8-delta`` update stands for: ``base + q * scale``, in base's dtype."""
+    restored = {}
+    for name, value in tensors.items():
+        if name not in base or name not in scales:
+            raise DeviceProtocolError(f"int8 tensor '{name}' is not a tensor of the task's model (or has no scale)")
+        if value.dtype != np.int8:
+            raise DeviceProtocolError(f"an int8-delta update holds int8 tensors; '{name}' is {value.dtype}")
+        reference = np.asarray(base[name])
+        if value.shape != reference.shape:
+            raise DeviceProtocolError(f"tensor '{name}' has shape {value.shape}, the model's is {reference.shape}")
+        change = value.astype(np.float64) * scales[name]
+        restored[name] = (reference.astype(np.float64) + change).astype(reference.dtype)
+    return restored
+
+
+# --------------------------------------------------------------------------- authentication
+def check_in_message(*, device: str, gateway: str, issued_at: int, nonce: str) -> bytes:
+    """What a device signs at check-in: who it is, which gateway it talks to, when, and a nonce."""
+    return b"\n".join([CHECK_IN_CONTEXT, device.encode(), gateway.encode(), str(issued_at).encode(), nonce.encode()])
+
+
+def request_mac(key: bytes, *, method: str, path: str, counter: int, body: bytes) -> str:
+    """The HMAC-SHA256 of an authenticated request (base64): method, path, counter, SHA-256 of the body."""
+    message = b"\n".join([MAC_CONTEXT, method.upper().encode(), path.encode(), str(counter).encode(),
+                          hashlib.sha256(body).hexdigest().encode()])
+    return b64(hmac.new(key, message, hashlib.sha256).digest())
+
+
+def macs_equal(expected: str, given: str) -> bool:
+    """Constant-time comparison of two MACs."""
+    return hmac.compare_digest(expected.encode(), given.encode())
+
+
+def b64(data: bytes) -> str:
+    """Standard base64 (what ``btoa`` and WebCrypto users produce)."""
+    return base64.b64encode(data).decode()
+
+
+def unb64(text: object, what: str, *, size: int | None = None, max_size: int = 1024) -> bytes:
+    """Decode base64 ``text``, or :class:`DeviceProtocolError` naming ``what``."""
+    if not isinstance(text, str) or len(text) > max_size * 2:
+        raise DeviceProtocolError(f"'{what}' must be a base64 string")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError:
+        raise DeviceProtocolError(f"'{what}' is not valid base64") from None
+    if size is not None and len(raw) != size:
+        raise DeviceProtocolError(f"'{what}' must decode to {size} bytes, got {len(raw)}")
+    return raw
