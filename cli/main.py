@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fedge.cli import compare, deploy, edge, new
+from fedge.cli import compare, deploy, edge, gateway, new
 from fedge.cli.catalogue import catalogue, describe, missing_extra, no_abbreviations, strategy_names
 from fedge.cli.workdir import importable_here
 from fedge.errors import FedgeError, RunFailed
@@ -143,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_parsers(sub)
     compare.add_parsers(sub)
     deploy.add_parsers(sub)
+    gateway.add_parsers(sub)
     no_abbreviations(parser)
     return parser
 

@@ -38,6 +38,7 @@ from fedge.clients.common import (
     reply_content,
     train_order,
 )
+from fedge.clients.gateway_bridge import gateway_content, is_gateway
 from fedge.clients.secure import add_secure_handlers
 from fedge.config import RunConfig
 from fedge.errors import ConfigError, FedgeError
@@ -89,6 +90,8 @@ def make_client_app(
     def train_content(msg: Message, context: Context) -> RecordDict:
         """Train on the instruction in ``msg``; the reply's content (arrays, metrics, meta)."""
         config = effective_config(context, config_defaults)
+        if is_gateway(context):  # a gateway node: its protocol devices train, it sends their aggregate
+            return gateway_content(msg, context, config, "train")
         order = train_order(msg, context, config)
         if device_runtime(context, config) == "onnx":
             from fedge.clients.onnx_client import current_trainer, onnx_train_content  # noqa: PLC0415
@@ -113,6 +116,8 @@ def make_client_app(
     @private_failures
     def evaluate_(msg: Message, context: Context) -> Message:
         config = effective_config(context, config_defaults)
+        if is_gateway(context):
+            return Message(gateway_content(msg, context, config, "evaluate"), reply_to=msg)
         if device_runtime(context, config) == "onnx":
             from fedge.clients.onnx_client import current_trainer, onnx_evaluate_content  # noqa: PLC0415
 

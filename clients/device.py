@@ -70,6 +70,9 @@ class DeviceOptions:
     bundles: str = ""  # the coordinator's bundle service HOST:PORT (default: the coordinator's host, port + 1)
     verbose: bool = False  # Flower's log lines on the console too (else only in STATE_DIR/supernode.log)
     offline_limit_s: float = OFFLINE_LIMIT_S  # stop once a joined coordinator has been unreachable this long
+    # a gateway's node (fedge.clients.gateway): its loopback control address and token file; no data of its own
+    gateway_control: str = ""
+    gateway_token: Path | None = None
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -83,6 +86,9 @@ def split_address(address: str) -> tuple[str, int]:
 def check_device(options: DeviceOptions) -> None:
     """Validate profile, data, key and CA before contacting anyone."""
     parse_fleet(f"{options.profile}=1", options.fleet_file)  # unknown profile -> ConfigError
+    if options.gateway_control:
+        _check_credentials(options)
+        return
     if not options.data.exists():
         raise ConfigError(f"data file '{options.data}' does not exist")
     if options.task and not TASK_REFERENCE.match(options.task):
@@ -99,6 +105,11 @@ def check_device(options: DeviceOptions) -> None:
         _check_count(options, len(task.device_data(str(options.data.resolve()))))
     else:
         _check_count(options, len(load_local_file(str(options.data.resolve()))[1]))
+    _check_credentials(options)
+
+
+def _check_credentials(options: DeviceOptions) -> None:
+    """The device key and CA (unless insecure): present, and the key an EC OpenSSH key."""
     if options.insecure:
         return
     if options.key is None or options.ca is None:
@@ -162,6 +173,10 @@ def pull_training_graph(options: DeviceOptions, state: Path) -> Path:
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
     bundle = read_training_bundle(result.path, trusted_keys=[options.trust])
+    if options.gateway_control:  # a gateway serves the graph to its devices; it trains nothing itself
+        print(f"training graph for this gateway's devices: task {bundle.manifest['task']}, architecture "
+              f"{bundle.architecture[:12]}", flush=True)
+        return result.path
     _, targets = device_arrays(options.data.resolve(), bundle.manifest)
     _check_count(options, len(targets))
     state_word = "updated" if result.changed else "unchanged"
@@ -238,7 +253,10 @@ def supernode_command(options: DeviceOptions, training_bundle: Path | None = Non
     from fedge.process import flower_bin
 
     # The device's runtime, paths and trust anchors, always its own (fedge.clients.common.own_settings)
-    node_config = f'profile="{options.profile}" data-path="{options.data.resolve()}" runtime="{options.runtime}"'
+    data = "" if options.gateway_control else options.data.resolve()
+    node_config = f'profile="{options.profile}" data-path="{data}" runtime="{options.runtime}"'
+    if options.gateway_control and options.gateway_token is not None:
+        node_config += f' gateway-control="{options.gateway_control}" gateway-token="{options.gateway_token.resolve()}"'
     if options.fleet_file:
         node_config += f' fleet-file="{Path(options.fleet_file).resolve()}"'
     if options.task:

@@ -52,7 +52,7 @@ FRAME_TYPE = "application/vnd.fedge.frame"
 JSON_TYPE = "application/json"
 MAX_HEADER = 1 << 20  # 1 MiB of JSON header: thousands of tensor entries
 MAX_TENSORS = 4096
-DTYPES = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8"), "int8": np.dtype("i1"),
+DTYPES: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8"), "int8": np.dtype("i1"),
           "int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
 CHECK_IN_CONTEXT = b"fedge-check-in/1"
 MAC_CONTEXT = b"fedge-request/1"
@@ -139,7 +139,7 @@ def _tensor_entry(entry: object, max_elements: int) -> tuple[str, np.dtype[Any],
     name, kind, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
     if not isinstance(name, str) or not 0 < len(name) <= 256:
         raise DeviceProtocolError(f"a frame tensor name must be a string of 1-256 characters, got {name!r:.40}")
-    if kind not in DTYPES:
+    if not isinstance(kind, str) or kind not in DTYPES:
         raise DeviceProtocolError(f"tensor '{name}': dtype {kind!r:.20} is not one of {', '.join(DTYPES)}")
     if not isinstance(shape, list) or len(shape) > 8 or \
             not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= max_elements for d in shape):

@@ -11,7 +11,7 @@ Threat model: the dashboard is read-only and shows metrics, device ids and profi
 updates or data. It binds to 127.0.0.1 by default; on any other address a token is
 required (``?token=`` once, then a cookie, or ``Authorization: Bearer``), compared in
 constant time; on loopback the Host header must name loopback (no DNS rebinding). Its
-listener has :mod:`fedge.server.listeners`' connection limits. ``/metrics`` escapes every
+listener has :mod:`fedge.listeners`' connection limits. ``/metrics`` escapes every
 label value (device-sent reasons included) as the Prometheus text format asks, keeps at
 most :data:`MAX_REASONS` reason labels, and reads only what ``devices.jsonl`` gained since
 the last scrape (a scrape costs O(new lines + metrics), not O(device replies)). It has
@@ -43,7 +43,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from fedge.errors import ConfigError
-from fedge.server.listeners import ListenerLimits, uvicorn_options
+from fedge.listeners import ListenerLimits, uvicorn_options
 
 STATIC = Path(__file__).resolve().parent / "dashboard_static"
 LOOPBACK_NAMES = ["127.0.0.1", "localhost", "::1", "[::1]"]
@@ -464,7 +464,7 @@ def listen(host: str, port: int, what: str, flag: str) -> socket.socket:
     ConfigError
         The address is taken or cannot be bound.
     """
-    from fedge.server.superlink import bind
+    from fedge.listeners import bind
 
     try:
         return bind(host, port)

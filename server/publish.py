@@ -33,7 +33,7 @@ nonce is remembered, so strangers cannot fill the replay cache, and each device 
 replay quota of its own (:data:`MAX_NONCES_PER_DEVICE` requests in the window; more are
 answered 429): one device's flood refuses only that device. TLS with the coordinator's
 certificate hides the model in transit. The listener's connection limits (header size and
-deadline, idle timeout, connections per client address) are :mod:`fedge.server.listeners`'. ``insecure`` (only when the
+deadline, idle timeout, connections per client address) are :mod:`fedge.listeners`'. ``insecure`` (only when the
 coordinator itself was started ``--insecure``) serves plain HTTP to anyone and says so on
 start; devices still verify every bundle's signature.
 """
@@ -75,7 +75,7 @@ from fedge.edge.delivery import (
 )
 from fedge.errors import BundleVerificationError, ConfigError, FedgeError
 from fedge.files import exclusive_lock, write_bytes_atomic
-from fedge.server.listeners import ListenerLimits, uvicorn_options
+from fedge.listeners import ListenerLimits, uvicorn_options
 from fedge.server.pki import CoordinatorKeys
 
 log = logging.getLogger("fedge.server.publish")
@@ -461,7 +461,7 @@ class BundleService:
         """
         import uvicorn
 
-        from fedge.server.superlink import bind
+        from fedge.listeners import bind
 
         self.published.mkdir(parents=True, exist_ok=True)
         if self.keys is None:

@@ -19,7 +19,7 @@ Flower's own argument parser) with two changes:
    stored 0600 in it and handed to the operator's ``flwr`` CLI through Flower's own
    credential store (``FLWR_HOME/credentials.yaml``, 0600).
 
-3. **Connection limits** (:mod:`fedge.server.listeners`) on both listeners: request headers
+3. **Connection limits** (:mod:`fedge.listeners`) on both listeners: request headers
    at most 32 KiB (431 beyond), complete within 10 s of connecting, idle connections closed
    after 5 s, at most 128 connections per client address. Flower 1.42 serves the Fleet API
    over HTTPS through uvicorn; its gRPC servers (legacy Fleet and Control APIs) start only
@@ -41,14 +41,13 @@ import dataclasses
 import hmac
 import ipaddress
 import os
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fedge.errors import ConfigError
-from fedge.server.listeners import ListenerLimits, uvicorn_options
+from fedge.listeners import ListenerLimits, bind, uvicorn_options
 
 PUBLIC_PATHS = ("/v1/fleet/", "/health")
 AUTHN_TYPE = "oidc"  # the CLI-side plugin that sends a stored bearer token (Flower's own)
@@ -140,17 +139,6 @@ async def _forbidden(send: Any) -> None:
     await send({"type": "http.response.start", "status": 403,
                 "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (IPv6 when ``host`` is an IPv6 address)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host.strip("[]"), port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -27,8 +27,8 @@ from http_attacks import (
 from tiny_bundles import tiny_bundle, write_dir
 
 from fedge.edge.delivery import pull
+from fedge.listeners import ListenerLimits
 from fedge.server.dashboard import create_service_app, listen, serve_in_background
-from fedge.server.listeners import ListenerLimits
 from fedge.server.pki import CoordinatorKeys, add_device, init_keys
 from fedge.server.publish import LIMITS, BundleService, publish_bundle
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -152,3 +153,14 @@ def uvicorn_options(limits: ListenerLimits | None = None) -> dict[str, Any]:
     limits = limits or ListenerLimits()
     return {"http": guarded_protocol(limits), "h11_max_incomplete_event_size": limits.max_header_bytes,
             "timeout_keep_alive": limits.idle_timeout_s, "limit_concurrency": limits.concurrency}
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (IPv6 when ``host`` is an IPv6 address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,389 @@
+"""``fedge gateway``: a tier between protocol devices (phones, browsers) and the coordinator.
+
+A gateway is one node of the Flower federation (a SuperNode, started as ``fedge device``
+starts one, with its own node key) and an HTTPS server for devices that speak fedge's device
+protocol (``docs/device-protocol.md``). When the coordinator sends the gateway a train (or
+evaluate) instruction, the gateway's ClientApp (:mod:`fedge.clients.gateway_bridge`) hands
+it to this process over a loopback control port; the gateway offers the round to its
+checked-in devices, folds their validated results into a weighted mean as they arrive, and
+replies with the mean and the examples behind it: hierarchical FedAvg (Bonawitz et al.,
+"Towards Federated Learning at Scale: System Design", SysML 2019), equal to flat FedAvg over
+the same devices.
+
+Why a hand-written HTTP service rather than Flower's Fleet API: see
+:mod:`fedge.device_protocol` and ``docs/device-protocol.md`` (one signature per check-in
+instead of per request, the body bound by a MAC, no protobuf or gRPC in the device, and the
+coordinator's SuperLink keeps one node per gateway instead of one per phone).
+
+State: everything of a round lives in this process's memory; a restarted gateway loses only
+the round in flight (the coordinator counts the gateway as failed for that round), and its
+devices check in again on the 401 they get.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedge.clients.gateway_pool import AllowList, GatewayRound, RoundResult, Sessions, device_seed, refused
+from fedge.device_protocol import (
+    COUNTER_HEADER,
+    FRAME_TYPE,
+    MAC_HEADER,
+    PREFIX,
+    SESSION_HEADER,
+    VERSION,
+    decode_frame,
+    encode_frame,
+    read_json,
+)
+from fedge.errors import ConfigError, DeviceProtocolError, FedgeError
+from fedge.listeners import ListenerLimits, bind, uvicorn_options
+
+log = logging.getLogger("fedge.gateway")
+
+INSECURE_WARNING = ("WARNING: INSECURE MODE. This gateway serves devices over plain HTTP: their sessions and "
+                    "updates are readable on the network. Use only on a trusted test network.")
+CONTROL_TOKEN = "control-token"  # in the gateway's state directory, 0600: what its own ClientApp presents
+DEVICE_LIMITS = ListenerLimits(per_address=4096, concurrency=20_000, idle_timeout_s=5)
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """How a gateway runs its devices' part of each round."""
+
+    name: str = "gateway"
+    devices_per_round: int = 0  # 0: every device seen in the last poll interval (at least min_devices)
+    min_devices: int = 1
+    round_deadline_s: float = 120.0
+    idle_poll_s: float = 10.0
+    max_in_flight: int = 512  # requests in progress before new ones get 503 + Retry-After
+    max_num_examples: int = 100_000
+    uplink: str = "fp32"  # what devices send: fp32 weights, or int8-delta
+
+
+class Gateway:
+    """A gateway's state: its allow-list, sessions, the training graph it serves and the round in flight."""
+
+    def __init__(self, settings: GatewaySettings, allow_dir: Path, training_bundle: Path | None) -> None:
+        self.settings = settings
+        self.allow = AllowList(allow_dir)
+        self.sessions = Sessions(self.allow, settings.name)
+        self.training_bundle = training_bundle
+        self.round: GatewayRound | None = None
+        self.in_flight = 0
+        self.rounds_done = 0
+        self._rng = random.Random()
+
+    def next_in_s(self) -> float:
+        """Pace steering: when a device should come back, spread over the poll interval."""
+        current = self.round
+        if current is not None and not current.complete.is_set() and not current.closed:
+            return round(self._rng.uniform(0.2, 1.0), 2)
+        return round(self.settings.idle_poll_s * self._rng.uniform(0.5, 1.5), 2)
+
+    def task_for(self, session: Any) -> bytes | None:
+        """The frame of the open round's task for ``session``, or ``None`` (nothing for it now)."""
+        current = self.round
+        if current is None or current.closed or current.complete.is_set() or current.task_id in session.done:
+            return None
+        left = max(0.0, self.settings.round_deadline_s - (time.monotonic() - current.opened))
+        header = {"kind": current.kind, "task": current.task_id, "server-round": current.server_round,
+                  "graph": current.graph, "config": current.config, "uplink": self.settings.uplink,
+                  "seed": device_seed(int(current.config.get("seed", 0)), current.server_round, session.device),
+                  "deadline-s": round(left, 1)}
+        return encode_frame(header, current.weights)
+
+    def round_target(self) -> int:
+        """How many device results complete a round."""
+        if self.settings.devices_per_round:
+            return self.settings.devices_per_round
+        return max(self.settings.min_devices, self.sessions.live(2 * self.settings.idle_poll_s))
+
+    async def run_round(self, header: dict[str, Any], frame_tensors: dict[str, Any]) -> RoundResult:
+        """Open a round for the coordinator's instruction, wait for results, close it."""
+        kind = header.get("kind")
+        if kind not in ("train", "evaluate"):
+            raise refused(400, f"control: kind must be train or evaluate, got {kind!r:.20}")
+        current = GatewayRound(kind=str(kind), server_round=int(header.get("server-round", 0)),
+                               config=dict(header.get("config", {})), graph=str(header.get("graph", "")),
+                               weights=frame_tensors, target=self.round_target(),
+                               max_num_examples=self.settings.max_num_examples)
+        self.round = current
+        log.info("round %d (%s): offered to this gateway's devices, waiting for %d results (deadline %.0f s)",
+                 current.server_round, kind, current.target, self.settings.round_deadline_s)
+        deadline = time.monotonic() + self.settings.round_deadline_s
+        while not current.complete.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        result = current.close()
+        self.rounds_done += 1
+        if result is None:
+            raise refused(504, f"round {current.server_round}: none of this gateway's devices answered within "
+                               f"{self.settings.round_deadline_s:.0f} s ({len(self.sessions)} checked in)")
+        log.info("round %d (%s): %d device results (%d rejected), %d examples", current.server_round, kind,
+                 result.devices, result.rejected, result.num_examples)
+        return result
+
+
+# --------------------------------------------------------------------------- the HTTP layer
+def _json(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Any:
+    from starlette.responses import JSONResponse  # noqa: PLC0415 - only a serving process needs starlette
+
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _body(request: Any, limit: int) -> bytes:
+    """The request body, refused with 413 past ``limit`` bytes (checked while it streams in)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise refused(413, f"the body is larger than this gateway takes ({limit} bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise refused(413, f"the body is larger than this gateway takes ({limit} bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+Handler = Callable[[Any], Awaitable[Any]]
+
+
+def device_app(gateway: Gateway, *, max_body: int = 64 << 20) -> Any:
+    """The Starlette app devices talk to (``/v1/...``)."""
+    from starlette.applications import Starlette  # noqa: PLC0415
+    from starlette.responses import FileResponse, Response  # noqa: PLC0415
+    from starlette.routing import Route  # noqa: PLC0415
+
+    def guarded(handler: Handler) -> Handler:
+        async def run(request: Any) -> Any:
+            if gateway.in_flight >= gateway.settings.max_in_flight:
+                wait = gateway.next_in_s()
+                return _json({"error": "the gateway is busy; come back later", "next-in-s": wait}, 503,
+                             {"Retry-After": str(max(1, round(wait)))})
+            gateway.in_flight += 1
+            try:
+                return await handler(request)
+            except DeviceProtocolError as exc:
+                return _json({"error": str(exc), "next-in-s": gateway.next_in_s()}, exc.status)
+            finally:
+                gateway.in_flight -= 1
+        return run
+
+    async def session_of(request: Any, body: bytes) -> Any:
+        return gateway.sessions.authenticate(
+            authorization=request.headers.get(SESSION_HEADER), counter=request.headers.get(COUNTER_HEADER),
+            mac=request.headers.get(MAC_HEADER), method=request.method, path=request.url.path, body=body)
+
+    async def hello(request: Any) -> Any:
+        return _json({"protocol": VERSION, "gateway": gateway.settings.name, "next-in-s": 0})
+
+    async def check_in(request: Any) -> Any:
+        token, key, _ = gateway.sessions.check_in(read_json(await _body(request, 8192), "check-in body"))
+        from fedge.clients.gateway_pool import new_session_answer  # noqa: PLC0415
+
+        return _json(new_session_answer(token, key, gateway.sessions.ttl_s, gateway.next_in_s()))
+
+    async def task(request: Any) -> Any:
+        session = await session_of(request, await _body(request, 0))
+        frame = gateway.task_for(session)
+        if frame is None:
+            return _json({"kind": "wait", "next-in-s": gateway.next_in_s()})
+        return Response(frame, media_type=FRAME_TYPE)
+
+    async def result(request: Any) -> Any:
+        body = await _body(request, max_body)
+        session = await session_of(request, body)
+        current = gateway.round
+        if current is None:
+            raise refused(409, "no round is open; ask for a task first (GET /v1/task)")
+        frame, scales = decode_frame(body)
+        current.accept(session, frame, scales)
+        return _json({"accepted": True, "next-in-s": gateway.next_in_s()})
+
+    async def training_bundle(request: Any) -> Any:
+        await session_of(request, await _body(request, 0))
+        if gateway.training_bundle is None or not gateway.training_bundle.is_file():
+            raise refused(404, "this gateway holds no training graph yet; come back after the coordinator's run starts")
+        return FileResponse(gateway.training_bundle, media_type="application/zip")
+
+    routes = [Route(f"{PREFIX}/hello", guarded(hello), methods=["GET"]),
+              Route(f"{PREFIX}/check-in", guarded(check_in), methods=["POST"]),
+              Route(f"{PREFIX}/task", guarded(task), methods=["GET"]),
+              Route(f"{PREFIX}/result", guarded(result), methods=["POST"]),
+              Route(f"{PREFIX}/bundles/training", guarded(training_bundle), methods=["GET"])]
+    return Starlette(routes=routes)
+
+
+def control_app(gateway: Gateway, token: str) -> Any:
+    """The loopback app the gateway's own ClientApp hands rounds to (bearer ``token``)."""
+    from starlette.applications import Starlette  # noqa: PLC0415
+    from starlette.responses import Response  # noqa: PLC0415
+    from starlette.routing import Route  # noqa: PLC0415
+
+    async def run_round(request: Any) -> Any:
+        if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
+            return _json({"error": "not this gateway's ClientApp"}, 401)
+        try:
+            frame, _ = decode_frame(await request.body())
+            result = await gateway.run_round(frame.header, dict(frame.tensors))
+        except DeviceProtocolError as exc:
+            return _json({"error": str(exc)}, exc.status)
+        header = {"num-examples": result.num_examples, "metrics": result.metrics, "devices": result.devices,
+                  "rejected": result.rejected, "samples-processed": result.samples_processed, "steps": result.steps}
+        return Response(encode_frame(header, result.arrays), media_type=FRAME_TYPE)
+
+    return Starlette(routes=[Route("/control/round", run_round, methods=["POST"])])
+
+
+class Served:
+    """A uvicorn server on a thread; :meth:`stop` ends it."""
+
+    def __init__(self, app: Any, host: str, port: int, *, limits: ListenerLimits, cert: Path | None = None,
+                 cert_key: Path | None = None, name: str = "fedge-gateway") -> None:
+        import uvicorn  # noqa: PLC0415
+
+        try:
+            sock = bind(host, port)
+        except OSError as exc:
+            raise ConfigError(f"the gateway cannot listen on {host}:{port} ({exc.strerror or exc}); "
+                              "pass another --port") from None
+        self.port = int(sock.getsockname()[1])
+        config = uvicorn.Config(app, log_level="warning", access_log=False, **uvicorn_options(limits),
+                                ssl_certfile=None if cert is None else str(cert),
+                                ssl_keyfile=None if cert_key is None else str(cert_key))
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name=name, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                sock.close()
+                raise FedgeError(f"the gateway's listener did not start on {host}:{port}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Stop serving."""
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def print_insecure_warning() -> None:
+    """Say loudly that this gateway serves plain HTTP."""
+    print(INSECURE_WARNING, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    """What ``fedge gateway start`` was asked to do."""
+
+    coordinator: str
+    devices: Path  # the allow-list directory (NAME.pub, revoked)
+    key: Path | None  # this gateway's node key at the coordinator (`fedge keys add-device`)
+    ca: Path | None  # the coordinator's CA
+    trust: Path | None  # the coordinator's bundle signing public key (the training graph devices run)
+    cert: Path | None = None  # this gateway's TLS certificate and key for its devices
+    cert_key: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 9443
+    insecure: bool = False
+    state_dir: Path | None = None
+    bundles: str = ""
+    max_wait_s: float | None = None
+    profile: str = "gpu-box"
+    settings: GatewaySettings = GatewaySettings()
+
+
+def check_gateway(options: GatewayOptions) -> None:
+    """Refuse a start that could not serve devices, before anything listens."""
+    if not options.devices.is_dir():
+        raise ConfigError(f"allow-list directory '{options.devices}' does not exist; admit devices with "
+                          "`fedge gateway add-device NAME --devices DIR`")
+    if options.trust is None or not options.trust.is_file():
+        raise ConfigError("--trust KEY.pub is needed: the coordinator's bundle signing public key, which the training "
+                          "graph this gateway hands its devices must be signed with")
+    if options.settings.uplink not in ("fp32", "int8-delta"):
+        raise ConfigError(f"--uplink {options.settings.uplink!r}: use fp32 or int8-delta")
+    if options.insecure:
+        return
+    for path, what in ((options.cert, "--cert"), (options.cert_key, "--cert-key")):
+        if path is None or not path.is_file():
+            raise ConfigError(f"{what} is needed: the gateway serves its devices over TLS (a certificate its devices' "
+                              "CA signed, e.g. `fedge keys init --host NAME`); --insecure only for a throwaway test")
+
+
+def run_gateway(options: GatewayOptions) -> int:
+    """Serve devices and join the coordinator as a node until stopped; the node's exit status."""
+    from fedge.clients.device import DeviceOptions, run_device  # noqa: PLC0415
+    from fedge.edge.signing import ensure_private_dir  # noqa: PLC0415
+    from fedge.files import write_bytes_atomic  # noqa: PLC0415
+
+    check_gateway(options)
+    state = ensure_private_dir(options.state_dir or Path.home() / ".fedge-gateway")
+    token = secrets.token_urlsafe(32)
+    token_file = state / CONTROL_TOKEN
+    write_bytes_atomic(token_file, token.encode())  # 0600
+    node_state = state / "node"
+    gateway = Gateway(options.settings, options.devices, node_state / "bundles" / "training.zip")
+    if options.insecure:
+        print_insecure_warning()
+    devices = Served(device_app(gateway), options.host, options.port, limits=DEVICE_LIMITS,
+                     cert=None if options.insecure else options.cert,
+                     cert_key=None if options.insecure else options.cert_key, name="fedge-gateway-devices")
+    control = Served(control_app(gateway, token), "127.0.0.1", 0, limits=ListenerLimits(), name="fedge-gateway-ctl")
+    scheme = "http" if options.insecure else "https"
+    print(f"gateway '{options.settings.name}' serves devices on {scheme}://{options.host}:{devices.port}{PREFIX} "
+          f"({len(gateway.allow)} devices in its allow-list)", flush=True)
+    try:
+        return run_device(DeviceOptions(
+            coordinator=options.coordinator, profile=options.profile, data=Path("."), key=options.key, ca=options.ca,
+            insecure=options.insecure, max_wait_s=options.max_wait_s, state_dir=node_state, runtime="onnx",
+            trust=options.trust, bundles=options.bundles, gateway_control=f"127.0.0.1:{control.port}",
+            gateway_token=token_file))
+    finally:
+        devices.stop()
+        control.stop()
+
+
+def add_protocol_device(directory: Path, name: str, *, force: bool = False) -> tuple[Path, Path]:
+    """A protocol device's key pair (ECDSA P-256, PEM) in the allow-list ``directory``: NAME.key, NAME.pub.
+
+    The private key goes to the device (an app keeps it in the Android Keystore or the iOS
+    Keychain instead, and only its public key comes here); the public key stays.
+    """
+    from cryptography.hazmat.primitives import serialization  # noqa: PLC0415
+    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
+
+    from fedge.edge.signing import ensure_private_dir  # noqa: PLC0415
+    from fedge.files import write_bytes_atomic  # noqa: PLC0415
+    from fedge.wire import PROFILE_NAME  # noqa: PLC0415 - the same plain names as profiles
+
+    if not PROFILE_NAME.match(name):
+        raise ConfigError(f"device name '{name}' must be 1-64 letters, digits, '.', '_' or '-'")
+    ensure_private_dir(directory)
+    private_path, public_path = directory / f"{name}.key", directory / f"{name}.pub"
+    if private_path.exists() and not force:
+        raise ConfigError(f"{private_path} exists; pass --force to replace it")
+    private = ec.generate_private_key(ec.SECP256R1())
+    pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    write_bytes_atomic(private_path, pem)  # 0600
+    write_bytes_atomic(public_path, private.public_key().public_bytes(serialization.Encoding.PEM,
+                                                                      serialization.PublicFormat.SubjectPublicKeyInfo))
+    return private_path, public_path
+
+
+def revoke_protocol_device(directory: Path, name: str) -> None:
+    """Add ``name`` to the allow-list's ``revoked`` file (a running gateway refuses it within a second)."""
+    revoked = directory / "revoked"
+    names = set(revoked.read_text().split()) if revoked.exists() else set()
+    revoked.write_text("".join(f"{n}\n" for n in sorted(names | {name})))

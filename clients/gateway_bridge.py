@@ -1,0 +1,85 @@
+"""The gateway's ClientApp side: hand the coordinator's instruction to the gateway process and
+turn its devices' aggregate into the reply a device would send.
+
+A gateway's SuperNode runs fedge's ClientApp like any device; its node config names the
+gateway's loopback control address and the file holding the control token
+(``gateway-control``, ``gateway-token``), which :func:`is_gateway` looks for. The reply
+carries the weighted mean of the devices' trained weights (fp32), ``num-examples`` = the
+examples behind it, and the summed work, so the coordinator's FedAvg weights the gateway as
+the devices it stands for.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from fedge import wire
+from fedge.clients.common import evaluation_content, received_weights, train_order
+from fedge.config import RunConfig
+from fedge.device_protocol import FRAME_TYPE, decode_frame, encode_frame
+from fedge.errors import FedgeError
+
+CONTROL = "gateway-control"
+TOKEN_FILE = "gateway-token"
+ORDER_KEYS = ("local-epochs", "batch-size", "learning-rate", "momentum")
+
+
+def is_gateway(context: Context) -> bool:
+    """Whether this ClientApp runs for a gateway (``fedge gateway`` names its control port)."""
+    return CONTROL in context.node_config
+
+
+def _config_of(msg: Message, context: Context, config: RunConfig, kind: str) -> dict[str, Any]:
+    if kind != "train":
+        return {"seed": config.integer("seed")}
+    order = train_order(msg, context, config)
+    chosen = {key: order.setting[key] for key in ORDER_KEYS}
+    return {**chosen, "proximal-mu": order.proximal_mu, "seed": config.integer("seed")}
+
+
+def ask_gateway(context: Context, header: dict[str, Any], weights: dict[str, np.ndarray]) -> tuple[dict[str, Any],
+                                                                                                   dict[str, Any]]:
+    """POST the round to the gateway process; its result header and arrays."""
+    host, _, port = str(context.node_config[CONTROL]).rpartition(":")
+    token = Path(str(context.node_config[TOKEN_FILE])).read_text().strip()
+    connection = http.client.HTTPConnection(host, int(port), timeout=24 * 3600)
+    try:
+        connection.request("POST", "/control/round", body=encode_frame(header, weights),
+                           headers={"Authorization": f"Bearer {token}", "Content-Type": FRAME_TYPE})
+        response = connection.getresponse()
+        body = response.read()
+    finally:
+        connection.close()
+    if response.status != 200:
+        text = body[:400].decode(errors="replace")
+        reason = json.loads(body).get("error", text) if body.startswith(b"{") else text
+        raise FedgeError(f"the gateway's round failed: {reason}")
+    frame, _ = decode_frame(body)
+    return frame.header, dict(frame.tensors)
+
+
+def gateway_content(msg: Message, context: Context, config: RunConfig, kind: str) -> RecordDict:
+    """The reply of a gateway node: its devices' aggregate for ``msg`` (train or evaluate)."""
+    weights = received_weights(msg.content.array_records[wire.ARRAYS])
+    instruction = msg.content.config_records.get(wire.CONFIG)
+    server_round = int(instruction.get(wire.SERVER_ROUND, 0)) if instruction is not None else 0  # type: ignore[arg-type]
+    graph = str(instruction.get(wire.TRAINING_GRAPH, "")) if instruction is not None else ""
+    header = {"kind": kind, "server-round": server_round, "graph": graph,
+              "config": _config_of(msg, context, config, kind)}
+    result, arrays = ask_gateway(context, header, weights)
+    metrics = {str(k): float(v) for k, v in dict(result.get("metrics", {})).items()}
+    if kind == "evaluate":
+        return evaluation_content(metrics, int(result["num-examples"]))
+    record = ArrayRecord({name: Array(np.ascontiguousarray(arrays[name])) for name in weights})
+    meta = ConfigRecord({wire.SERVER_ROUND: server_round, wire.PROFILE: str(context.node_config.get("profile", "")),
+                         wire.SAMPLES_PROCESSED: int(result["samples-processed"]),
+                         wire.STEPS: max(1, int(result["steps"]))})
+    reply_metrics = MetricRecord({wire.TRAIN_LOSS: metrics.get("train-loss", 0.0),
+                                  wire.NUM_EXAMPLES: int(result["num-examples"])})
+    return RecordDict({wire.ARRAYS: record, wire.METRICS: reply_metrics, wire.REPLY_META: meta})

@@ -1,0 +1,362 @@
+"""A gateway's devices and rounds, without HTTP: who may check in, their sessions, and the round
+in progress with its running aggregate.
+
+The HTTP layer (:mod:`fedge.clients.gateway`) turns requests into calls here and the
+answers into responses; everything a device sends is checked here before it is used.
+
+Threat model: devices are untrusted. A device proves its key once, at check-in (a signature
+over the gateway's name, a timestamp and a fresh nonce: a recorded check-in cannot be
+replayed, here or at another gateway), and every later request with an HMAC under the
+session key the check-in returned, over the method, path, a strictly increasing counter and
+the body's SHA-256 (a recorded request cannot be replayed or altered). Only keys in the
+operator's allow-list check in; a name in its ``revoked`` file is refused at once, its live
+session included. A device's update is decoded and validated like every Flower reply
+(names, shapes, dtypes, finiteness, the example count bounded by ``max-num-examples``)
+before it reaches the sum; a rejected update is logged and leaves the round going.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import secrets
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
+from numpy.typing import NDArray
+
+from fedge.aggregate import WeightedMeanAccumulator
+from fedge.device_protocol import (
+    CLOCK_SKEW_S,
+    ENCODINGS,
+    NONCE_BYTES,
+    SESSION_KEY_BYTES,
+    Frame,
+    b64,
+    check_in_message,
+    from_int8_delta,
+    macs_equal,
+    request_mac,
+    unb64,
+)
+from fedge.errors import DeviceProtocolError, UpdateRejected
+from fedge.strategies.validation import check_arrays
+
+log = logging.getLogger("fedge.gateway")
+
+DEVICE_NAME_MAX = 64
+PublicKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey
+
+
+def refused(status: int, reason: str) -> DeviceProtocolError:
+    """A :class:`DeviceProtocolError` answered with HTTP ``status``."""
+    error = DeviceProtocolError(reason)
+    error.status = status
+    return error
+
+
+class AllowList:
+    """The operator's allow-list: ``DIR/NAME.pub`` (PEM, ECDSA P-256 or Ed25519) and ``DIR/revoked``
+    (one name a line). Re-read when either changes, checked at most once a second."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._keys: dict[str, PublicKey] = {}
+        self._revoked: set[str] = set()
+        self._stamp: tuple[float, ...] = ()
+        self._checked = 0.0
+        self._lock = threading.Lock()
+        self.refresh(force=True)
+
+    def _signature(self) -> tuple[float, ...]:
+        revoked = self.directory / "revoked"
+        return (self.directory.stat().st_mtime, revoked.stat().st_mtime if revoked.exists() else 0.0)
+
+    def refresh(self, *, force: bool = False) -> None:
+        """Re-read the directory if it changed (at most once a second unless ``force``)."""
+        now = time.monotonic()
+        with self._lock:
+            if not force and now - self._checked < 1.0:
+                return
+            self._checked = now
+            stamp = self._signature()
+            if stamp == self._stamp and not force:
+                return
+            keys = {}
+            for path in sorted(self.directory.glob("*.pub")):
+                try:
+                    key = serialization.load_pem_public_key(path.read_bytes())
+                except ValueError:
+                    log.warning("allow-list: %s is not a PEM public key; skipped", path.name)
+                    continue
+                if isinstance(key, ed25519.Ed25519PublicKey) or \
+                        (isinstance(key, ec.EllipticCurvePublicKey) and isinstance(key.curve, ec.SECP256R1)):
+                    keys[path.stem] = key
+                else:
+                    log.warning("allow-list: %s is neither ECDSA P-256 nor Ed25519; skipped", path.name)
+            revoked_file = self.directory / "revoked"
+            lines = revoked_file.read_text().splitlines() if revoked_file.exists() else []
+            revoked = {line.strip() for line in lines}
+            self._keys, self._revoked, self._stamp = keys, revoked - {""}, stamp
+
+    def key_of(self, device: str) -> PublicKey:
+        """The public key of an admitted device; 403 for an unknown or revoked one."""
+        self.refresh()
+        if device in self._revoked:
+            raise refused(403, f"device '{device}' is revoked by the operator; it cannot check in")
+        key = self._keys.get(device)
+        if key is None:
+            raise refused(403, f"device '{device}' is not in this gateway's allow-list; the operator admits it "
+                               "with `fedge gateway add-device NAME`")
+        return key
+
+    def revoked(self, device: str) -> bool:
+        """Whether the operator revoked ``device`` (checked on every request of its session)."""
+        self.refresh()
+        return device in self._revoked
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def verify_signature(key: PublicKey, signature: bytes, message: bytes) -> None:
+    """Verify a device signature: Ed25519, or ECDSA P-256/SHA-256 as raw r||s (WebCrypto) or DER."""
+    try:
+        if isinstance(key, ed25519.Ed25519PublicKey):
+            key.verify(signature, message)
+            return
+        if len(signature) == 64:  # WebCrypto's raw r || s
+            signature = encode_dss_signature(int.from_bytes(signature[:32], "big"),
+                                             int.from_bytes(signature[32:], "big"))
+        key.verify(signature, message, ec.ECDSA(hashes.SHA256()))
+    except (InvalidSignature, ValueError):
+        raise refused(401, "the check-in signature does not verify with this device's registered key") from None
+
+
+@dataclass
+class Session:
+    """One checked-in device."""
+
+    device: str
+    key: bytes
+    expires: float
+    counter: int = 0
+    last_seen: float = 0.0
+    done: set[str] = field(default_factory=set)  # task ids this device answered
+
+
+class Sessions:
+    """Check-ins and the sessions they open (one per device; a new check-in replaces the old)."""
+
+    def __init__(self, allow: AllowList, gateway: str, ttl_s: float = 3600.0) -> None:
+        self.allow, self.gateway, self.ttl_s = allow, gateway, ttl_s
+        self._by_token: dict[str, Session] = {}
+        self._token_of: dict[str, str] = {}
+        self._nonces: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def check_in(self, body: Mapping[str, Any], now: float | None = None) -> tuple[str, bytes, Session]:
+        """Verify a check-in and open a session; (token, session key, session)."""
+        now = time.time() if now is None else now
+        device = body.get("device")
+        if not isinstance(device, str) or not 0 < len(device) <= DEVICE_NAME_MAX:
+            raise refused(400, f"'device' must be the device's name (1-{DEVICE_NAME_MAX} characters)")
+        issued = body.get("time")
+        if isinstance(issued, bool) or not isinstance(issued, int) or abs(now - issued) > CLOCK_SKEW_S:
+            raise refused(401, f"'time' must be the device's clock in whole Unix seconds, within {CLOCK_SKEW_S} s "
+                               "of the gateway's; set the device's clock")
+        nonce = body.get("nonce")
+        unb64(nonce, "nonce", size=NONCE_BYTES)
+        signature = unb64(body.get("signature"), "signature", max_size=128)
+        key = self.allow.key_of(device)
+        verify_signature(key, signature, check_in_message(device=device, gateway=self.gateway,
+                                                          issued_at=issued, nonce=str(nonce)))
+        with self._lock:
+            self._forget_nonces(now)
+            if nonce in self._nonces:
+                raise refused(401, "this check-in was seen before (a replay); sign a fresh nonce")
+            self._nonces[str(nonce)] = now + 2 * CLOCK_SKEW_S
+            old = self._token_of.pop(device, None)
+            if old is not None:
+                self._by_token.pop(old, None)
+            token, session_key = secrets.token_urlsafe(24), secrets.token_bytes(SESSION_KEY_BYTES)
+            session = Session(device=device, key=session_key, expires=now + self.ttl_s, last_seen=now)
+            self._by_token[token], self._token_of[device] = session, token
+        return token, session_key, session
+
+    def _forget_nonces(self, now: float) -> None:
+        if len(self._nonces) > 1024:
+            self._nonces = {nonce: until for nonce, until in self._nonces.items() if until > now}
+
+    def authenticate(self, *, authorization: str | None, counter: str | None, mac: str | None, method: str,
+                     path: str, body: bytes, now: float | None = None) -> Session:
+        """The session of an authenticated request, or 401/403 naming what is wrong."""
+        now = time.time() if now is None else now
+        if not authorization or not authorization.startswith("Fedge-Session "):
+            raise refused(401, "no session: check in first (POST /v1/check-in) and send "
+                               "'Authorization: Fedge-Session <token>'")
+        with self._lock:
+            session = self._by_token.get(authorization.removeprefix("Fedge-Session ").strip())
+        if session is None or session.expires < now:
+            raise refused(401, "the session is unknown or expired: check in again")
+        if self.allow.revoked(session.device):
+            raise refused(403, f"device '{session.device}' is revoked by the operator")
+        if counter is None or not counter.isdigit() or len(counter) > 18 or mac is None:
+            raise refused(401, "an authenticated request needs X-Fedge-Counter (a whole number) and X-Fedge-Mac")
+        number = int(counter)
+        expected = request_mac(session.key, method=method, path=path, counter=number, body=body)
+        if not macs_equal(expected, mac):
+            raise refused(401, "the request MAC does not verify (wrong session key, or the body was altered)")
+        with self._lock:
+            if number <= session.counter:
+                raise refused(401, f"counter {number} was used before (a replay); send more than {session.counter}")
+            session.counter, session.last_seen = number, now
+        return session
+
+    def live(self, within_s: float, now: float | None = None) -> int:
+        """Sessions that made a request in the last ``within_s`` seconds."""
+        now = time.time() if now is None else now
+        with self._lock:
+            return sum(1 for s in self._by_token.values() if now - s.last_seen <= within_s and s.expires >= now)
+
+    def __len__(self) -> int:
+        return len(self._by_token)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What a gateway round sends up: the weighted mean of its devices' results and their totals."""
+
+    kind: str
+    arrays: dict[str, NDArray[np.generic]]
+    num_examples: int
+    metrics: dict[str, float]
+    samples_processed: int
+    steps: int
+    devices: int
+    rejected: int
+
+
+def device_seed(run_seed: int, server_round: int, device: str) -> int:
+    """A device's training seed for a round (stable across gateways and restarts)."""
+    number = int.from_bytes(hashlib.sha256(device.encode()).digest()[:6], "big")
+    return (run_seed * 1_000_003 + server_round * 10_007 + number) % 2**63
+
+
+class GatewayRound:
+    """One round of the coordinator's, run over this gateway's devices.
+
+    Train results fold into a streaming weighted mean (:class:`fedge.aggregate.WeightedMeanAccumulator`,
+    weights = example counts), so the gateway holds one model-sized float64 buffer however
+    many devices answer; the coordinator then weights the gateway's mean by the examples
+    behind it, which is FedAvg over every device (hierarchical FedAvg equals flat FedAvg).
+    """
+
+    def __init__(self, *, kind: str, server_round: int, config: Mapping[str, Any], graph: str,
+                 weights: Mapping[str, NDArray[np.generic]], target: int, max_num_examples: int) -> None:
+        self.task_id = secrets.token_hex(8)
+        self.kind, self.server_round, self.graph = kind, server_round, graph
+        self.config, self.weights, self.target = dict(config), dict(weights), max(1, target)
+        self.spec = {name: (tuple(value.shape), str(value.dtype)) for name, value in weights.items()}
+        self.max_num_examples = max_num_examples
+        self._sum = WeightedMeanAccumulator()
+        self._metric_sums: dict[str, float] = {}
+        self._examples = self._samples = self._steps = self._devices = self._rejected = 0
+        self._lock = threading.Lock()
+        self.complete = threading.Event()
+        self.closed = False
+        self.opened = time.monotonic()
+
+    def accept(self, session: Session, frame: Frame, scales: Mapping[str, float]) -> None:
+        """Fold one device's result in; :class:`UpdateRejected` (logged, counted) if it is not valid."""
+        header = frame.header
+        if header.get("task") != self.task_id or header.get("kind") != self.kind:
+            raise refused(409, "this result answers another task (the round it belonged to is over); "
+                               "ask for the current one (GET /v1/task)")
+        try:
+            examples = self._count(header, "num-examples", low=1, high=self.max_num_examples)
+            metrics = self._metrics(header)
+            arrays = self._arrays(header, frame, scales) if self.kind == "train" else {}
+            samples = self._count(header, "samples-processed", low=0, high=10**12, default=examples)
+            steps = self._count(header, "steps", low=0, high=10**12, default=0)
+        except (UpdateRejected, DeviceProtocolError) as exc:
+            with self._lock:
+                self._rejected += 1
+            log.warning("round %d: rejected %s's %s result: %s", self.server_round, session.device, self.kind, exc)
+            raise refused(422, f"result rejected: {exc}") from None
+        with self._lock:
+            if self.closed:
+                raise refused(409, "the round closed before this result arrived; it was not counted")
+            if self.task_id in session.done:
+                raise refused(409, "this device already answered this task")
+            if arrays:
+                self._sum.add(arrays, float(examples))
+            for name, value in metrics.items():
+                self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value * examples
+            self._examples += examples
+            self._samples += samples
+            self._steps = max(self._steps, steps)
+            self._devices += 1
+            session.done.add(self.task_id)
+            if self._devices >= self.target:
+                self.complete.set()
+
+    @staticmethod
+    def _count(header: Mapping[str, Any], key: str, *, low: int, high: int, default: int | None = None) -> int:
+        value = header.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise UpdateRejected(f"'{key}' must be a whole number in [{low}, {high}], got {value!r:.40}")
+        return value
+
+    def _metrics(self, header: Mapping[str, Any]) -> dict[str, float]:
+        raw = header.get("metrics", {})
+        if not isinstance(raw, dict) or len(raw) > 64:
+            raise UpdateRejected("'metrics' must be an object of at most 64 names")
+        values = {}
+        for name, value in raw.items():
+            if not isinstance(name, str) or len(name) > 64 or isinstance(value, bool) or \
+                    not isinstance(value, int | float) or not math.isfinite(value):
+                raise UpdateRejected(f"metric {name!r:.40} must be a finite number")
+            values[name] = float(value)
+        return values
+
+    def _arrays(self, header: Mapping[str, Any], frame: Frame, scales: Mapping[str, float]
+                ) -> dict[str, NDArray[np.generic]]:
+        encoding = header.get("encoding")
+        if encoding not in ENCODINGS:
+            raise UpdateRejected(f"'encoding' must be one of {', '.join(ENCODINGS)}, got {encoding!r:.20}")
+        arrays = from_int8_delta(frame.tensors, scales, self.weights) if encoding == "int8-delta" else frame.tensors
+        check_arrays(arrays, self.spec)
+        return dict(arrays)
+
+    def close(self) -> RoundResult | None:
+        """End the round: its result, or ``None`` when no device answered."""
+        with self._lock:
+            self.closed = True
+            if self._devices == 0:
+                return None
+            means = {name: total / self._examples for name, total in self._metric_sums.items()}
+            arrays = self._sum.result() if self.kind == "train" else {}
+            return RoundResult(kind=self.kind, arrays=arrays, num_examples=self._examples, metrics=means,
+                               samples_processed=self._samples, steps=self._steps, devices=self._devices,
+                               rejected=self._rejected)
+
+    @property
+    def answered(self) -> int:
+        """Devices whose result was folded in."""
+        return self._devices
+
+
+def new_session_answer(token: str, key: bytes, ttl_s: float, next_in_s: float) -> dict[str, Any]:
+    """The check-in answer's JSON."""
+    return {"session": token, "key": b64(key), "expires-in-s": ttl_s, "next-in-s": next_in_s}

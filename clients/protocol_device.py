@@ -1,0 +1,293 @@
+"""The reference client of fedge's device protocol: a device with no Flower and no torch.
+
+It is the executable specification of ``docs/device-protocol.md`` (a Kotlin, Swift or JS
+app does what this class does, step for step) and the load generator of
+``bench/gateway_load.py``. It needs numpy, onnxruntime, cryptography and the standard
+library's HTTPS client; a test imports it where ``import flwr`` and ``import torch`` fail.
+
+One cycle: ``hello`` (the gateway's name), ``check-in`` (a signature over that name, the
+time and a nonce; returns a session token and key), then ``task`` polls. A task frame holds
+the global weights and the training settings; the device trains them with the run's signed
+training graph on onnxruntime (:class:`fedge.edge.trainer.OnnxTrainer`, the same trainer an
+onnx device under a SuperNode runs, so both send the same update) and posts the result.
+Every answer says when to come back (``next-in-s``): the gateway's pace steering.
+
+Threat model (device side): the gateway is authenticated by TLS against the CA the device
+was given; the training graph it hands out is verified against the coordinator's signing
+key (Ed25519) before onnxruntime sees it, so a gateway cannot make the device run a graph
+the coordinator did not sign.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import secrets
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+
+from fedge.clients.device_data import DeviceArrays, device_arrays
+from fedge.device_protocol import (
+    COUNTER_HEADER,
+    FRAME_TYPE,
+    MAC_HEADER,
+    NONCE_BYTES,
+    PREFIX,
+    b64,
+    check_in_message,
+    decode_frame,
+    encode_frame,
+    int8_delta,
+    request_mac,
+    unb64,
+)
+from fedge.edge.trainer import OnnxTrainer
+from fedge.edge.training_bundle import TrainingBundle, read_training_bundle
+from fedge.errors import ConfigError, DeviceProtocolError
+from fedge.files import write_bytes_atomic
+from fedge.preprocessing import prepare_device_inputs
+
+PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one poll did: ``wait``, ``train`` or ``evaluate``; when to come back."""
+
+    kind: str
+    next_in_s: float
+    server_round: int | None = None
+    loss: float | None = None
+
+
+def load_private_key(path: Path) -> PrivateKey:
+    """A protocol device key (PEM, ECDSA P-256 or Ed25519), or a ConfigError saying which it must be."""
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"'{path}' is not a PEM private key ({exc}); make one with "
+                          "`fedge gateway add-device NAME`") from None
+    if isinstance(key, ed25519.Ed25519PrivateKey) or \
+            (isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(key.curve, ec.SECP256R1)):
+        return key
+    raise ConfigError(f"'{path}' is a {type(key).__name__}; protocol device keys are ECDSA P-256 or Ed25519")
+
+
+def sign(key: PrivateKey, message: bytes) -> bytes:
+    """Ed25519, or ECDSA P-256 over SHA-256 (DER; WebCrypto's raw r||s is accepted too)."""
+    if isinstance(key, ed25519.Ed25519PrivateKey):
+        return key.sign(message)
+    return key.sign(message, ec.ECDSA(hashes.SHA256()))
+
+
+class ProtocolDevice:
+    """A device that speaks fedge's device protocol to one gateway.
+
+    Parameters
+    ----------
+    gateway : str
+        The gateway's base URL, ``https://HOST:PORT`` (``http://`` only with ``insecure``).
+    name : str
+        This device's name in the gateway's allow-list.
+    key : Path or private key
+        Its ECDSA P-256 or Ed25519 private key (``fedge gateway add-device``).
+    data : Path or (inputs, targets)
+        Its own examples (``.npz``/``.csv``, read for the graph's inputs), or arrays already read.
+    trust : Path
+        The coordinator's bundle signing public key: the training graph must be signed with it.
+    ca : Path, optional
+        The CA that signed the gateway's certificate.
+    state_dir : Path
+        Where the verified training graph is kept.
+    """
+
+    def __init__(self, *, gateway: str, name: str, key: Path | PrivateKey, data: Path | DeviceArrays, trust: Path,
+                 ca: Path | None, state_dir: Path, insecure: bool = False, timeout_s: float = 120.0) -> None:
+        url = urlsplit(gateway)
+        if url.scheme not in ("https", "http") or (url.scheme == "http" and not insecure) or not url.hostname:
+            raise ConfigError(f"gateway {gateway!r}: use https://HOST:PORT (http:// only with insecure=True)")
+        if url.scheme == "https" and ca is None:
+            raise ConfigError("a protocol device needs the CA that signed the gateway's certificate (ca=...)")
+        self.host, self.port, self.tls = url.hostname, url.port or (443 if url.scheme == "https" else 80), \
+            url.scheme == "https"
+        self.name, self.trust, self.state_dir, self.timeout_s = name, trust, state_dir, timeout_s
+        self.key = key if not isinstance(key, Path) else load_private_key(key)
+        self._data_source = data
+        self._context = ssl.create_default_context(cafile=str(ca)) if self.tls else None
+        self._connection: http.client.HTTPConnection | None = None
+        self._session: tuple[str, bytes] | None = None
+        self._counter = 0
+        self._bundle: TrainingBundle | None = None
+        self._trainer: OnnxTrainer | None = None
+        self._data: DeviceArrays | None = None
+        self.gateway_name: str | None = None
+
+    # ----------------------------------------------------------------------- transport
+    def _connect(self) -> http.client.HTTPConnection:
+        if self._connection is None:
+            if self.tls:
+                self._connection = http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout_s,
+                                                               context=self._context)
+            else:
+                self._connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        return self._connection
+
+    def close(self) -> None:
+        """Close the connection (devices should not hold one between polls)."""
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def _send(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+              ) -> tuple[int, str, bytes]:
+        for attempt in (0, 1):
+            try:
+                connection = self._connect()
+                connection.request(method, path, body=body or None, headers=headers or {})
+                response = connection.getresponse()
+                return response.status, response.getheader("content-type", ""), response.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self.close()  # the gateway closed an idle keep-alive connection: once more on a new one
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _authenticated(self, method: str, path: str, body: bytes = b"") -> tuple[int, str, bytes]:
+        for attempt in (0, 1):
+            if self._session is None:
+                self.check_in()
+            assert self._session is not None
+            token, key = self._session
+            self._counter += 1
+            mac = request_mac(key, method=method, path=path, counter=self._counter, body=body)
+            status, kind, answer = self._send(method, path, body, {
+                "Authorization": f"Fedge-Session {token}", COUNTER_HEADER: str(self._counter), MAC_HEADER: mac,
+                "Content-Type": FRAME_TYPE})
+            if status == 401 and not attempt:  # expired, or the gateway restarted: check in again
+                self._session = None
+                continue
+            return status, kind, answer
+        return status, kind, answer
+
+    @staticmethod
+    def _json(status: int, body: bytes, what: str) -> dict[str, Any]:
+        try:
+            answer = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            answer = {"error": body[:200].decode(errors="replace")}
+        if status != 200:
+            raise DeviceProtocolError(f"{what}: the gateway answered {status}: {answer.get('error', answer)}")
+        return dict(answer)
+
+    # ----------------------------------------------------------------------- protocol steps
+    def check_in(self) -> float:
+        """Prove this device's key to the gateway and open a session; the gateway's ``next-in-s``."""
+        if self.gateway_name is None:
+            status, _, body = self._send("GET", f"{PREFIX}/hello")
+            self.gateway_name = str(self._json(status, body, "hello")["gateway"])
+        issued, nonce = int(time.time()), b64(secrets.token_bytes(NONCE_BYTES))
+        message = check_in_message(device=self.name, gateway=self.gateway_name, issued_at=issued, nonce=nonce)
+        request = {"protocol": 1, "device": self.name, "time": issued, "nonce": nonce,
+                   "signature": b64(sign(self.key, message))}
+        status, _, body = self._send("POST", f"{PREFIX}/check-in", json.dumps(request).encode(),
+                                     {"Content-Type": "application/json"})
+        answer = self._json(status, body, "check-in")
+        self._session, self._counter = (str(answer["session"]), unb64(answer["key"], "key", size=32)), 0
+        return float(answer.get("next-in-s", 0))
+
+    def training_graph(self) -> tuple[TrainingBundle, OnnxTrainer]:
+        """The run's training graph from the gateway, verified against the trusted signing key."""
+        status, _, body = self._authenticated("GET", f"{PREFIX}/bundles/training")
+        if status != 200:
+            self._json(status, body, "training graph")
+        path = self.state_dir / "training.zip"
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(path, body)
+        bundle = read_training_bundle(path, trusted_keys=[self.trust])  # BundleVerificationError if not signed
+        self._bundle, self._trainer, self._data = bundle, OnnxTrainer(bundle.train_onnx, bundle.eval_onnx,
+                                                                      bundle.manifest), None
+        return bundle, self._trainer
+
+    def _ready(self, graph: str) -> tuple[OnnxTrainer, DeviceArrays]:
+        if self._trainer is None or self._bundle is None or (graph and self._bundle.architecture != graph):
+            bundle, _ = self.training_graph()
+            if graph and bundle.architecture != graph:
+                raise ConfigError(f"the gateway's training graph is architecture {bundle.architecture[:12]}, the "
+                                  f"task names {graph[:12]}; the gateway has not fetched the run's graph yet")
+        assert self._trainer is not None and self._bundle is not None
+        if self._data is None:
+            source = self._data_source
+            inputs, targets = device_arrays(source, self._bundle.manifest) if isinstance(source, Path) else source
+            prepared, _ = prepare_device_inputs(inputs, self._bundle.manifest.get("preprocessing"))
+            self._data = (prepared, targets)
+        return self._trainer, self._data
+
+    def poll(self) -> Outcome:
+        """Ask for a task; train or evaluate it and send the result. What was done and when to come back."""
+        status, kind, body = self._authenticated("GET", f"{PREFIX}/task")
+        if status != 200 or not kind.startswith(FRAME_TYPE):
+            answer = self._json(status, body, "task")
+            return Outcome("wait", float(answer.get("next-in-s", 1.0)))
+        frame, _ = decode_frame(body)
+        task = frame.header
+        weights = {name: np.array(value) for name, value in frame.tensors.items()}  # writable copies
+        trainer, (inputs, targets) = self._ready(str(task.get("graph", "")))
+        if task["kind"] == "evaluate":
+            scores = trainer.evaluate(weights, inputs, targets)
+            result = encode_frame({"task": task["task"], "kind": "evaluate", "num-examples": len(targets),
+                                   "metrics": {k: float(v) for k, v in scores.items()}}, {})
+            answer = self._result(result)
+            return Outcome("evaluate", float(answer.get("next-in-s", 1.0)), int(task["server-round"]))
+        trained, result = self.train(task, weights, trainer, inputs, targets)
+        answer = self._result(result)
+        return Outcome("train", float(answer.get("next-in-s", 1.0)), int(task["server-round"]), trained)
+
+    def train(self, task: dict[str, Any], weights: dict[str, np.ndarray], trainer: OnnxTrainer,
+              inputs: tuple[np.ndarray, ...], targets: np.ndarray) -> tuple[float, bytes]:
+        """Train a task's weights; (loss, the result frame)."""
+        config = task["config"]
+        trained, work = trainer.train(
+            weights, inputs, targets, epochs=int(config["local-epochs"]), batch_size=int(config["batch-size"]),
+            learning_rate=float(config["learning-rate"]), momentum=float(config["momentum"]), seed=int(task["seed"]),
+            proximal_mu=float(config.get("proximal-mu", 0.0)), max_steps=None)
+        header = {"task": task["task"], "kind": "train", "num-examples": work.num_examples,
+                  "samples-processed": work.samples_processed, "steps": work.steps,
+                  "metrics": {"train-loss": float(work.loss)}, "encoding": task.get("uplink", "fp32")}
+        if header["encoding"] == "int8-delta":
+            quantised, scales = int8_delta(trained, weights)
+            return work.loss, encode_frame(header, quantised, scales)
+        return work.loss, encode_frame(header, {name: np.asarray(trained[name], np.float32) for name in weights})
+
+    def _result(self, frame: bytes) -> dict[str, Any]:
+        status, _, body = self._authenticated("POST", f"{PREFIX}/result", frame)
+        return self._json(status, body, "result")
+
+    def run(self, *, stop: threading.Event | None = None, rounds: int | None = None, max_wait_s: float = 30.0) -> int:
+        """Poll until ``stop`` is set or ``rounds`` train tasks are done; how many were trained.
+
+        Waits what the gateway says between polls (at most ``max_wait_s``), and closes the
+        connection while it waits.
+        """
+        stop = stop or threading.Event()
+        trained = 0
+        while not stop.is_set() and (rounds is None or trained < rounds):
+            try:
+                outcome = self.poll()
+            except (OSError, http.client.HTTPException):
+                self.close()
+                outcome = Outcome("wait", 2.0)  # the gateway is down or restarting: try again soon
+            trained += outcome.kind == "train"
+            if outcome.next_in_s > 0:
+                self.close()
+                stop.wait(min(outcome.next_in_s, max_wait_s))
+        self.close()
+        return trained
