@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import secrets
 import ssl
 import threading
@@ -57,6 +58,7 @@ from fedge.files import write_bytes_atomic
 from fedge.preprocessing import prepare_device_inputs
 
 PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
+log = logging.getLogger("fedge.protocol_device")
 
 
 @dataclass(frozen=True)
@@ -285,6 +287,10 @@ class ProtocolDevice:
             except (OSError, http.client.HTTPException):
                 self.close()
                 outcome = Outcome("wait", 2.0)  # the gateway is down or restarting: try again soon
+            except (DeviceProtocolError, ConfigError) as exc:  # refused, or no graph yet: say so, try again later
+                log.warning("device %s: %s", self.name, exc)
+                self.close()
+                outcome = Outcome("wait", 2.0)
             trained += outcome.kind == "train"
             if outcome.next_in_s > 0:
                 self.close()

@@ -1,0 +1,464 @@
+"""The gateway tier and fedge's device protocol (issue 27), on real sockets in one process.
+
+Real parts: a gateway's device listener over TLS (a CA-signed certificate from `fedge keys
+init`), its loopback control port, reference protocol devices (ECDSA P-256 and Ed25519 keys,
+HMAC sessions), the run's signed training graph on onnxruntime, and fedge's ClientApp for
+the Flower-path comparison.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedge import wire
+from fedge.aggregate import weighted_mean
+from fedge.clients.app import make_default_client_app
+from fedge.clients.gateway import (
+    Gateway,
+    GatewaySettings,
+    Served,
+    add_protocol_device,
+    control_app,
+    device_app,
+    revoke_protocol_device,
+)
+from fedge.clients.gateway_bridge import ask_gateway
+from fedge.clients.gateway_pool import GatewayRound, Session, device_seed
+from fedge.clients.protocol_device import ProtocolDevice
+from fedge.config import resolve_run_config
+from fedge.device_protocol import (
+    COUNTER_HEADER,
+    MAC_HEADER,
+    PREFIX,
+    Frame,
+    b64,
+    check_in_message,
+    decode_frame,
+    encode_frame,
+    from_int8_delta,
+    int8_delta,
+    request_mac,
+)
+from fedge.errors import BundleVerificationError, DeviceProtocolError
+from fedge.listeners import ListenerLimits
+from fedge.server.bundles import run_signing_key
+from fedge.server.pki import CoordinatorKeys, init_keys
+from fedge.server.training import SIGNING_PUBLIC_KEY, TRAINING_BUNDLE, export_training_graph, write_run_training_bundle
+from fedge.task.api import seeded_model
+from fedge.task.models import model_arrays
+from fedge.tasks import load_task
+
+CONFIG = {"local-epochs": 1, "batch-size": 32, "learning-rate": 0.05, "momentum": 0.9, "proximal-mu": 0.0, "seed": 7}
+
+
+# --------------------------------------------------------------------------- the frame format
+def test_a_frame_round_trips_every_dtype_and_int8_scales() -> None:
+    # Prepare: one tensor of each dtype, a 0-d tensor and an empty one
+    tensors = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.float64(2.5) * np.ones(2),
+               "q": np.array([-127, 0, 5], np.int8), "n": np.array(3, np.int64), "e": np.zeros((0, 4), np.int32)}
+    # Execute
+    frame, scales = decode_frame(encode_frame({"task": "t1"}, tensors, {"q": 0.25}))
+    # Assert
+    assert frame.header == {"task": "t1"} and scales == {"q": 0.25}
+    for name, value in tensors.items():
+        assert frame.tensors[name].dtype == value.dtype and np.array_equal(frame.tensors[name], value)
+
+
+def _frame(header: bytes, tail: bytes = b"") -> bytes:
+    return b"FDG1" + len(header).to_bytes(4, "little") + header + tail
+
+
+BAD_FRAMES = [
+    (b"not a frame", "is not a fedge frame"),
+    (b"FDG1" + (10**6).to_bytes(4, "little") + b"{}", "exceeds the body"),
+    (_frame(b"[1]"), "must be a JSON object"),
+    (_frame(b"{bad"), "not valid UTF-8 JSON"),
+    (_frame(b'{"tensors": [{"name": "w", "dtype": "object", "shape": [1]}]}'), "is not one of"),
+    (_frame(b'{"tensors": [{"name": "w", "dtype": "float32", "shape": [4]}]}', b"\0" * 8), "needs 16 bytes"),
+    (_frame(b'{"tensors": [{"name": "w", "dtype": "float32", "shape": [1]}]}', b"\0" * 8), "bytes follow"),
+    (_frame(b'{"tensors": [{"name": "w", "dtype": "float32", "shape": [-1]}]}'), "non-negative"),
+    (_frame(b'{"tensors": [{"name": "w", "dtype": "int8", "shape": [1]}]}', b"\0"), "needs a finite"),
+    (_frame(b'{"tensors": [{"name": "w", "dtype": "float32", "shape": [1]},'
+            b'{"name": "w", "dtype": "float32", "shape": [1]}]}', b"\0" * 8), "appears twice"),
+    (_frame(b'{"tensors": [{"name": "w", "dtype": "float32", "shape": [100000, 100000]}]}'), "more than"),
+]
+
+
+@pytest.mark.parametrize(("data", "reason"), BAD_FRAMES, ids=[r for _, r in BAD_FRAMES])
+def test_a_malformed_frame_is_refused_naming_the_problem(data: bytes, reason: str) -> None:
+    with pytest.raises(DeviceProtocolError, match=reason):
+        decode_frame(data)
+
+
+def test_int8_delta_restores_the_weights_within_half_a_step() -> None:
+    # Prepare
+    rng = np.random.default_rng(0)
+    base = {"w": rng.normal(size=(50, 20)).astype(np.float32), "b": np.zeros(20, np.float32)}
+    trained = {"w": base["w"] + rng.normal(scale=0.01, size=(50, 20)).astype(np.float32), "b": base["b"]}
+    # Execute
+    quantised, scales = int8_delta(trained, base)
+    frame, read_scales = decode_frame(encode_frame({}, quantised, scales))
+    restored = from_int8_delta(frame.tensors, read_scales, base)
+    # Assert: each weight within half a quantisation step (plus float32 rounding); an unchanged tensor exactly
+    assert np.max(np.abs(restored["w"] - trained["w"])) <= scales["w"] / 2 + 1e-6
+    assert np.array_equal(restored["b"], base["b"]) and scales["b"] == 0.0
+
+
+# --------------------------------------------------------------------------- hierarchical = flat
+def _accepted_round(updates: list[dict[str, np.ndarray]], counts: list[int], base: dict[str, np.ndarray]
+                    ) -> tuple[dict[str, np.ndarray], int]:
+    current = GatewayRound(kind="train", server_round=1, config=CONFIG, graph="", weights=base,
+                           target=len(updates), max_num_examples=10**6)
+    for index, (update, count) in enumerate(zip(updates, counts, strict=True)):
+        header = {"task": current.task_id, "kind": "train", "num-examples": count, "encoding": "fp32",
+                  "metrics": {"train-loss": 1.0}}
+        current.accept(Session(device=f"d{index}", key=b"k" * 32, expires=1e18), Frame(header, update), {})
+    result = current.close()
+    assert result is not None
+    return result.arrays, result.num_examples
+
+
+@settings(max_examples=25, deadline=None)
+@given(counts=st.lists(st.integers(1, 5000), min_size=2, max_size=9), split=st.integers(1, 8),
+       seed=st.integers(0, 2**16))
+def test_gateways_then_coordinator_equal_flat_fedavg(counts: list[int], split: int, seed: int) -> None:
+    # Prepare: devices' updates split over two gateways at any point
+    rng = np.random.default_rng(seed)
+    base = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)}
+    updates = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in base.items()} for _ in counts]
+    cut = 1 + split % (len(counts) - 1)
+    # Execute: each gateway's mean, then the coordinator's FedAvg over the two, weighted by their examples
+    first, first_n = _accepted_round(updates[:cut], counts[:cut], base)
+    second, second_n = _accepted_round(updates[cut:], counts[cut:], base)
+    hierarchical = weighted_mean([first, second], [first_n, second_n])
+    flat = weighted_mean(updates, counts)
+    # Assert: equal within float32 rounding
+    for name in base:
+        assert np.max(np.abs(hierarchical[name] - flat[name])) <= 1e-6
+
+
+# --------------------------------------------------------------------------- a live gateway
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A digits run with its signed training graph; the global weights; the keys of a coordinator."""
+    root = tmp_path_factory.mktemp("gateway-run")
+    config = resolve_run_config({"fleet": "laptop=4", "model": "mlp", "local-epochs": 1, "run-dir": str(root / "run")})
+    task = load_task(config)
+    model = seeded_model(task, config.integer("seed"))
+    graphs, metrics = export_training_graph(task, model, config)
+    run_dir = Path(config.text("run-dir"))
+    manifest = write_run_training_bundle(graphs, metrics, task, run_dir, private_key=run_signing_key(config, run_dir))
+    weights = {name: array.numpy() for name, array in model_arrays(model).items()}
+    shards = [task.partition(index, 4, config) for index in range(4)]
+    return {"config": dict(config), "architecture": str(manifest["architecture"]), "weights": weights,
+            "bundle": run_dir / TRAINING_BUNDLE, "trust": run_dir / SIGNING_PUBLIC_KEY,
+            "keys": init_keys(root / "keys"), "shards": [(tuple(s.inputs), s.targets) for s in shards]}
+
+
+class LiveGateway:
+    """A gateway's two listeners in this process, an allow-list with devices, and helpers."""
+
+    def __init__(self, root: Path, run: dict[str, Any], settings: GatewaySettings) -> None:
+        keys: CoordinatorKeys = run["keys"]
+        self.root, self.run, self.allow = root, run, root / "allow"
+        self.gateway = Gateway(settings, self._allow_list(), run["bundle"])
+        self.devices = Served(device_app(self.gateway), "127.0.0.1", 0, limits=ListenerLimits(per_address=64),
+                              cert=keys.cert, cert_key=keys.key)
+        self.token = "t" * 40
+        self.control = Served(control_app(self.gateway, self.token), "127.0.0.1", 0, limits=ListenerLimits())
+        self.url = f"https://127.0.0.1:{self.devices.port}"
+
+    def _allow_list(self) -> Path:
+        for index in range(4):
+            add_protocol_device(self.allow, f"phone{index}")
+        private = ed25519.Ed25519PrivateKey.generate()  # a browser's WebCrypto Ed25519 key
+        (self.allow / "browser.pub").write_bytes(private.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+        (self.allow / "browser.key").write_bytes(private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        return self.allow
+
+    def device(self, name: str, shard: int = 0) -> ProtocolDevice:
+        return ProtocolDevice(gateway=self.url, name=name, key=self.allow / f"{name}.key",
+                              data=self.run["shards"][shard], trust=self.run["trust"], ca=self.run["keys"].ca_cert,
+                              state_dir=self.root / name)
+
+    def round(self, kind: str = "train") -> tuple[dict[str, Any], dict[str, Any]]:
+        """What the gateway's ClientApp does for one instruction: POST it to the control port."""
+        context = Context(run_id=1, node_id=9, state=RecordDict(), run_config={}, node_config={
+            "gateway-control": f"127.0.0.1:{self.control.port}", "gateway-token": str(self.root / "token")})
+        (self.root / "token").write_text(self.token)
+        header = {"kind": kind, "server-round": 1, "graph": self.run["architecture"], "config": CONFIG}
+        return ask_gateway(context, header, self.run["weights"])
+
+    def close(self) -> None:
+        self.devices.stop()
+        self.control.stop()
+
+
+@pytest.fixture
+def live(tmp_path: Path, run: dict[str, Any]) -> Iterator[LiveGateway]:
+    gateway = LiveGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=3, round_deadline_s=300,
+                                                        idle_poll_s=0.2))
+    yield gateway
+    gateway.close()
+
+
+def _in_background(function: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.update(result=function()), daemon=True)
+    thread.start()
+    return thread, box
+
+
+def _wait(condition: Any, what: str) -> None:
+    while not condition():  # an event, not a duration: the test's own timeout bounds it
+        time.sleep(0.02)
+
+
+def test_a_gateway_round_sends_the_weighted_mean_of_its_devices_training(live: LiveGateway,
+                                                                           run: dict[str, Any]) -> None:
+    # Prepare: three devices (two P-256, one Ed25519) on different shards, checked in
+    devices = [live.device("phone0", 0), live.device("phone1", 1), live.device("browser", 2)]
+    for device in devices:
+        device.check_in()
+    # Execute: the coordinator's instruction reaches the gateway; each device polls once
+    thread, box = _in_background(live.round)
+    _wait(lambda: live.gateway.round is not None, "the round to open")
+    outcomes = [device.poll() for device in devices]
+    thread.join()
+    header, arrays = box["result"]
+    # Assert: each device's training, recomputed with the same trainer, seed and shard; their weighted mean
+    trainer = devices[0].training_graph()[1]
+    expected, counts = [], []
+    for device, shard in zip(devices, (0, 1, 2), strict=True):
+        inputs, targets = run["shards"][shard]
+        trained, work = trainer.train(run["weights"], inputs, targets, epochs=1, batch_size=32, learning_rate=0.05,
+                                      momentum=0.9, seed=device_seed(7, 1, device.name))
+        expected.append(trained)
+        counts.append(work.num_examples)
+    mean = weighted_mean(expected, counts)
+    assert [o.kind for o in outcomes] == ["train"] * 3
+    assert header["num-examples"] == sum(counts) and header["devices"] == 3 and header["rejected"] == 0
+    assert max(float(np.max(np.abs(arrays[k] - mean[k]))) for k in mean) <= 1e-6
+
+
+def test_a_gateway_evaluate_round_averages_its_devices_metrics(live: LiveGateway) -> None:
+    devices = [live.device(f"phone{i}", i) for i in range(3)]
+    thread, box = _in_background(lambda: live.round("evaluate"))
+    _wait(lambda: live.gateway.round is not None, "the round to open")
+    outcomes = [device.poll() for device in devices]
+    thread.join()
+    header, arrays = box["result"]
+    assert [o.kind for o in outcomes] == ["evaluate"] * 3 and arrays == {}
+    assert header["devices"] == 3 and 0.0 <= header["metrics"]["accuracy"] <= 1.0
+
+
+def test_the_reference_client_sends_the_update_a_flower_onnx_device_sends(live: LiveGateway,
+                                                                           run: dict[str, Any]) -> None:
+    # Prepare: the same shard, weights, settings and seed for the Flower-path onnx device and the protocol device
+    config, seed = run["config"], device_seed(7, 1, "phone0")
+    inputs, targets = run["shards"][1]
+    np.savez(live.root / "shard.npz", x=inputs[0], y=targets)
+    instruction = Message(RecordDict({wire.ARRAYS: model_arrays(seeded_model(load_task(resolve_run_config(config)),
+                                                                              int(config["seed"]))),
+                                      wire.CONFIG: ConfigRecord({wire.SERVER_ROUND: 1,
+                                                                 wire.TRAINING_GRAPH: run["architecture"],
+                                                                 **{k: CONFIG[k] for k in ("local-epochs",
+                                                                    "batch-size", "learning-rate", "momentum")}})}),
+                          dst_node_id=5, message_type="train")
+    context = Context(run_id=1, node_id=5, state=RecordDict(), run_config=config, node_config={
+        "partition-id": 1, "num-partitions": 4, "profile": "laptop", "runtime": "onnx"})
+    from fedge.clients import common  # noqa: PLC0415 - pin the Flower path's seed to the protocol device's
+
+    original = common.training_seed
+    common.training_seed = lambda *_: seed  # type: ignore[assignment]
+    try:
+        reply = make_default_client_app()(instruction, context)
+    finally:
+        common.training_seed = original
+    device = live.device("phone0", 1)
+    _, trainer = device.training_graph()
+    task = {"task": "t", "config": CONFIG, "seed": seed, "uplink": "fp32"}
+    # Execute: the protocol device's result frame
+    _, result = device.train(task, dict(run["weights"]), trainer, inputs, targets)
+    # Assert: the same weights within 1e-5, the same example count
+    frame, _ = decode_frame(result)
+    flower = {name: array.numpy() for name, array in reply.content[wire.ARRAYS].items()}
+    assert flower.keys() == frame.tensors.keys()
+    assert max(float(np.max(np.abs(flower[k] - frame.tensors[k]))) for k in flower) <= 1e-5
+    assert frame.header["num-examples"] == reply.content[wire.METRICS][wire.NUM_EXAMPLES]
+
+
+# --------------------------------------------------------------------------- attacks, replayed
+def _raw(live: LiveGateway, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+         ) -> tuple[int, dict[str, Any]]:
+    context = ssl.create_default_context(cafile=str(live.run["keys"].ca_cert))
+    connection = http.client.HTTPSConnection("127.0.0.1", live.devices.port, context=context, timeout=30)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        data = response.read()
+    finally:
+        connection.close()
+    return response.status, (json.loads(data) if data.startswith(b"{") else {"raw": len(data)})
+
+
+def _signed_check_in(live: LiveGateway, name: str, *, gateway: str = "gw-test", issued: int | None = None,
+                     nonce: str = "", key_of: str | None = None) -> bytes:
+    from fedge.clients.protocol_device import load_private_key, sign  # noqa: PLC0415
+
+    issued = int(time.time()) if issued is None else issued
+    nonce = nonce or b64(os.urandom(16))
+    key = load_private_key(live.allow / f"{key_of or name}.key")
+    signature = sign(key, check_in_message(device=name, gateway=gateway, issued_at=issued, nonce=nonce))
+    return json.dumps({"device": name, "time": issued, "nonce": nonce, "signature": b64(signature)}).encode()
+
+
+CHECK_IN_ATTACKS = [
+    ("another-device-key", {"key_of": "phone1"}, 401, "does not verify"),
+    ("signed-for-another-gateway", {"gateway": "gw-other"}, 401, "does not verify"),
+    ("stale-timestamp", {"issued": 1_000_000}, 401, "within 300 s"),
+    ("unknown-device", {"name": "intruder", "key_of": "phone0"}, 403, "not in this gateway's allow-list"),
+]
+
+
+@pytest.mark.parametrize(("case", "change", "status", "reason"), CHECK_IN_ATTACKS, ids=[c[0] for c in CHECK_IN_ATTACKS])
+def test_a_forged_check_in_is_refused(live: LiveGateway, case: str, change: dict[str, Any], status: int,
+                                      reason: str) -> None:
+    name = change.pop("name", "phone0")
+    code, answer = _raw(live, "POST", f"{PREFIX}/check-in", _signed_check_in(live, name, **change))
+    assert code == status and reason in answer["error"] and "session" not in answer
+
+
+def test_a_recorded_check_in_cannot_be_replayed(live: LiveGateway) -> None:
+    body = _signed_check_in(live, "phone0")
+    first, _ = _raw(live, "POST", f"{PREFIX}/check-in", body)
+    replay, answer = _raw(live, "POST", f"{PREFIX}/check-in", body)
+    assert (first, replay) == (200, 401) and "replay" in answer["error"]
+
+
+def test_a_recorded_or_altered_request_is_refused(live: LiveGateway) -> None:
+    # Prepare: a real session; one correctly authenticated request
+    _, answer = _raw(live, "POST", f"{PREFIX}/check-in", _signed_check_in(live, "phone0"))
+    token, key = answer["session"], __import__("base64").b64decode(answer["key"])
+
+    def headers(counter: int, body: bytes, path: str = f"{PREFIX}/task") -> dict[str, str]:
+        return {"Authorization": f"Fedge-Session {token}", COUNTER_HEADER: str(counter),
+                MAC_HEADER: request_mac(key, method="GET", path=path, counter=counter, body=body)}
+
+    good = headers(1, b"")
+    # Execute / Assert: it works once; replayed it is refused; a MAC for another body or path is refused
+    assert _raw(live, "GET", f"{PREFIX}/task", b"", good)[0] == 200
+    replayed = _raw(live, "GET", f"{PREFIX}/task", b"", good)
+    assert replayed[0] == 401 and "replay" in replayed[1]["error"]
+    wrong_path = _raw(live, "GET", f"{PREFIX}/task", b"", headers(5, b"", f"{PREFIX}/result"))
+    assert wrong_path[0] == 401 and "does not verify" in wrong_path[1]["error"]
+    no_session = _raw(live, "GET", f"{PREFIX}/task")
+    assert no_session[0] == 401 and "check in first" in no_session[1]["error"]
+
+
+def test_a_revoked_device_loses_its_live_session_and_cannot_check_in(live: LiveGateway) -> None:
+    device = live.device("phone2")
+    device.check_in()
+    assert device.poll().kind == "wait"
+    revoke_protocol_device(live.allow, "phone2")
+    time.sleep(1.1)  # the allow-list is re-read at most once a second: the documented revocation delay
+    with pytest.raises(DeviceProtocolError, match="revoked"):
+        device.poll()
+    code, answer = _raw(live, "POST", f"{PREFIX}/check-in", _signed_check_in(live, "phone2"))
+    assert code == 403 and "revoked" in answer["error"]
+
+
+BAD_RESULTS = [
+    ("nan-weights", lambda w: {k: np.full_like(v, np.nan) for k, v in w.items()}, {}, "NaN or Inf"),
+    ("wrong-shape", lambda w: {k: np.zeros(3, np.float32) for k in w}, {}, "shape"),
+    ("missing-tensor", lambda w: dict(list(w.items())[:1]), {}, "missing"),
+    ("huge-count", lambda w: w, {"num-examples": 10**9}, "num-examples"),
+    ("zero-count", lambda w: w, {"num-examples": 0}, "num-examples"),
+    ("bad-encoding", lambda w: w, {"encoding": "zip"}, "encoding"),
+    ("nan-loss", lambda w: w, {"metrics": {"train-loss": float("nan")}}, "finite"),
+]
+
+
+@pytest.mark.parametrize(("case", "tensors", "fields", "reason"), BAD_RESULTS, ids=[c[0] for c in BAD_RESULTS])
+def test_a_malformed_result_is_rejected_and_the_round_goes_on(live: LiveGateway, run: dict[str, Any], case: str,
+                                                              tensors: Any, fields: dict[str, Any],
+                                                              reason: str) -> None:
+    # Prepare: a round waiting for 3 results; one device sends a bad result, three good ones follow
+    thread, box = _in_background(live.round)
+    _wait(lambda: live.gateway.round is not None, "the round to open")
+    bad = live.device("phone3", 3)
+    status, _, body = bad._authenticated("GET", f"{PREFIX}/task")
+    task = decode_frame(body)[0].header
+    header = {"task": task["task"], "kind": "train", "num-examples": 10, "encoding": "fp32",
+              "metrics": {"train-loss": 1.0}, **fields}
+    weights = {k: np.asarray(v, np.float32) for k, v in run["weights"].items()}
+    # Execute
+    code, _, answer = bad._authenticated("POST", f"{PREFIX}/result", encode_frame(header, tensors(weights)))
+    outcomes = [live.device(f"phone{i}", i).poll() for i in range(3)]
+    thread.join()
+    # Assert: 422 naming the problem; the round completed with the three good results, one rejection counted
+    assert code == 422 and reason in json.loads(answer)["error"]
+    result, _ = box["result"]
+    assert [o.kind for o in outcomes] == ["train"] * 3 and result["devices"] == 3 and result["rejected"] == 1
+
+
+def test_a_training_graph_not_signed_by_the_coordinator_is_refused(live: LiveGateway, tmp_path: Path) -> None:
+    # A device that trusts another signer (as when a gateway hands out a graph the coordinator did not sign)
+    device = live.device("phone0")
+    device.trust = _other_key(tmp_path)
+    with pytest.raises(BundleVerificationError):
+        device.training_graph()
+
+
+def _other_key(tmp_path: Path) -> Path:
+    """A signing public key in the format run keys use, of a key that did not sign the graph."""
+    from fedge.server.bundles import run_signing_key  # noqa: PLC0415
+
+    config = resolve_run_config({"run-dir": str(tmp_path / "other-run")})
+    (tmp_path / "other-run").mkdir()
+    run_signing_key(config, tmp_path / "other-run")
+    return tmp_path / "other-run" / SIGNING_PUBLIC_KEY
+
+
+def test_a_busy_gateway_answers_503_with_retry_after(live: LiveGateway) -> None:
+    live.gateway.in_flight = live.gateway.settings.max_in_flight  # as if that many requests were in progress
+    try:
+        code, answer = _raw(live, "GET", f"{PREFIX}/hello")
+    finally:
+        live.gateway.in_flight = 0
+    assert code == 503 and answer["next-in-s"] > 0
+
+
+def test_the_protocol_device_imports_neither_flower_nor_torch() -> None:
+    # A finder that makes `import flwr` and `import torch` fail, then the reference client's modules
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('flwr', 'torch'):\n"
+            "            raise ImportError('blocked: ' + name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import fedge.clients.protocol_device, fedge.device_protocol\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('flwr', 'torch')))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
