@@ -42,6 +42,7 @@ from fedge.device_protocol import (
     PREFIX,
     SESSION_HEADER,
     VERSION,
+    assemble_frame,
     decode_frame,
     encode_frame,
     read_json,
@@ -101,7 +102,7 @@ class Gateway:
                   "graph": current.graph, "config": current.config, "uplink": self.settings.uplink,
                   "seed": device_seed(int(current.config.get("seed", 0)), current.server_round, session.device),
                   "deadline-s": round(left, 1)}
-        return encode_frame(header, current.weights)
+        return assemble_frame(header, *current.tensors)
 
     def round_target(self) -> int:
         """How many device results complete a round."""
@@ -242,7 +243,17 @@ def control_app(gateway: Gateway, token: str) -> Any:
                   "rejected": result.rejected, "samples-processed": result.samples_processed, "steps": result.steps}
         return Response(encode_frame(header, result.arrays), media_type=FRAME_TYPE)
 
-    return Starlette(routes=[Route("/control/round", run_round, methods=["POST"])])
+    async def status(request: Any) -> Any:
+        if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
+            return _json({"error": "not this gateway's ClientApp"}, 401)
+        current = gateway.round
+        return _json({"sessions": len(gateway.sessions), "allowed": len(gateway.allow), "in-flight": gateway.in_flight,
+                      "rounds-done": gateway.rounds_done,
+                      "round-open": current is not None and not current.closed,
+                      "round-answered": 0 if current is None else current.answered})
+
+    return Starlette(routes=[Route("/control/round", run_round, methods=["POST"]),
+                             Route("/control/status", status, methods=["GET"])])
 
 
 class Served:

@@ -44,6 +44,7 @@ from fedge.device_protocol import (
     Frame,
     b64,
     check_in_message,
+    frame_tensors,
     from_int8_delta,
     macs_equal,
     request_mac,
@@ -268,6 +269,7 @@ class GatewayRound:
         self.kind, self.server_round, self.graph = kind, server_round, graph
         self.config, self.weights, self.target = dict(config), dict(weights), max(1, target)
         self.spec = {name: (tuple(value.shape), str(value.dtype)) for name, value in weights.items()}
+        self.tensors = frame_tensors(self.weights)  # encoded once, sent under each device's header
         self.max_num_examples = max_num_examples
         self._sum = WeightedMeanAccumulator()
         self._metric_sums: dict[str, float] = {}

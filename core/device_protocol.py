@@ -78,6 +78,12 @@ class Frame:
 def encode_frame(header: Mapping[str, Any], tensors: Mapping[str, NDArray[np.generic]],
                  scales: Mapping[str, float] | None = None) -> bytes:
     """``header`` and ``tensors`` as one frame (``scales``: each ``int8`` tensor's scale)."""
+    return assemble_frame(header, *frame_tensors(tensors, scales))
+
+
+def frame_tensors(tensors: Mapping[str, NDArray[np.generic]], scales: Mapping[str, float] | None = None
+                  ) -> tuple[list[dict[str, Any]], bytes]:
+    """The tensor entries and bytes of a frame, to send under many headers (a round's task)."""
     entries, blobs = [], []
     for name, value in tensors.items():
         array = np.asarray(value)
@@ -90,8 +96,13 @@ def encode_frame(header: Mapping[str, Any], tensors: Mapping[str, NDArray[np.gen
             entry["scale"] = float((scales or {}).get(name, 1.0))
         entries.append(entry)
         blobs.append(np.ascontiguousarray(array, dtype=DTYPES[kind]).tobytes())
+    return entries, b"".join(blobs)
+
+
+def assemble_frame(header: Mapping[str, Any], entries: list[dict[str, Any]], data: bytes) -> bytes:
+    """A frame from a header and :func:`frame_tensors`' entries and bytes."""
     text = json.dumps({**header, "tensors": entries}, separators=(",", ":")).encode()
-    return b"".join([MAGIC, struct.pack("<I", len(text)), text, *blobs])
+    return b"".join([MAGIC, struct.pack("<I", len(text)), text, data])
 
 
 def decode_frame(data: bytes, *, max_elements: int = 1 << 28) -> tuple[Frame, dict[str, float]]:
@@ -195,8 +206,10 @@ def from_int8_delta(tensors: Mapping[str, NDArray[np.generic]], scales: Mapping[
         reference = np.asarray(base[name])
         if value.shape != reference.shape:
             raise DeviceProtocolError(f"tensor '{name}' has shape {value.shape}, the model's is {reference.shape}")
-        change = value.astype(np.float64) * scales[name]
-        restored[name] = (reference.astype(np.float64) + change).astype(reference.dtype)
+        if np.issubdtype(reference.dtype, np.floating):  # in the model's own precision: no float64 temporaries
+            restored[name] = reference + value.astype(reference.dtype) * reference.dtype.type(scales[name])
+        else:
+            restored[name] = np.rint(reference + value.astype(np.float64) * scales[name]).astype(reference.dtype)
     return restored
 
 

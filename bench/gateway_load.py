@@ -1,0 +1,343 @@
+"""How many protocol devices one fedge gateway holds, and how fast it takes their updates (issue 27).
+
+Real parts on 127.0.0.1: a gateway's device listener (uvicorn, TLS 1.3 with a CA-signed
+certificate from `fedge keys init`) and its control port, in a process of its own; simulated
+protocol devices in ``--clients`` load-generator processes (asyncio, raw HTTP/1.1 over TLS,
+real ECDSA P-256 check-in signatures and HMAC-SHA256 request MACs, as
+``docs/device-protocol.md`` specifies and :class:`fedge.clients.protocol_device.ProtocolDevice`
+does).
+
+Phases:
+
+1. **Check-in**: ``--devices`` devices (10,000) check in (a TLS connection each, hello once
+   per process, the signed check-in, connection closed: devices do not hold connections
+   between polls). Recorded: check-ins per second, and the gateway's resident memory per
+   checked-in device (RSS after less RSS before, over the devices).
+2. **Round**: the control port opens a train round of a ``--params`` (100,000) parameter
+   model; ``--per-round`` (1,000) of the checked-in devices each fetch the task (the fp32
+   weights) and post an int8-delta update (pre-computed: the bench measures the gateway, not
+   training). Recorded: updates per second over the round, and the round's wall time from the
+   control POST to its answer, which is the gateway's overhead beyond device compute.
+3. **Baseline** (same run): the same 1,000 int8 updates decoded and folded in this process,
+   as the inline simulation aggregates (no network, no TLS, no validation).
+
+Usage: python bench/gateway_load.py [--devices 10000] [--per-round 1000] [--params 100000]
+Writes bench/results/gateway_load.json. Targets (issue 27): 10,000 connected devices within
+1 GiB per gateway; >= 500 updates/s per gateway core; round overhead <= 2 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from fedge.aggregate import WeightedMeanAccumulator
+from fedge.device_protocol import (
+    COUNTER_HEADER,
+    MAC_HEADER,
+    PREFIX,
+    b64,
+    check_in_message,
+    decode_frame,
+    encode_frame,
+    from_int8_delta,
+    int8_delta,
+    request_mac,
+    unb64,
+)
+
+RESULTS = Path(__file__).parent / "results" / "gateway_load.json"
+CONCURRENCY = 64  # connections in flight per load-generator process
+
+
+def model(params: int) -> dict[str, np.ndarray]:
+    """A model of ``params`` float32 parameters in two tensors (a layer and its bias)."""
+    rng = np.random.default_rng(0)
+    return {"w": rng.normal(size=(params // 100, 99)).astype(np.float32),
+            "b": rng.normal(size=params - (params // 100) * 99).astype(np.float32)}
+
+
+# --------------------------------------------------------------------------- the gateway process
+def serve(root: Path, per_round: int) -> None:
+    """Run a gateway's listeners until killed; print their ports (FEDGE_PROFILE=path: cProfile to it on SIGTERM)."""
+    if os.environ.get("FEDGE_PROFILE"):
+        import cProfile
+        import signal
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+
+        def dump(*_: Any) -> None:
+            profiler.disable()
+            profiler.dump_stats(os.environ["FEDGE_PROFILE"])
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, dump)
+    from fedge.clients.gateway import DEVICE_LIMITS, Gateway, GatewaySettings, Served, control_app, device_app
+    from fedge.listeners import ListenerLimits
+    from fedge.server.pki import CoordinatorKeys
+
+    keys = CoordinatorKeys(root / "keys")
+    gateway = Gateway(GatewaySettings(name="bench", devices_per_round=per_round, round_deadline_s=600,
+                                      idle_poll_s=30, max_in_flight=4096, uplink="int8-delta"),
+                      root / "allow", None)
+    devices = Served(device_app(gateway), "127.0.0.1", 0, limits=DEVICE_LIMITS, cert=keys.cert, cert_key=keys.key)
+    control = Served(control_app(gateway, "bench-token"), "127.0.0.1", 0, limits=ListenerLimits())
+    print(json.dumps({"devices": devices.port, "control": control.port}), flush=True)
+    while True:
+        time.sleep(3600)
+
+
+# --------------------------------------------------------------------------- a minimal async HTTP/1.1 client
+async def call(host: str, port: int, context: ssl.SSLContext, method: str, path: str, body: bytes = b"",
+               headers: dict[str, str] | None = None, writer_pair: Any = None) -> tuple[int, bytes, Any]:
+    """One request on a (new or given) TLS connection; (status, body, the connection to reuse)."""
+    reader, writer = writer_pair or await asyncio.open_connection(host, port, ssl=context)
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}",
+             *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+    await writer.drain()
+    status_line = await reader.readline()
+    length = 0
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        if name.lower() == "content-length":
+            length = int(value)
+    data = await reader.readexactly(length)
+    return int(status_line.split()[1]), data, (reader, writer)
+
+
+async def check_in_all(host: str, port: int, ca: str, names: list[str], keys: list[bytes]
+                       ) -> list[tuple[str, bytes]]:
+    """Check every device in; their (token, session key)."""
+    context = ssl.create_default_context(cafile=ca)
+    status, body, pair = await call(host, port, context, "GET", f"{PREFIX}/hello")
+    gateway = json.loads(body)["gateway"]
+    pair[1].close()
+    limit = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(name: str, pem: bytes) -> tuple[str, bytes]:
+        key = serialization.load_pem_private_key(pem, None)
+        assert isinstance(key, ec.EllipticCurvePrivateKey)
+        nonce, issued = b64(os.urandom(16)), int(time.time())
+        signature = key.sign(check_in_message(device=name, gateway=gateway, issued_at=issued, nonce=nonce),
+                             ec.ECDSA(hashes.SHA256()))
+        request = json.dumps({"device": name, "time": issued, "nonce": nonce, "signature": b64(signature)}).encode()
+        async with limit:
+            status, body, pair = await call(host, port, context, "POST", f"{PREFIX}/check-in", request,
+                                            {"Content-Type": "application/json"})
+            pair[1].close()
+        answer = json.loads(body)
+        assert status == 200, answer
+        return answer["session"], unb64(answer["key"], "key", size=32)
+
+    return list(await asyncio.gather(*(one(n, k) for n, k in zip(names, keys, strict=True))))
+
+
+async def round_all(host: str, port: int, ca: str, sessions: list[tuple[str, bytes]], base: dict[str, np.ndarray],
+                    update: tuple[dict[str, np.ndarray], dict[str, float]]) -> list[float]:
+    """Each session fetches the task and posts its update; the time each result was accepted."""
+    context = ssl.create_default_context(cafile=ca)
+    limit = asyncio.Semaphore(CONCURRENCY)
+    done: list[float] = []
+
+    async def one(token: str, key: bytes) -> None:
+        async with limit:
+            counter, pair = 1, None
+            while True:
+                mac = request_mac(key, method="GET", path=f"{PREFIX}/task", counter=counter, body=b"")
+                status, body, pair = await call(host, port, context, "GET", f"{PREFIX}/task", b"", {
+                    "Authorization": f"Fedge-Session {token}", COUNTER_HEADER: str(counter), MAC_HEADER: mac},
+                    pair)
+                counter += 1
+                if body[:4] == b"FDG1":
+                    break
+                await asyncio.sleep(0.05)  # the round is not open yet
+            task = decode_frame(body)[0].header
+            frame = encode_frame({"task": task["task"], "kind": "train", "num-examples": 32, "steps": 1,
+                                  "encoding": "int8-delta", "metrics": {"train-loss": 1.0}}, *update)
+            mac = request_mac(key, method="POST", path=f"{PREFIX}/result", counter=counter, body=frame)
+            status, body, pair = await call(host, port, context, "POST", f"{PREFIX}/result", frame, {
+                "Authorization": f"Fedge-Session {token}", COUNTER_HEADER: str(counter), MAC_HEADER: mac,
+                "Content-Type": "application/vnd.fedge.frame"}, pair)
+            pair[1].close()
+            assert status == 200, body[:200]
+            done.append(time.time())
+
+    await asyncio.gather(*(one(t, k) for t, k in sessions))
+    return done
+
+
+def worker(job: dict[str, Any], queue: Any) -> None:
+    """A load-generator process: check its devices in, then (when told) run its share of the round."""
+    names, keys = job["names"], [Path(p).read_bytes() for p in job["keys"]]
+    started = time.time()
+    sessions = asyncio.run(check_in_all("127.0.0.1", job["port"], job["ca"], names, keys))
+    queue.put(("checked-in", time.time() - started))
+    base = model(job["params"])
+    rng = np.random.default_rng(1)
+    trained = {k: v + rng.normal(scale=0.01, size=v.shape).astype(np.float32) for k, v in base.items()}
+    update = int8_delta(trained, base)
+    job["go"].wait()
+    accepted = asyncio.run(round_all("127.0.0.1", job["port"], job["ca"], sessions[:job["per_round"]], base, update))
+    queue.put(("round", accepted))
+
+
+# --------------------------------------------------------------------------- the bench
+def control_round(port: int, base: dict[str, np.ndarray]) -> tuple[float, dict[str, Any]]:
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
+    started = time.time()
+    connection.request("POST", "/control/round", body=encode_frame(
+        {"kind": "train", "server-round": 1, "graph": "", "config": {"seed": 0}}, base),
+        headers={"Authorization": "Bearer bench-token"})
+    response = connection.getresponse()
+    body = response.read()
+    assert response.status == 200, body[:300]
+    return started, decode_frame(body)[0].header
+
+
+def round_open(port: int) -> bool:
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("GET", "/control/status", headers={"Authorization": "Bearer bench-token"})
+    return bool(json.loads(connection.getresponse().read())["round-open"])
+
+
+def inline_fold(base: dict[str, np.ndarray], count: int) -> float:
+    """Seconds to decode and fold ``count`` int8 updates in-process (what the inline simulation does)."""
+    rng = np.random.default_rng(1)
+    trained = {k: v + rng.normal(scale=0.01, size=v.shape).astype(np.float32) for k, v in base.items()}
+    frame = encode_frame({}, *int8_delta(trained, base))
+    started = time.perf_counter()
+    total = WeightedMeanAccumulator()
+    for _ in range(count):
+        decoded, scales = decode_frame(frame)
+        total.add(from_int8_delta(decoded.tensors, scales, base), 32.0)
+    total.result()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", type=int, default=10_000)
+    parser.add_argument("--per-round", type=int, default=1_000)
+    parser.add_argument("--params", type=int, default=100_000)
+    parser.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.per_round)
+        return
+    from fedge.clients.gateway import add_protocol_device
+    from fedge.server.pki import init_keys
+
+    root = Path(tempfile.mkdtemp(prefix="gateway-load-"))
+    keys = init_keys(root / "keys")
+    print(f"making {args.devices} device keys ...", flush=True)
+    for index in range(args.devices):
+        add_protocol_device(root / "allow", f"d{index}")
+    server = subprocess.Popen([sys.executable, __file__, "--serve", str(root), "--per-round", str(args.per_round)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        ports = json.loads(server.stdout.readline())
+        process = psutil.Process(server.pid)
+        rss_before = process.memory_info().rss
+        record = run_load(args, root, keys.ca_cert, ports, process, rss_before)
+    finally:
+        server.terminate()
+        server.wait(60)
+    record["inline_fold_s"] = inline_fold(model(args.params), args.per_round)
+    report(record, args)
+
+
+def run_load(args: argparse.Namespace, root: Path, ca: Path, ports: dict[str, int], process: psutil.Process,
+             rss_before: int) -> dict[str, Any]:
+    context = multiprocessing.get_context("spawn")
+    queue, go = context.Queue(), context.Manager().Event()
+    share = args.devices // args.clients
+    jobs = [{"names": [f"d{i}" for i in range(c * share, (c + 1) * share)],
+             "keys": [str(root / "allow" / f"d{i}.key") for i in range(c * share, (c + 1) * share)],
+             "port": ports["devices"], "ca": str(ca), "params": args.params,
+             "per_round": args.per_round // args.clients,
+             "go": go} for c in range(args.clients)]
+    started = time.time()
+    workers = [context.Process(target=worker, args=(job, queue)) for job in jobs]
+    for w in workers:
+        w.start()
+    check_in_times = [queue.get()[1] for _ in workers]
+    check_in_s = time.time() - started
+    rss_after = process.memory_info().rss
+    print(f"{args.devices} devices checked in in {check_in_s:.1f} s; gateway RSS "
+          f"{rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB", flush=True)
+    cpu_before = sum(process.cpu_times()[:2])
+    box: dict[str, Any] = {}
+    weights = model(args.params)
+    opener = threading.Thread(target=lambda: box.update(
+        zip(("opened", "header"), control_round(ports["control"], weights), strict=True)))
+    opener.start()
+    while not round_open(ports["control"]):  # devices are sent once the round is open (as pace steering would)
+        time.sleep(0.01)
+    go.set()
+    opener.join()
+    answered = time.time()
+    opened, header = box["opened"], box["header"]
+    accepted = [t for _ in workers for t in queue.get()[1]]
+    cpu_round = sum(process.cpu_times()[:2]) - cpu_before
+    for w in workers:
+        w.join()
+    accepted.sort()
+    span = accepted[-1] - accepted[0] if len(accepted) > 1 else float("nan")
+    return {"devices": args.devices, "per_round": args.per_round, "params": args.params, "clients": args.clients,
+            "check_in_s": check_in_s, "check_in_worker_s": check_in_times,
+            "check_ins_per_s": args.devices / max(check_in_times), "rss_before_mib": rss_before / 2**20,
+            "rss_after_check_in_mib": rss_after / 2**20, "rss_peak_round_mib": process.memory_info().rss / 2**20,
+            "bytes_per_session": (rss_after - rss_before) / args.devices, "round_wall_s": answered - opened,
+            "updates_per_s": len(accepted) / span if span == span and span > 0 else float("nan"),
+            "gateway_cpu_round_s": cpu_round, "updates_per_cpu_s": len(accepted) / cpu_round,
+            "round_devices": header["devices"], "round_examples": header["num-examples"],
+            "machine_cores": os.cpu_count()}
+
+
+def report(record: dict[str, Any], args: argparse.Namespace) -> None:
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(record, indent=2) + "\n")
+    rows = [
+        ("checked-in devices", f"{record['devices']:,}", "10,000"),
+        ("gateway RSS after check-in (MiB)", f"{record['rss_after_check_in_mib']:.0f}", "<= 1024"),
+        ("RSS per checked-in device (bytes)", f"{record['bytes_per_session']:.0f}", ""),
+        ("check-ins/s (TLS handshake + P-256 verify)", f"{record['check_ins_per_s']:.0f}", ""),
+        ("updates/s over the round (wall)", f"{record['updates_per_s']:.0f}", ">= 500 per core"),
+        ("updates per gateway CPU-second", f"{record['updates_per_cpu_s']:.0f}", ">= 500"),
+        (f"round wall, {record['per_round']:,} devices (s)", f"{record['round_wall_s']:.2f}", "<= 2"),
+        ("inline fold of the same updates (s)", f"{record['inline_fold_s']:.2f}", ""),
+        ("round / inline fold", f"{record['round_wall_s'] / record['inline_fold_s']:.1f}x", ""),
+    ]
+    print("\n| measure | value | target |\n|---|---|---|")
+    for row in rows:
+        print(f"| {' | '.join(row)} |")
+    print(f"\n{args.clients} load-generator processes and the gateway share {os.cpu_count()} cores; "
+          f"written to {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
