@@ -26,6 +26,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COVERED_ELSEWHERE = {
     "from pathlib import Path": "tests/test_deployment.py (run_device against a real TLS coordinator)",
     "from fedge.edge.delivery import pull": "tests/test_delivery.py (pull from a real bundle service)",
+    "from fedge.clients.protocol_device import ProtocolDevice":
+        "tests/test_gateway_deployment.py (ProtocolDevice.run against two live gateways)",
     "from fedge.strategies import FedAvg": "tests/test_flower_dropin.py (strategy.start in a plain Flower app)",
 }
 
