@@ -79,7 +79,7 @@ def gateway_content(msg: Message, context: Context, config: RunConfig, kind: str
     record = ArrayRecord({name: Array(np.ascontiguousarray(arrays[name])) for name in weights})
     meta = ConfigRecord({wire.SERVER_ROUND: server_round, wire.PROFILE: str(context.node_config.get("profile", "")),
                          wire.SAMPLES_PROCESSED: int(result["samples-processed"]),
-                         wire.STEPS: max(1, int(result["steps"]))})
+                         wire.STEPS: max(1, int(result["steps"])), wire.AGGREGATE_OF: int(result["devices"])})
     reply_metrics = MetricRecord({wire.TRAIN_LOSS: metrics.get("train-loss", 0.0),
                                   wire.NUM_EXAMPLES: int(result["num-examples"])})
     return RecordDict({wire.ARRAYS: record, wire.METRICS: reply_metrics, wire.REPLY_META: meta})

@@ -127,6 +127,8 @@ KNOBS: dict[str, Knob] = {
                                    check=above(0)),
     "asynchronous": Knob(False, "run the strategy's rule in FedBuff's asynchronous rounds (a server round is one "
                          "buffer; fedbuff always is)", "strategies"),
+    "gateways": Knob(False, "devices reach the coordinator through fedge gateways (hierarchical FedAvg): strategies "
+                     "that need each device's update are refused at start", "strategies"),
     "concurrency": Knob(20, "fedbuff, asynchronous: devices training at once", "strategies", check=at_least(1)),
     "buffer-size": Knob(10, "fedbuff, asynchronous: updates per server step", "strategies", check=at_least(1)),
     "staleness-exponent": Knob(0.5, "fedbuff, asynchronous: weight 1 / (1 + staleness)^a", "strategies",

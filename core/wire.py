@@ -36,6 +36,8 @@ STEPS = "steps"
 INPUTS = "inputs"
 INPUT_VERDICTS = (RAW_SCALED, OUTSIDE)
 TRAIN_LOSS = "train-loss"
+# a gateway's reply (fedge.clients.gateway): how many devices' updates its weighted mean stands for
+AGGREGATE_OF = "aggregate-of"
 EVAL_PREFIX = "eval-"  # a device's evaluation reply names each task metric "eval-<metric>"
 # the architecture hash of the run's signed training graph (onnx devices check theirs matches)
 TRAINING_GRAPH = "training-graph"
@@ -88,6 +90,7 @@ class ReplyMeta:
     samples_processed: int = 0
     steps: int | None = None
     inputs: str | None = None  # INPUT_VERDICTS, or None: inputs as the model takes them
+    aggregate_of: int | None = None  # a gateway's reply: the devices behind its mean
 
 
 def _count(record: ConfigRecord, key: str, *, low: int) -> int | None:
@@ -121,7 +124,8 @@ def read_reply_meta(content: RecordDict) -> ReplyMeta | None:
         raise UpdateRejected(f"reply meta '{INPUTS}' must be one of {', '.join(INPUT_VERDICTS)}, got {inputs!r:.40}")
     return ReplyMeta(server_round=_count(record, SERVER_ROUND, low=0), profile=profile,
                      samples_processed=_count(record, SAMPLES_PROCESSED, low=0) or 0,
-                     steps=_count(record, STEPS, low=1), inputs=inputs)
+                     steps=_count(record, STEPS, low=1), inputs=inputs,
+                     aggregate_of=_count(record, AGGREGATE_OF, low=1))
 
 
 def read_reply_meta_or_none(content: RecordDict) -> ReplyMeta | None:

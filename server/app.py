@@ -94,11 +94,12 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_na
         extra["driver"] = SecureAggregation(**secure_options(config, build_policy(config).selection_size(per_round)))
     if config["asynchronous"]:
         extra["driver"] = AsynchronousDriver.from_config(config, num_nodes)
-    return spec.cls(  # type: ignore[no-any-return]
+    strategy: FedAvg = spec.cls(
         clients_per_round=per_round,
         policy=build_policy(config),
         validator=ReplyValidator(max_num_examples=config.integer("max-num-examples"),
-                                 max_local_steps=local_step_limit(config)),
+                                 max_local_steps=local_step_limit(config),
+                                 accepts_aggregates=bool(config["gateways"])),
         selector=build_selector(config),
         min_train_replies=min(config.integer("min-train-replies"), per_round),
         wait_for_nodes_s=config.number("round-timeout"),
@@ -111,6 +112,39 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_na
         downlink=downlink,
         **extra,
     )
+    if config["gateways"]:
+        check_hierarchical(config, strategy)
+    return strategy
+
+
+GATEWAY_STRATEGIES = "fedavg, fedprox, fedavgm, fedadam, fedyogi or fedadagrad"
+
+
+def check_hierarchical(config: RunConfig, strategy: FedAvg) -> None:
+    """Refuse, in one line, what cannot run over gateways' pre-aggregated replies (``gateways = true``).
+
+    A gateway replies with the weighted mean of its devices' updates
+    (:mod:`fedge.clients.gateway`); a strategy that needs each device's update, its steps, its
+    arrival or its own clipping would silently compute something else over those means.
+    """
+    where = "docs/operator.md#gateways-for-phones-and-browsers"
+    name = config.text("strategy")
+    if not strategy.rule.hierarchical:
+        raise ConfigError(f"strategy '{name}' ({type(strategy.rule).__name__}) needs each device's update, which "
+                          f"gateways pre-aggregate; with gateways = true run {GATEWAY_STRATEGIES} ({where})")
+    refusals = {
+        "asynchronous": (config["asynchronous"] or name == "fedbuff",
+                         "a gateway answers once a round, so per-device staleness is lost"),
+        "secure-aggregation": (config["secure-aggregation"], "SecAgg+ through gateways is not built yet; TLS protects "
+                               "updates in transit and the gateway sees each device's update"),
+        "dp": (config.text("dp") != "off", "DP clips each device's update, and a gateway's reply is a mean of many"),
+        "selector": (config.text("selector") == "oort", "Oort ranks devices by their own utility; the coordinator "
+                     "sees gateways"),
+    }
+    for knob, (chosen, why) in refusals.items():
+        if chosen:
+            raise ConfigError(f"gateways = true cannot run with {knob} = {config[knob]} ({why}); turn one off "
+                              f"({where})")
 
 
 def local_step_limit(config: RunConfig) -> Callable[[int], int]:

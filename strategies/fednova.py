@@ -20,6 +20,7 @@ class NormalisedMean(LinearRule):
 
     needs_global_model = True  # steps from the global model configure_train sent
     takes_stale_updates = False  # normalises by local steps, which asynchronous arrivals do not carry
+    hierarchical = False  # normalises each device's steps, which a gateway's mean does not carry
 
     def __init__(self, *, local_momentum: float = 0.0) -> None:
         super().__init__()

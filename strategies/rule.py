@@ -11,6 +11,9 @@ A rule declares what drivers may do with it:
 * ``linear``: its result is a server step applied to the weighted mean of the updates
   (:meth:`LinearRule.step`), so secure aggregation, DP and hierarchical pre-aggregation
   may compute that mean in another way and hand it over;
+* ``hierarchical``: a mean of pools' means, weighted by each pool's examples, stands for the
+  mean of every update, so gateways may pre-aggregate their devices (linear rules whose
+  updates carry nothing per device beyond their weight);
 * ``needs_each_update``: it holds every update of a round at once (robust rules: O(K x P)
   memory), which secure aggregation hides;
 * ``needs_global_model``: it steps from the model the round started from;
@@ -108,6 +111,7 @@ class Rule:
     """
 
     linear: ClassVar[bool] = False
+    hierarchical: ClassVar[bool] = False
     needs_each_update: ClassVar[bool] = False
     takes_stale_updates: ClassVar[bool] = False
     needs_global_model: bool = False
@@ -161,6 +165,7 @@ class LinearRule(Rule):
     """
 
     linear = True
+    hierarchical = True  # the weighted mean of pool means is the weighted mean
     takes_stale_updates = True  # rebased onto the round's model (see fold)
     work_momentum: float | None = None  # FedNova: the devices' momentum in its local-work norm
 

@@ -123,11 +123,17 @@ class ReplyValidator:
         the claimed work, so one inflated ``steps`` would blow up the global model.
     weight_key : str
         The metric updates are weighted by (Flower's ``weighted_by_key``; the strategy sets it).
+    accepts_aggregates : bool
+        Take replies that are a gateway's mean of several devices' updates (``aggregate-of``
+        in the meta). A fedge run takes them only with ``gateways = true``, which first checks
+        that the strategy composes hierarchically (:func:`fedge.server.app.check_hierarchical`).
     """
 
     def __init__(self, *, max_num_examples: int = 100_000, require_round_tag: bool = True,
-                 max_local_steps: StepLimit | None = None, weight_key: str = wire.NUM_EXAMPLES) -> None:
+                 max_local_steps: StepLimit | None = None, weight_key: str = wire.NUM_EXAMPLES,
+                 accepts_aggregates: bool = True) -> None:
         self.max_num_examples = max_num_examples
+        self.accepts_aggregates = accepts_aggregates
         self.weight_key = weight_key
         self.require_round_tag = require_round_tag
         self.max_local_steps = max_local_steps
@@ -162,6 +168,9 @@ class ReplyValidator:
             )
         meta = wire.read_reply_meta(content)
         self._check_round(meta, server_round)
+        if meta is not None and (meta.aggregate_of or 1) > 1 and not self.accepts_aggregates:
+            raise UpdateRejected(f"this reply is a gateway's mean of {meta.aggregate_of} devices' updates; run the "
+                                 "coordinator with gateways = true (it checks the strategy composes over gateways)")
         metrics = wire.read_train_metrics(content, max_num_examples=self.max_num_examples, weight_key=self.weight_key)
         self._check_steps(meta, metrics.num_examples)
         record = next(iter(content.array_records.values()))

@@ -26,7 +26,7 @@ from fedge.tasks import load_task
 
 pytestmark = pytest.mark.slow
 DEVICES, ROUNDS = 6, 3
-RUN = "model='mlp' local-epochs=2 export-onnx=false runtime='onnx' round-timeout=300.0"
+RUN = "model='mlp' local-epochs=2 export-onnx=false runtime='onnx' round-timeout=300.0 gateways=true"
 
 
 @pytest.fixture

@@ -1,0 +1,75 @@
+"""Which strategies run over gateways (issue 27 item 2): refused at start in one line, or taken.
+
+A gateway replies with the weighted mean of its devices' updates. A coordinator declares
+gateways (``gateways = true``); strategies that need each device's update, steps, arrival or
+own clipping are refused at start, naming why and what works; and a gateway's reply reaching a
+coordinator that did not declare gateways is rejected instead of being folded as one device.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord
+
+from fedge import wire
+from fedge.config import resolve_run_config
+from fedge.errors import ConfigError, UpdateRejected
+from fedge.server.app import build_strategy
+from fedge.strategies.validation import spec_of
+from tests.replies import global_arrays, good_arrays, train_reply
+
+COMPOSES = ["fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad"]
+REFUSED = [
+    ({"strategy": "median"}, "needs each device's update"),
+    ({"strategy": "trimmed-mean"}, "needs each device's update"),
+    ({"strategy": "krum"}, "needs each device's update"),
+    ({"strategy": "bulyan", "clients-per-round": 11}, "needs each device's update"),
+    ({"strategy": "fednova"}, "needs each device's update"),
+    ({"strategy": "qfedavg"}, "needs each device's update"),
+    ({"strategy": "fedbuff"}, "needs each device's update"),
+    ({"asynchronous": True}, "per-device staleness"),
+    ({"secure-aggregation": True}, "SecAgg+ through gateways is not built yet"),
+    ({"dp": "server-fixed"}, "clips each device's update"),
+    ({"selector": "oort"}, "Oort ranks devices"),
+]
+
+
+@pytest.mark.parametrize("name", COMPOSES)
+def test_linear_strategies_run_over_gateways(name: str) -> None:
+    strategy = build_strategy(resolve_run_config({"strategy": name, "gateways": True, "clients-per-round": 4}), 10)
+    assert strategy.rule.hierarchical and strategy.validator.accepts_aggregates
+
+
+@pytest.mark.parametrize(("overrides", "reason"), REFUSED, ids=[str(o) for o, _ in REFUSED])
+def test_what_needs_each_device_is_refused_at_start_in_one_line(overrides: dict[str, Any], reason: str) -> None:
+    config = resolve_run_config({"gateways": True, "clients-per-round": 4, **overrides})
+    with pytest.raises(ConfigError, match=re.escape(reason)) as refused:
+        build_strategy(config, 20)
+    assert "\n" not in str(refused.value) and "gateways-for-phones-and-browsers" in str(refused.value)
+
+
+def _gateway_reply(devices: int) -> Any:
+    reply = train_reply(3, good_arrays(1.0), num_examples=300)
+    meta = reply.content[wire.REPLY_META]
+    assert isinstance(meta, ConfigRecord)
+    meta[wire.AGGREGATE_OF] = devices
+    return reply
+
+
+@pytest.mark.parametrize(("gateways", "devices", "taken"), [(False, 5, False), (True, 5, True), (False, 1, True)])
+def test_a_gateways_reply_is_taken_only_when_the_run_declares_gateways(gateways: bool, devices: int,
+                                                                        taken: bool) -> None:
+    strategy = build_strategy(resolve_run_config({"gateways": gateways, "clients-per-round": 2}), 10)
+    reference: ArrayRecord = global_arrays()
+    content = _gateway_reply(devices).content
+    if taken:
+        arrays, weight = strategy.validator.check(content, server_round=1, spec=spec_of(reference))
+        assert weight == 300.0 and np.all(arrays["w"] == 1.0)
+    else:
+        with pytest.raises(UpdateRejected, match="gateway's mean of 5 devices' updates; run the coordinator with "
+                                                 "gateways = true"):
+            strategy.validator.check(content, server_round=1, spec=spec_of(reference))
