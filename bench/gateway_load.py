@@ -33,6 +33,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import signal
 import ssl
 import subprocess
 import sys
@@ -75,33 +76,44 @@ def model(params: int) -> dict[str, np.ndarray]:
 
 # --------------------------------------------------------------------------- the gateway process
 def serve(root: Path, per_round: int) -> None:
-    """Run a gateway's listeners until killed; print their ports (FEDGE_PROFILE=path: cProfile to it on SIGTERM)."""
-    if os.environ.get("FEDGE_PROFILE"):
-        import cProfile
-        import signal
+    """Run a gateway's listeners until killed; print their ports.
 
-        profiler = cProfile.Profile()
-        profiler.enable()
-
-        def dump(*_: Any) -> None:
-            profiler.disable()
-            profiler.dump_stats(os.environ["FEDGE_PROFILE"])
-            os._exit(0)
-
-        signal.signal(signal.SIGTERM, dump)
+    With FEDGE_PROFILE=PATH the device listener runs on the main thread under cProfile,
+    written to PATH when the bench stops it (SIGTERM).
+    """
     from fedge.clients.gateway import DEVICE_LIMITS, Gateway, GatewaySettings, Served, control_app, device_app
-    from fedge.listeners import ListenerLimits
+    from fedge.listeners import ListenerLimits, bind, uvicorn_options
     from fedge.server.pki import CoordinatorKeys
 
     keys = CoordinatorKeys(root / "keys")
     gateway = Gateway(GatewaySettings(name="bench", devices_per_round=per_round, round_deadline_s=600,
                                       idle_poll_s=30, max_in_flight=4096, uplink="int8-delta"),
                       root / "allow", None)
-    devices = Served(device_app(gateway), "127.0.0.1", 0, limits=DEVICE_LIMITS, cert=keys.cert, cert_key=keys.key)
     control = Served(control_app(gateway, "bench-token"), "127.0.0.1", 0, limits=ListenerLimits())
-    print(json.dumps({"devices": devices.port, "control": control.port}), flush=True)
-    while True:
-        time.sleep(3600)
+    if not os.environ.get("FEDGE_PROFILE"):
+        devices = Served(device_app(gateway), "127.0.0.1", 0, limits=DEVICE_LIMITS, cert=keys.cert,
+                         cert_key=keys.key)
+        print(json.dumps({"devices": devices.port, "control": control.port}), flush=True)
+        while True:
+            time.sleep(3600)
+    import cProfile
+
+    import uvicorn
+
+    sock = bind("127.0.0.1", 0)
+    print(json.dumps({"devices": sock.getsockname()[1], "control": control.port}), flush=True)
+    server = uvicorn.Server(uvicorn.Config(device_app(gateway), log_level="warning", access_log=False,
+                                          ssl_certfile=str(keys.cert), ssl_keyfile=str(keys.key),
+                                          **uvicorn_options(DEVICE_LIMITS)))
+    def stop(*_: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)  # uvicorn re-raises SIGTERM after its shutdown: end here, then dump
+    profiler = cProfile.Profile()
+    try:
+        profiler.runcall(server.run, sockets=[sock])
+    finally:
+        profiler.dump_stats(os.environ["FEDGE_PROFILE"])
 
 
 # --------------------------------------------------------------------------- a minimal async HTTP/1.1 client
