@@ -164,13 +164,19 @@ def report_work(context: Context, content: RecordDict) -> None:
     meta, metrics = content.config_records[wire.REPLY_META], content.metric_records[wire.METRICS]
     done = {key: int(meta[key]) for key in (wire.SERVER_ROUND, wire.SAMPLES_PROCESSED, wire.STEPS)}  # type: ignore[arg-type]
     line = (f"round {done[wire.SERVER_ROUND]}: trained {done[wire.SAMPLES_PROCESSED]} samples in "
-            f"{done[wire.STEPS]} steps ({device_runtime_label(context)}), loss "
+            f"{done[wire.STEPS]} steps ({work_label(context, meta)}), loss "
             f"{float(metrics[wire.TRAIN_LOSS]):.4f}, "  # type: ignore[arg-type]
             f"{wire.payload_bytes(content):,} bytes to send")
     if deployed:
         print(line, flush=True)
     else:
         log.debug("device %s: %s", context.node_config.get("partition-id", context.node_id), line)
+
+
+def work_label(context: Context, meta: Any) -> str:
+    """What did the work: ``onnx`` or ``torch``, or a gateway's devices (``gateway, 3 devices``)."""
+    devices = meta.get(wire.AGGREGATE_OF)
+    return f"gateway, {devices} devices" if devices else device_runtime_label(context)
 
 
 def device_runtime_label(context: Context) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,22 +50,48 @@ def _start_gateway(federation: LoopbackFederation, index: int, port: int) -> Non
          "--devices-per-round", str(DEVICES // 2), "--poll-interval", "0.5"], f"gateway{index}.log")
 
 
-class ProtocolFleet:
-    """Six protocol devices (threads of this process, as phones would be separate apps), three per gateway."""
+# `fedge protocol-device` in a process where importing Flower or torch fails, as on a device without them
+WITHOUT_FLOWER_OR_TORCH = (
+    "import sys\n"
+    "class Block:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name.split('.')[0] in ('flwr', 'torch'):\n"
+    "            raise ImportError('this device has no ' + name)\n"
+    "sys.meta_path.insert(0, Block())\n"
+    "from fedge.cli.main import main\n"
+    "sys.exit(main(sys.argv[1:]))\n")
 
-    def __init__(self, federation: LoopbackFederation, ports: list[int]) -> None:
+
+class ProtocolFleet:
+    """Six protocol devices, three per gateway: threads of this process, and the last ``processes`` of them
+    as `fedge protocol-device` processes that cannot import Flower or torch."""
+
+    def __init__(self, federation: LoopbackFederation, ports: list[int], *, processes: int = 0,
+                 rounds: int = 0) -> None:
         config = resolve_run_config({"partitioner": "iid"})
         task = load_task(config)
         shards = [task.partition(index, DEVICES, config) for index in range(DEVICES)]
-        self.stop, self.trained = threading.Event(), [0] * DEVICES
+        self.federation, self.stop, self.trained = federation, threading.Event(), [0] * DEVICES
         self.devices = [ProtocolDevice(gateway=f"https://127.0.0.1:{ports[index % 2]}", name=f"phone{index}",
                                        key=federation.root / "allow" / f"phone{index}.key",
                                        data=(tuple(shards[index].inputs), shards[index].targets),
                                        trust=federation.bundle_signing_key, ca=federation.keys.ca_cert,
                                        state_dir=federation.root / f"phone{index}") for index in range(DEVICES)]
-        self.threads = [threading.Thread(target=self._run, args=(index,), daemon=True) for index in range(DEVICES)]
+        self.threads = [threading.Thread(target=self._run, args=(index,), daemon=True)
+                        for index in range(DEVICES - processes)]
         for thread in self.threads:
             thread.start()
+        self.processes = {}
+        for index in range(DEVICES - processes, DEVICES):
+            np.savez(federation.root / f"phone{index}.npz", x=shards[index].inputs[0], y=shards[index].targets)
+            argv = ["protocol-device", "--gateway", f"https://127.0.0.1:{ports[index % 2]}", "--name",
+                    f"phone{index}", "--key", str(federation.root / "allow" / f"phone{index}.key"), "--data",
+                    str(federation.root / f"phone{index}.npz"), "--trust", str(federation.bundle_signing_key),
+                    "--ca", str(federation.keys.ca_cert), "--state-dir", str(federation.root / f"phone{index}"),
+                    "--rounds", str(rounds)]
+            with (federation.root / f"phone{index}.log").open("wb") as out:
+                self.processes[index] = subprocess.Popen([sys.executable, "-c", WITHOUT_FLOWER_OR_TORCH, *argv],
+                                                         stdout=out, stderr=subprocess.STDOUT)
 
     def _run(self, index: int) -> None:
         self.trained[index] = self.devices[index].run(stop=self.stop, max_wait_s=1.0)
@@ -72,6 +100,10 @@ class ProtocolFleet:
         self.stop.set()
         for thread in self.threads:
             thread.join(60)
+        for index, process in self.processes.items():
+            if process.wait(120) == 0:
+                log = self.federation.log(f"phone{index}")
+                self.trained[index] = int(log.rsplit("stopped after ", 1)[1].split()[0])
 
 
 def _start(federation: LoopbackFederation, rounds: int) -> list[int]:
@@ -90,8 +122,8 @@ def test_two_gateways_train_protocol_devices_to_the_accuracy_of_a_flat_federatio
         federation: LoopbackFederation) -> None:
     # Prepare: six devices' keys; the coordinator and two gateways
     ports = _start(federation, ROUNDS)
-    # Execute: six protocol devices, three per gateway, until the run's summary
-    fleet = ProtocolFleet(federation, ports)
+    # Execute: six protocol devices, three per gateway (one a `fedge protocol-device` without Flower or torch)
+    fleet = ProtocolFleet(federation, ports, processes=1, rounds=ROUNDS)
     try:
         federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
     finally:
@@ -113,6 +145,7 @@ def test_two_gateways_train_protocol_devices_to_the_accuracy_of_a_flat_federatio
     for index in range(2):
         log = federation.log(f"gateway{index}")
         assert "serves devices on https://127.0.0.1" in log and f"{DEVICES // 2} device results" in log, log
+        assert "(gateway, 3 devices)" in log, log
     assert np.isfinite(rows[-1]["loss"])
 
 
