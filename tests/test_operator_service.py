@@ -150,8 +150,8 @@ def test_the_systemd_units_command_lines_parse_with_the_real_cli() -> None:
     commands = _unit_commands()
     assert len(commands) >= 2 and all(Path(argv[0]).name == "fedge" for argv in commands)
     parsed = [build_parser().parse_args(argv[1:]) for argv in commands]  # argparse exits on a bad line
-    assert {(a.command, getattr(a, "coordinator_command", None)) for a in parsed} == {
-        ("coordinator", "start"), ("device", None)}
+    assert {(a.command, getattr(a, "coordinator_command", None) or getattr(a, "gateway_command", None))
+            for a in parsed} == {("coordinator", "start"), ("device", None), ("gateway", "start")}
     coordinator = next(a for a in parsed if a.command == "coordinator")
     assert not coordinator.no_metrics and coordinator.metrics_host == "127.0.0.1"  # /metrics on, operator-only
 
