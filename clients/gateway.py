@@ -34,7 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedge.clients.gateway_pool import AllowList, GatewayRound, RoundResult, Sessions, device_seed, refused
+from fedge.clients.gateway_pool import (
+    AllowList,
+    GatewayRound,
+    RoundResult,
+    Sessions,
+    device_seed,
+    new_session_answer,
+    refused,
+)
 from fedge.device_protocol import (
     COUNTER_HEADER,
     FRAME_TYPE,
@@ -190,8 +198,6 @@ def device_app(gateway: Gateway, *, max_body: int = 64 << 20) -> Any:
 
     async def check_in(request: Any) -> Any:
         token, key, _ = gateway.sessions.check_in(read_json(await _body(request, 8192), "check-in body"))
-        from fedge.clients.gateway_pool import new_session_answer  # noqa: PLC0415
-
         return _json(new_session_answer(token, key, gateway.sessions.ttl_s, gateway.next_in_s()))
 
     async def task(request: Any) -> Any:

@@ -8,6 +8,7 @@ the Flower-path comparison.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import os
@@ -229,8 +230,9 @@ def _in_background(function: Any) -> tuple[threading.Thread, dict[str, Any]]:
     return thread, box
 
 
-def _wait(condition: Any, what: str) -> None:
-    while not condition():  # an event, not a duration: the test's own timeout bounds it
+def _wait(condition: Any) -> None:
+    """Until ``condition`` holds (an event, not a duration: the test's own timeout bounds it)."""
+    while not condition():
         time.sleep(0.02)
 
 
@@ -242,7 +244,7 @@ def test_a_gateway_round_sends_the_weighted_mean_of_its_devices_training(live: L
         device.check_in()
     # Execute: the coordinator's instruction reaches the gateway; each device polls once
     thread, box = _in_background(live.round)
-    _wait(lambda: live.gateway.round is not None, "the round to open")
+    _wait(lambda: live.gateway.round is not None)
     outcomes = [device.poll() for device in devices]
     thread.join()
     header, arrays = box["result"]
@@ -264,7 +266,7 @@ def test_a_gateway_round_sends_the_weighted_mean_of_its_devices_training(live: L
 def test_a_gateway_evaluate_round_averages_its_devices_metrics(live: LiveGateway) -> None:
     devices = [live.device(f"phone{i}", i) for i in range(3)]
     thread, box = _in_background(lambda: live.round("evaluate"))
-    _wait(lambda: live.gateway.round is not None, "the round to open")
+    _wait(lambda: live.gateway.round is not None)
     outcomes = [device.poll() for device in devices]
     thread.join()
     header, arrays = box["result"]
@@ -359,7 +361,7 @@ def test_a_recorded_check_in_cannot_be_replayed(live: LiveGateway) -> None:
 def test_a_recorded_or_altered_request_is_refused(live: LiveGateway) -> None:
     # Prepare: a real session; one correctly authenticated request
     _, answer = _raw(live, "POST", f"{PREFIX}/check-in", _signed_check_in(live, "phone0"))
-    token, key = answer["session"], __import__("base64").b64decode(answer["key"])
+    token, key = answer["session"], base64.b64decode(answer["key"])
 
     def headers(counter: int, body: bytes, path: str = f"{PREFIX}/task") -> dict[str, str]:
         return {"Authorization": f"Fedge-Session {token}", COUNTER_HEADER: str(counter),
@@ -405,7 +407,7 @@ def test_a_malformed_result_is_rejected_and_the_round_goes_on(live: LiveGateway,
                                                               reason: str) -> None:
     # Prepare: a round waiting for 3 results; one device sends a bad result, three good ones follow
     thread, box = _in_background(live.round)
-    _wait(lambda: live.gateway.round is not None, "the round to open")
+    _wait(lambda: live.gateway.round is not None)
     bad = live.device("phone3", 3)
     status, _, body = bad._authenticated("GET", f"{PREFIX}/task")
     task = decode_frame(body)[0].header
