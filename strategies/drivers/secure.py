@@ -186,7 +186,7 @@ class SecureAggregation(SyncDriver):
         """:meth:`_protocol`, run again without the devices whose sealed shares did not open.
 
         A device that gets a share that does not open or is malformed names its sender at the
-        masked step and masks nothing (:func:`fedge.clients.secure._open_shares`); the devices
+        masked step and masks nothing (:func:`fedge.clients.secagg_device.open_shares`); the devices
         blamed (:func:`_blame`) are named in the round's failures and the protocol starts
         again without them (fresh keys and shares; devices train again), at most
         :data:`RERUNS` times. Nothing was unmasked in the attempt given up.
