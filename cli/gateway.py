@@ -94,6 +94,9 @@ def _device_options(device: argparse.ArgumentParser) -> None:
                         help="where the verified training graph is kept")
     device.add_argument("--rounds", type=int, help="stop after this many trained rounds (default: run until stopped)")
     device.add_argument("--insecure", action="store_true", help="plain HTTP to the gateway (throwaway tests)")
+    device.add_argument("--secure-aggregation", action="store_true",
+                        help="train only under secure aggregation: refuse plain train tasks (the gateway would see "
+                             "this device's update); the gateway then learns only its pool's sum")
     device.set_defaults(handler=_protocol_device)
 
 
@@ -104,7 +107,8 @@ def _protocol_device(args: argparse.Namespace) -> int:
         print("WARNING: INSECURE MODE. This device talks plain HTTP: its session and updates are readable on the "
               "network.", file=sys.stderr, flush=True)
     device = ProtocolDevice(gateway=args.gateway, name=args.name, key=args.key, data=args.data, trust=args.trust,
-                            ca=args.ca, state_dir=args.state_dir, insecure=args.insecure)
+                            ca=args.ca, state_dir=args.state_dir, insecure=args.insecure,
+                            secure=args.secure_aggregation)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -43,6 +43,13 @@ from fedge.clients.gateway_pool import (
     new_session_answer,
     refused,
 )
+from fedge.clients.gateway_secure import (
+    MIN_DEVICES,
+    SecureExchange,
+    check_secure_settings,
+    pool_node_id,
+    secure_pool_round,
+)
 from fedge.device_protocol import (
     COUNTER_HEADER,
     FRAME_TYPE,
@@ -89,6 +96,7 @@ class Gateway:
         self.sessions = Sessions(self.allow, settings.name)
         self.training_bundle = training_bundle
         self.round: GatewayRound | None = None
+        self.exchange: SecureExchange | None = None  # a secure round's steps in flight
         self.in_flight = 0
         self.rounds_done = 0
         self._rng = random.Random()
@@ -96,12 +104,14 @@ class Gateway:
     def next_in_s(self) -> float:
         """Pace steering: when a device should come back, spread over the poll interval."""
         current = self.round
-        if current is not None and not current.complete.is_set() and not current.closed:
+        if self.exchange is not None or (current is not None and not current.complete.is_set() and not current.closed):
             return round(self._rng.uniform(0.2, 1.0), 2)
         return round(self.settings.idle_poll_s * self._rng.uniform(0.5, 1.5), 2)
 
     def task_for(self, session: Any) -> bytes | None:
         """The frame of the open round's task for ``session``, or ``None`` (nothing for it now)."""
+        if self.exchange is not None:
+            return self.exchange.task_for(session.device)
         current = self.round
         if current is None or current.closed or current.complete.is_set() or current.task_id in session.done:
             return None
@@ -123,6 +133,8 @@ class Gateway:
         kind = header.get("kind")
         if kind not in ("train", "evaluate"):
             raise refused(400, f"control: kind must be train or evaluate, got {kind!r:.20}")
+        if kind == "train" and header.get("secure") is not None:
+            return await asyncio.to_thread(self.run_secure_round, header, frame_tensors)
         current = GatewayRound(kind=str(kind), server_round=int(header.get("server-round", 0)),
                                config=dict(header.get("config", {})), graph=str(header.get("graph", "")),
                                weights=frame_tensors, target=self.round_target(),
@@ -141,6 +153,44 @@ class Gateway:
         log.info("round %d (%s): %d device results (%d rejected), %d examples", current.server_round, kind,
                  result.devices, result.rejected, result.num_examples)
         return result
+
+    def pool(self) -> dict[int, str]:
+        """A secure round's devices, by pool node id: fixed when it starts (secrets are shared among them).
+
+        Waits, up to the round deadline, until ``devices-per-round`` devices (else ``min-devices``
+        and at least 3) were seen in the last three poll intervals, then takes
+        ``devices-per-round`` of them at random (else all).
+        """
+        wanted = self.settings.devices_per_round or max(self.settings.min_devices, MIN_DEVICES)
+        deadline = time.monotonic() + self.settings.round_deadline_s
+        while len(names := self.sessions.live_devices(3 * self.settings.idle_poll_s)) < wanted and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.settings.devices_per_round:
+            names = self._rng.sample(names, min(len(names), self.settings.devices_per_round))
+        return {pool_node_id(name): name for name in names}
+
+    def run_secure_round(self, header: dict[str, Any], weights: dict[str, Any]) -> RoundResult:
+        """A train round under secure aggregation over this gateway's pool (a worker thread:
+        it blocks while the devices poll for each step)."""
+        secure = check_secure_settings(header.get("secure"))
+        server_round, config = int(header.get("server-round", 0)), dict(header.get("config", {}))
+        run_seed = int(config.get("seed", 0))
+        devices = self.pool()
+        log.info("round %d (train, secure aggregation): %d devices in this gateway's pool", server_round, len(devices))
+        self.exchange = SecureExchange(lambda device: device_seed(run_seed, server_round, device),
+                                       str(header.get("graph", "")))
+        try:
+            pooled = secure_pool_round(self.exchange, devices, server_round=server_round, weights=weights,
+                                       config=config, secure=secure, step_timeout_s=self.settings.round_deadline_s)
+        finally:
+            self.exchange = None
+            self.rounds_done += 1
+        log.info("round %d (train, secure aggregation): %d devices' masked inputs summed, weight %.0f", server_round,
+                 pooled.devices, pooled.weight)
+        return RoundResult(kind="train", arrays=pooled.arrays, num_examples=max(1, round(pooled.weight)), metrics={},
+                           samples_processed=0, steps=1, devices=pooled.devices,
+                           rejected=len(devices) - pooled.devices, secure=True)
 
 
 # --------------------------------------------------------------------------- the HTTP layer
@@ -211,9 +261,15 @@ def device_app(gateway: Gateway, *, max_body: int = 64 << 20) -> Any:
         body = await _body(request, max_body)
         session = await session_of(request, body)
         current = gateway.round
+        frame, scales = decode_frame(body)
+        exchange = gateway.exchange
+        if frame.header.get("kind") == "secagg":
+            if exchange is None:
+                raise refused(409, "no secure-aggregation round is in flight; ask for a task first (GET /v1/task)")
+            exchange.answer(session.device, frame)
+            return _json({"accepted": True, "next-in-s": gateway.next_in_s()})
         if current is None:
             raise refused(409, "no round is open; ask for a task first (GET /v1/task)")
-        frame, scales = decode_frame(body)
         current.accept(session, frame, scales)
         return _json({"accepted": True, "next-in-s": gateway.next_in_s()})
 
@@ -246,7 +302,8 @@ def control_app(gateway: Gateway, token: str) -> Any:
         except DeviceProtocolError as exc:
             return _json({"error": str(exc)}, exc.status)
         header = {"num-examples": result.num_examples, "metrics": result.metrics, "devices": result.devices,
-                  "rejected": result.rejected, "samples-processed": result.samples_processed, "steps": result.steps}
+                  "rejected": result.rejected, "samples-processed": result.samples_processed, "steps": result.steps,
+                  "secure-pool": result.devices if result.secure else 0}
         return Response(encode_frame(header, result.arrays), media_type=FRAME_TYPE)
 
     async def status(request: Any) -> Any:

@@ -43,6 +43,15 @@ def _config_of(msg: Message, context: Context, config: RunConfig, kind: str) -> 
     return {**chosen, "proximal-mu": order.proximal_mu, "seed": config.integer("seed")}
 
 
+def secure_settings(config: RunConfig) -> dict[str, float] | None:
+    """The run's secure-aggregation settings for the gateway's pool round, or ``None`` when it is off."""
+    if not config["secure-aggregation"]:
+        return None
+    return {"threshold": config.number("secagg-threshold"), "neighbours": config.integer("secagg-neighbours"),
+            "clip": config.number("secagg-clip"), "precision": config.number("secagg-precision"),
+            "bits": config.integer("secagg-bits"), "weight-clip": config.number("max-num-examples")}
+
+
 def ask_gateway(context: Context, header: dict[str, Any], weights: dict[str, np.ndarray]) -> tuple[dict[str, Any],
                                                                                                    dict[str, Any]]:
     """POST the round to the gateway process; its result header and arrays."""
@@ -71,7 +80,8 @@ def gateway_content(msg: Message, context: Context, config: RunConfig, kind: str
     server_round = int(instruction.get(wire.SERVER_ROUND, 0)) if instruction is not None else 0  # type: ignore[arg-type]
     graph = str(instruction.get(wire.TRAINING_GRAPH, "")) if instruction is not None else ""
     header = {"kind": kind, "server-round": server_round, "graph": graph,
-              "config": _config_of(msg, context, config, kind)}
+              "config": _config_of(msg, context, config, kind),
+              "secure": secure_settings(config) if kind == "train" else None}
     result, arrays = ask_gateway(context, header, weights)
     metrics = {str(k): float(v) for k, v in dict(result.get("metrics", {})).items()}
     if kind == "evaluate":
@@ -79,7 +89,8 @@ def gateway_content(msg: Message, context: Context, config: RunConfig, kind: str
     record = ArrayRecord({name: Array(np.ascontiguousarray(arrays[name])) for name in weights})
     meta = ConfigRecord({wire.SERVER_ROUND: server_round, wire.PROFILE: str(context.node_config.get("profile", "")),
                          wire.SAMPLES_PROCESSED: int(result["samples-processed"]),
-                         wire.STEPS: max(1, int(result["steps"])), wire.AGGREGATE_OF: int(result["devices"])})
+                         wire.STEPS: max(1, int(result["steps"])), wire.AGGREGATE_OF: int(result["devices"]),
+                         wire.SECURE_POOL: int(result.get("secure-pool", 0))})
     reply_metrics = MetricRecord({wire.TRAIN_LOSS: metrics.get("train-loss", 0.0),
                                   wire.NUM_EXAMPLES: int(result["num-examples"])})
     return RecordDict({wire.ARRAYS: record, wire.METRICS: reply_metrics, wire.REPLY_META: meta})

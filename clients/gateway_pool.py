@@ -234,6 +234,13 @@ class Sessions:
         with self._lock:
             return sum(1 for s in self._by_token.values() if now - s.last_seen <= within_s and s.expires >= now)
 
+    def live_devices(self, within_s: float, now: float | None = None) -> list[str]:
+        """The names of devices that made a request in the last ``within_s`` seconds, sorted."""
+        now = time.time() if now is None else now
+        with self._lock:
+            return sorted(s.device for s in self._by_token.values() if now - s.last_seen <= within_s
+                          and s.expires >= now)
+
     def __len__(self) -> int:
         return len(self._by_token)
 
@@ -250,6 +257,7 @@ class RoundResult:
     steps: int
     devices: int
     rejected: int
+    secure: bool = False  # the arrays are the unmasked sum of a secure-aggregation round over the pool
 
 
 def device_seed(run_seed: int, server_round: int, device: str) -> int:

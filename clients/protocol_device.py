@@ -36,6 +36,7 @@ import numpy as np
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
+from fedge.clients import secagg_device
 from fedge.clients.device_data import DeviceArrays, device_arrays
 from fedge.device_protocol import (
     COUNTER_HEADER,
@@ -48,14 +49,17 @@ from fedge.device_protocol import (
     decode_frame,
     encode_frame,
     int8_delta,
+    records_from_json,
+    records_to_json,
     request_mac,
     unb64,
 )
 from fedge.edge.trainer import OnnxTrainer
 from fedge.edge.training_bundle import TrainingBundle, read_training_bundle
-from fedge.errors import ConfigError, DeviceProtocolError
+from fedge.errors import ConfigError, DeviceProtocolError, ProtocolError
 from fedge.files import write_bytes_atomic
 from fedge.preprocessing import prepare_device_inputs
+from fedge.secagg import ProtocolViolation
 
 PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
 log = logging.getLogger("fedge.protocol_device")
@@ -110,10 +114,15 @@ class ProtocolDevice:
         The CA that signed the gateway's certificate.
     state_dir : Path
         Where the verified training graph is kept.
+    secure : bool
+        Require secure aggregation: refuse plain train tasks (the gateway would see this
+        device's update) and answer only the SecAgg+ steps, in which the gateway learns
+        only its pool's sum (:mod:`fedge.clients.gateway_secure`).
     """
 
     def __init__(self, *, gateway: str, name: str, key: Path | PrivateKey, data: Path | DeviceArrays, trust: Path,
-                 ca: Path | None, state_dir: Path, insecure: bool = False, timeout_s: float = 120.0) -> None:
+                 ca: Path | None, state_dir: Path, insecure: bool = False, timeout_s: float = 120.0,
+                 secure: bool = False) -> None:
         url = urlsplit(gateway)
         if url.scheme not in ("https", "http") or (url.scheme == "http" and not insecure) or not url.hostname:
             raise ConfigError(f"gateway {gateway!r}: use https://HOST:PORT (http:// only with insecure=True)")
@@ -132,6 +141,9 @@ class ProtocolDevice:
         self._trainer: OnnxTrainer | None = None
         self._data: DeviceArrays | None = None
         self.gateway_name: str | None = None
+        self.secure = secure
+        self._secagg: dict[str, Any] | None = None  # this round's secure-aggregation secrets
+        self._unmasked: int | None = None  # the last round this device unmasked in
 
     # ----------------------------------------------------------------------- transport
     def _connect(self) -> http.client.HTTPConnection:
@@ -241,6 +253,13 @@ class ProtocolDevice:
             return Outcome("wait", float(answer.get("next-in-s", 1.0)))
         frame, _ = decode_frame(body)
         task = frame.header
+        if task.get("kind") == "secagg":
+            return self._secure_step(task, frame.tensors)
+        if task.get("kind") == "train" and self.secure:
+            log.warning("device %s: refusing a plain train task for round %s: this device requires secure "
+                        "aggregation (its update would reach the gateway in the clear)", self.name,
+                        task.get("server-round"))
+            return Outcome("refused", 5.0, int(task.get("server-round", 0)))
         weights = {name: np.array(value) for name, value in frame.tensors.items()}  # writable copies
         trainer, (inputs, targets) = self._ready(str(task.get("graph", "")))
         if task["kind"] == "evaluate":
@@ -268,6 +287,80 @@ class ProtocolDevice:
             quantised, scales = int8_delta(trained, weights)
             return work.loss, encode_frame(header, quantised, scales)
         return work.loss, encode_frame(header, {name: np.asarray(trained[name], np.float32) for name in weights})
+
+    # ----------------------------------------------------------------------- secure aggregation
+    def _secure_step(self, task: dict[str, Any], tensors: dict[str, np.ndarray]) -> Outcome:
+        """One SecAgg+ step the gateway asked for (:mod:`fedge.clients.secagg_device`), answered.
+
+        A step this device refuses (a protocol violation, a malformed step) is answered with
+        the reason and forgets the round's secrets: it takes no further part in that round.
+        """
+        action, server_round = str(task.get("action", "")), int(task.get("server-round", 0))
+        out_tensors: dict[str, np.ndarray] = {}
+        try:
+            records, out_tensors = self._secure_answer(action, task, records_from_json(task.get("records", {})),
+                                                       tensors)
+            reply: dict[str, Any] = {"task": task["task"], "kind": "secagg", "records": records_to_json(records)}
+        except (ProtocolError, DeviceProtocolError, KeyError, TypeError, ValueError) as exc:
+            self._secagg = None
+            reason = str(exc) if isinstance(exc, ProtocolError | DeviceProtocolError) else \
+                f"malformed {action} step ({type(exc).__name__}: {exc})"
+            log.warning("device %s: %s", self.name, reason)
+            reply = {"task": task.get("task"), "kind": "secagg", "error": reason}
+        answer = self._result(encode_frame(reply, out_tensors))
+        kind = "train" if action == "secagg_masked" and "error" not in reply else "secagg"
+        return Outcome(kind, float(answer.get("next-in-s", 0.5)), server_round)
+
+    def _secure_answer(self, action: str, task: dict[str, Any], records: dict[str, dict[str, Any]],
+                       tensors: dict[str, np.ndarray]) -> tuple[dict[str, dict[str, Any]], dict[str, np.ndarray]]:
+        node, server_round = int(task["node"]), int(task["server-round"])
+        if action == "secagg_setup":
+            secagg_device.check_not_unmasked(self._unmasked, server_round=server_round)
+            state, keys = secagg_device.setup(server_round=server_round)
+            self._secagg = {**state, "me": node}
+            return {"keys": keys}, {}
+        state = self._secagg
+        if state is None:
+            raise ProtocolViolation(f"refusing {action}: this device has no secure-aggregation round in progress "
+                                    "(a replayed or reordered step)")
+        if state["me"] != node:
+            raise ProtocolViolation(f"refusing {action}: the gateway changed this device's node id mid-round")
+        if action == "secagg_share":
+            return {"sealed": secagg_device.share(state, records["peers"], me=node)}, {}
+        if action == "secagg_masked":
+            return self._masked(state, task, records, tensors, node)
+        if action == "secagg_consistency":
+            return {"consistency": {"signature": secagg_device.consistency(state, records["check"], me=node)}}, {}
+        if action == "secagg_unmask":
+            revealed = secagg_device.unmask(state, records["ask"], me=node)
+            self._secagg, self._unmasked = None, int(state["round"])
+            return {"revealed": revealed}, {}
+        raise ProtocolViolation(f"refusing {action!r:.40}: not a secure-aggregation step")
+
+    def _masked(self, state: dict[str, Any], task: dict[str, Any], records: dict[str, dict[str, Any]],
+                tensors: dict[str, np.ndarray], node: int) -> tuple[dict[str, dict[str, Any]], dict[str, np.ndarray]]:
+        """Train on the step's global arrays, mask the update, sign what was received."""
+        weights = {name.partition("/")[2]: np.array(value) for name, value in tensors.items()
+                   if name.startswith("arrays/")}
+        config = records["config"]
+        trainer, (inputs, targets) = self._ready(str(task.get("graph", "")))
+
+        def train() -> secagg_device.Trained:
+            trained, work = trainer.train(
+                {name: value.copy() for name, value in weights.items()}, inputs, targets,
+                epochs=int(config["local-epochs"]), batch_size=int(config["batch-size"]),
+                learning_rate=float(config["learning-rate"]), momentum=float(config["momentum"]),
+                seed=int(task["seed"]), proximal_mu=float(config.get("proximal-mu", 0.0)), max_steps=None)
+            return secagg_device.Trained(arrays=trained, num_examples=work.num_examples, steps=work.steps)
+
+        answer = secagg_device.masked(state, inbox=records["inbox"], params=records["secagg"], config=config,
+                                      global_arrays=weights, me=node, train=train)
+        if answer.bad:
+            self._secagg = None
+            return {"secagg-bad-shares": {"senders": list(answer.bad)}}, {}
+        assert answer.vector is not None and answer.received is not None
+        return ({"secagg-received": answer.received, "fedge": {"server-round": int(state["round"])}},
+                {"masked/vector": answer.vector})
 
     def _result(self, frame: bytes) -> dict[str, Any]:
         status, _, body = self._authenticated("POST", f"{PREFIX}/result", frame)

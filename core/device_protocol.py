@@ -53,7 +53,8 @@ JSON_TYPE = "application/json"
 MAX_HEADER = 1 << 20  # 1 MiB of JSON header: thousands of tensor entries
 MAX_TENSORS = 4096
 DTYPES: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8"), "int8": np.dtype("i1"),
-          "int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
+          "int32": np.dtype("<i4"), "int64": np.dtype("<i8"), "uint32": np.dtype("<u4"),
+          "uint64": np.dtype("<u8")}  # unsigned: secure aggregation's masked vectors (a ring Z_2^bits)
 CHECK_IN_CONTEXT = b"fedge-check-in/1"
 MAC_CONTEXT = b"fedge-request/1"
 CLOCK_SKEW_S = 300  # a check-in signed this long before or after the gateway's clock is refused
@@ -178,6 +179,58 @@ def _json_object(data: bytes, what: str) -> dict[str, Any]:
 def read_json(data: bytes, what: str = "request body") -> dict[str, Any]:
     """A JSON object from a device, or :class:`DeviceProtocolError` naming what is wrong."""
     return _json_object(data, what)
+
+
+# --------------------------------------------------------------------------- records (secure aggregation's steps)
+MAX_RECORD_KEYS = 1 << 16
+Value = int | float | str | bool | bytes | list[Any]
+
+
+def records_to_json(records: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Named records of plain values as JSON: bytes become ``{"b64": "..."}`` (in lists too).
+
+    What the secure-aggregation steps exchange between a gateway and its devices (keys,
+    sealed shares, signatures, node lists); ``docs/device-protocol.md`` specifies it.
+    """
+    def encode(value: Any) -> Any:
+        if isinstance(value, bytes):
+            return {"b64": b64(value)}
+        if isinstance(value, list):
+            return [encode(item) for item in value]
+        return value
+    return {name: {key: encode(value) for key, value in record.items()} for name, record in records.items()}
+
+
+def records_from_json(raw: object, what: str = "records") -> dict[str, dict[str, Value]]:
+    """:func:`records_to_json` read back, every value checked, or :class:`DeviceProtocolError` naming it.
+
+    A list holds values of one type (as a Flower ``ConfigRecord`` does).
+    """
+    if not isinstance(raw, dict) or len(raw) > 64:
+        raise DeviceProtocolError(f"'{what}' must be an object of at most 64 named records")
+    records: dict[str, dict[str, Value]] = {}
+    for name, record in raw.items():
+        if not isinstance(record, dict) or len(record) > MAX_RECORD_KEYS:
+            raise DeviceProtocolError(f"record '{name:.40}' must be an object of at most {MAX_RECORD_KEYS} keys")
+        records[name] = {str(key): _record_value(value, f"{name:.40}/{key:.40}") for key, value in record.items()}
+    return records
+
+
+def _record_value(value: object, where: str) -> Value:
+    if isinstance(value, dict):
+        if set(value) != {"b64"}:
+            raise DeviceProtocolError(f"'{where}': an object value must be {{\"b64\": ...}} (bytes)")
+        return unb64(value["b64"], where, max_size=1 << 20)
+    if isinstance(value, list):
+        items = [_record_value(item, where) for item in value]
+        if len({type(item) for item in items}) > 1 or any(isinstance(item, list) for item in items):
+            raise DeviceProtocolError(f"'{where}': a list holds values of one type, not lists")
+        return items
+    if isinstance(value, float) and not math.isfinite(value):
+        raise DeviceProtocolError(f"'{where}': numbers must be finite")
+    if isinstance(value, bool | int | float | str):
+        return value
+    raise DeviceProtocolError(f"'{where}': null is not a record value")
 
 
 # --------------------------------------------------------------------------- int8 delta (the uplink codec)

@@ -38,6 +38,9 @@ INPUT_VERDICTS = (RAW_SCALED, OUTSIDE)
 TRAIN_LOSS = "train-loss"
 # a gateway's reply (fedge.clients.gateway): how many devices' updates its weighted mean stands for
 AGGREGATE_OF = "aggregate-of"
+# ... and, when its pool ran secure aggregation (fedge.clients.gateway_secure), how many devices'
+# masked inputs the unmasked sum holds: the coordinator under secure-aggregation takes no other reply
+SECURE_POOL = "secure-pool"
 EVAL_PREFIX = "eval-"  # a device's evaluation reply names each task metric "eval-<metric>"
 # the architecture hash of the run's signed training graph (onnx devices check theirs matches)
 TRAINING_GRAPH = "training-graph"
@@ -91,6 +94,7 @@ class ReplyMeta:
     steps: int | None = None
     inputs: str | None = None  # INPUT_VERDICTS, or None: inputs as the model takes them
     aggregate_of: int | None = None  # a gateway's reply: the devices behind its mean
+    secure_pool: int | None = None  # a gateway's secure pool sum: the devices whose masked inputs it holds
 
 
 def _count(record: ConfigRecord, key: str, *, low: int) -> int | None:
@@ -125,7 +129,8 @@ def read_reply_meta(content: RecordDict) -> ReplyMeta | None:
     return ReplyMeta(server_round=_count(record, SERVER_ROUND, low=0), profile=profile,
                      samples_processed=_count(record, SAMPLES_PROCESSED, low=0) or 0,
                      steps=_count(record, STEPS, low=1), inputs=inputs,
-                     aggregate_of=_count(record, AGGREGATE_OF, low=1))
+                     aggregate_of=_count(record, AGGREGATE_OF, low=1),
+                     secure_pool=_count(record, SECURE_POOL, low=0))
 
 
 def read_reply_meta_or_none(content: RecordDict) -> ReplyMeta | None:

@@ -90,7 +90,7 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_na
     if config["secure-aggregation"] and config["asynchronous"]:
         raise ConfigError("secure-aggregation runs synchronous rounds (it sums one round's masked updates); turn "
                           "asynchronous off or drop secure-aggregation")
-    if config["secure-aggregation"]:
+    if config["secure-aggregation"] and not config["gateways"]:  # over gateways: each runs it over its pool
         extra["driver"] = SecureAggregation(**secure_options(config, build_policy(config).selection_size(per_round)))
     if config["asynchronous"]:
         extra["driver"] = AsynchronousDriver.from_config(config, num_nodes)
@@ -99,7 +99,8 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_na
         policy=build_policy(config),
         validator=ReplyValidator(max_num_examples=config.integer("max-num-examples"),
                                  max_local_steps=local_step_limit(config),
-                                 accepts_aggregates=bool(config["gateways"])),
+                                 accepts_aggregates=bool(config["gateways"]),
+                                 secure_pool=MIN_DEVICES if config["gateways"] and config["secure-aggregation"] else 0),
         selector=build_selector(config),
         min_train_replies=min(config.integer("min-train-replies"), per_round),
         wait_for_nodes_s=config.number("round-timeout"),
@@ -126,6 +127,8 @@ def check_hierarchical(config: RunConfig, strategy: FedAvg) -> None:
     A gateway replies with the weighted mean of its devices' updates
     (:mod:`fedge.clients.gateway`); a strategy that needs each device's update, its steps, its
     arrival or its own clipping would silently compute something else over those means.
+    ``secure-aggregation`` composes: each gateway runs SecAgg+ over its pool
+    (:mod:`fedge.clients.gateway_secure`) and the coordinator takes only such pool sums.
     """
     where = "docs/operator.md#gateways-for-phones-and-browsers"
     name = config.text("strategy")
@@ -135,8 +138,6 @@ def check_hierarchical(config: RunConfig, strategy: FedAvg) -> None:
     refusals = {
         "asynchronous": (config["asynchronous"] or name == "fedbuff",
                          "a gateway answers once a round, so per-device staleness is lost"),
-        "secure-aggregation": (config["secure-aggregation"], "SecAgg+ through gateways is not built yet; TLS protects "
-                               "updates in transit and the gateway sees each device's update"),
         "dp": (config.text("dp") != "off", "DP clips each device's update, and a gateway's reply is a mean of many"),
         "selector": (config.text("selector") == "oort", "Oort ranks devices by their own utility; the coordinator "
                      "sees gateways"),

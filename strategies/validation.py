@@ -127,12 +127,17 @@ class ReplyValidator:
         Take replies that are a gateway's mean of several devices' updates (``aggregate-of``
         in the meta). A fedge run takes them only with ``gateways = true``, which first checks
         that the strategy composes hierarchically (:func:`fedge.server.app.check_hierarchical`).
+    secure_pool : int
+        When above 0, take only a gateway's unmasked secure-aggregation sum over at least this
+        many devices (``secure-pool`` in the meta): under ``secure-aggregation`` with gateways
+        no reply may be one device's update in the clear.
     """
 
     def __init__(self, *, max_num_examples: int = 100_000, require_round_tag: bool = True,
                  max_local_steps: StepLimit | None = None, weight_key: str = wire.NUM_EXAMPLES,
-                 accepts_aggregates: bool = True) -> None:
+                 accepts_aggregates: bool = True, secure_pool: int = 0) -> None:
         self.max_num_examples = max_num_examples
+        self.secure_pool = secure_pool
         self.accepts_aggregates = accepts_aggregates
         self.weight_key = weight_key
         self.require_round_tag = require_round_tag
@@ -171,6 +176,12 @@ class ReplyValidator:
         if meta is not None and (meta.aggregate_of or 1) > 1 and not self.accepts_aggregates:
             raise UpdateRejected(f"this reply is a gateway's mean of {meta.aggregate_of} devices' updates; run the "
                                  "coordinator with gateways = true (it checks the strategy composes over gateways)")
+        if self.secure_pool and (meta is None or (meta.secure_pool or 0) < self.secure_pool):
+            pooled = meta is not None and (meta.aggregate_of or 1) > 1
+            what = "a gateway's plain mean" if pooled else "one device's update"
+            raise UpdateRejected(f"secure-aggregation over gateways takes only a gateway's unmasked sum over at least "
+                                 f"{self.secure_pool} devices ('{wire.SECURE_POOL}' in the meta), and this reply is "
+                                 f"{what} in the clear: connect devices through fedge gateways")
         metrics = wire.read_train_metrics(content, max_num_examples=self.max_num_examples, weight_key=self.weight_key)
         self._check_steps(meta, metrics.num_examples)
         record = next(iter(content.array_records.values()))

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 from flwr.supercore.task_identity import TaskIdentity
 
+from tests.live_gateway import live, run  # noqa: F401 - the gateway tests' fixtures (a live gateway, its run)
+
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 logging.getLogger("flwr").setLevel(logging.ERROR)
 

@@ -17,14 +17,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,17 +30,9 @@ from fedge import wire
 from fedge.aggregate import weighted_mean
 from fedge.clients.app import make_default_client_app
 from fedge.clients.gateway import (
-    Gateway,
-    GatewaySettings,
-    Served,
-    add_protocol_device,
-    control_app,
-    device_app,
     revoke_protocol_device,
 )
-from fedge.clients.gateway_bridge import ask_gateway
 from fedge.clients.gateway_pool import GatewayRound, Session, device_seed
-from fedge.clients.protocol_device import ProtocolDevice
 from fedge.config import resolve_run_config
 from fedge.device_protocol import (
     COUNTER_HEADER,
@@ -59,15 +48,12 @@ from fedge.device_protocol import (
     request_mac,
 )
 from fedge.errors import BundleVerificationError, DeviceProtocolError
-from fedge.listeners import ListenerLimits
 from fedge.server.bundles import run_signing_key
-from fedge.server.pki import CoordinatorKeys, init_keys
-from fedge.server.training import SIGNING_PUBLIC_KEY, TRAINING_BUNDLE, export_training_graph, write_run_training_bundle
+from fedge.server.training import SIGNING_PUBLIC_KEY
 from fedge.task.api import seeded_model
 from fedge.task.models import model_arrays
 from fedge.tasks import load_task
-
-CONFIG = {"local-epochs": 1, "batch-size": 32, "learning-rate": 0.05, "momentum": 0.9, "proximal-mu": 0.0, "seed": 7}
+from tests.live_gateway import CONFIG, LiveGateway
 
 
 # --------------------------------------------------------------------------- the frame format
@@ -157,72 +143,6 @@ def test_gateways_then_coordinator_equal_flat_fedavg(counts: list[int], split: i
 
 
 # --------------------------------------------------------------------------- a live gateway
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A digits run with its signed training graph; the global weights; the keys of a coordinator."""
-    root = tmp_path_factory.mktemp("gateway-run")
-    config = resolve_run_config({"fleet": "laptop=4", "model": "mlp", "local-epochs": 1, "run-dir": str(root / "run")})
-    task = load_task(config)
-    model = seeded_model(task, config.integer("seed"))
-    graphs, metrics = export_training_graph(task, model, config)
-    run_dir = Path(config.text("run-dir"))
-    manifest = write_run_training_bundle(graphs, metrics, task, run_dir, private_key=run_signing_key(config, run_dir))
-    weights = {name: array.numpy() for name, array in model_arrays(model).items()}
-    shards = [task.partition(index, 4, config) for index in range(4)]
-    return {"config": dict(config), "architecture": str(manifest["architecture"]), "weights": weights,
-            "bundle": run_dir / TRAINING_BUNDLE, "trust": run_dir / SIGNING_PUBLIC_KEY,
-            "keys": init_keys(root / "keys"), "shards": [(tuple(s.inputs), s.targets) for s in shards]}
-
-
-class LiveGateway:
-    """A gateway's two listeners in this process, an allow-list with devices, and helpers."""
-
-    def __init__(self, root: Path, run: dict[str, Any], settings: GatewaySettings) -> None:
-        keys: CoordinatorKeys = run["keys"]
-        self.root, self.run, self.allow = root, run, root / "allow"
-        self.gateway = Gateway(settings, self._allow_list(), run["bundle"])
-        self.devices = Served(device_app(self.gateway), "127.0.0.1", 0, limits=ListenerLimits(per_address=64),
-                              cert=keys.cert, cert_key=keys.key)
-        self.token = "t" * 40
-        self.control = Served(control_app(self.gateway, self.token), "127.0.0.1", 0, limits=ListenerLimits())
-        self.url = f"https://127.0.0.1:{self.devices.port}"
-
-    def _allow_list(self) -> Path:
-        for index in range(4):
-            add_protocol_device(self.allow, f"phone{index}")
-        private = ed25519.Ed25519PrivateKey.generate()  # a browser's WebCrypto Ed25519 key
-        (self.allow / "browser.pub").write_bytes(private.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-        (self.allow / "browser.key").write_bytes(private.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-        return self.allow
-
-    def device(self, name: str, shard: int = 0) -> ProtocolDevice:
-        return ProtocolDevice(gateway=self.url, name=name, key=self.allow / f"{name}.key",
-                              data=self.run["shards"][shard], trust=self.run["trust"], ca=self.run["keys"].ca_cert,
-                              state_dir=self.root / name)
-
-    def round(self, kind: str = "train") -> tuple[dict[str, Any], dict[str, Any]]:
-        """What the gateway's ClientApp does for one instruction: POST it to the control port."""
-        context = Context(run_id=1, node_id=9, state=RecordDict(), run_config={}, node_config={
-            "gateway-control": f"127.0.0.1:{self.control.port}", "gateway-token": str(self.root / "token")})
-        (self.root / "token").write_text(self.token)
-        header = {"kind": kind, "server-round": 1, "graph": self.run["architecture"], "config": CONFIG}
-        return ask_gateway(context, header, self.run["weights"])
-
-    def close(self) -> None:
-        self.devices.stop()
-        self.control.stop()
-
-
-@pytest.fixture
-def live(tmp_path: Path, run: dict[str, Any]) -> Iterator[LiveGateway]:
-    gateway = LiveGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=3, round_deadline_s=300,
-                                                        idle_poll_s=0.2))
-    yield gateway
-    gateway.close()
-
-
 def _in_background(function: Any) -> tuple[threading.Thread, dict[str, Any]]:
     box: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: box.update(result=function()), daemon=True)
@@ -434,7 +354,6 @@ def test_a_training_graph_not_signed_by_the_coordinator_is_refused(live: LiveGat
 
 def _other_key(tmp_path: Path) -> Path:
     """A signing public key in the format run keys use, of a key that did not sign the graph."""
-    from fedge.server.bundles import run_signing_key  # noqa: PLC0415
 
     config = resolve_run_config({"run-dir": str(tmp_path / "other-run")})
     (tmp_path / "other-run").mkdir()

@@ -32,7 +32,6 @@ REFUSED = [
     ({"strategy": "qfedavg"}, "needs each device's update"),
     ({"strategy": "fedbuff"}, "needs each device's update"),
     ({"asynchronous": True}, "per-device staleness"),
-    ({"secure-aggregation": True}, "SecAgg+ through gateways is not built yet"),
     ({"dp": "server-fixed"}, "clips each device's update"),
     ({"selector": "oort"}, "Oort ranks devices"),
 ]
@@ -52,11 +51,13 @@ def test_what_needs_each_device_is_refused_at_start_in_one_line(overrides: dict[
     assert "\n" not in str(refused.value) and "gateways-for-phones-and-browsers" in str(refused.value)
 
 
-def _gateway_reply(devices: int) -> Any:
+def _gateway_reply(devices: int, secure_pool: int | None = None) -> Any:
     reply = train_reply(3, good_arrays(1.0), num_examples=300)
     meta = reply.content[wire.REPLY_META]
     assert isinstance(meta, ConfigRecord)
     meta[wire.AGGREGATE_OF] = devices
+    if secure_pool is not None:
+        meta[wire.SECURE_POOL] = secure_pool
     return reply
 
 
@@ -73,3 +74,32 @@ def test_a_gateways_reply_is_taken_only_when_the_run_declares_gateways(gateways:
         with pytest.raises(UpdateRejected, match="gateway's mean of 5 devices' updates; run the coordinator with "
                                                  "gateways = true"):
             strategy.validator.check(content, server_round=1, spec=spec_of(reference))
+
+
+def test_secure_aggregation_over_gateways_runs_no_coordinator_protocol_and_takes_only_pool_sums() -> None:
+    # Each gateway runs SecAgg+ over its pool (tests/test_gateway_secure.py); the coordinator sums gateways' replies
+    strategy = build_strategy(resolve_run_config({"gateways": True, "secure-aggregation": True,
+                                                  "clients-per-round": 2}), 10)
+    assert type(strategy.driver).__name__ == "SyncDriver" and strategy.validator.secure_pool == 3
+
+
+@pytest.mark.parametrize(("case", "devices", "secure_pool", "reason"), [
+    ("one device's update in the clear", 1, None, "one device's update in the clear"),
+    ("a gateway's plain mean", 5, 0, "a gateway's plain mean in the clear"),
+    ("a pool of two", 2, 2, "at least 3 devices"),
+])
+def test_under_secure_aggregation_a_reply_that_is_not_a_secure_pool_sum_is_rejected(
+        case: str, devices: int, secure_pool: int | None, reason: str) -> None:
+    strategy = build_strategy(resolve_run_config({"gateways": True, "secure-aggregation": True,
+                                                  "clients-per-round": 2}), 10)
+    content = _gateway_reply(devices, secure_pool).content
+    with pytest.raises(UpdateRejected, match=re.escape(reason)):
+        strategy.validator.check(content, server_round=1, spec=spec_of(global_arrays()))
+
+
+def test_under_secure_aggregation_a_secure_pool_sum_is_taken() -> None:
+    strategy = build_strategy(resolve_run_config({"gateways": True, "secure-aggregation": True,
+                                                  "clients-per-round": 2}), 10)
+    arrays, weight = strategy.validator.check(_gateway_reply(4, 4).content, server_round=1,
+                                              spec=spec_of(global_arrays()))
+    assert weight == 300.0 and np.all(arrays["w"] == 1.0)

@@ -1,0 +1,180 @@
+"""Secure aggregation inside a gateway's pool (issue 27): the gateway learns only its devices' sum.
+
+Real parts: a gateway's TLS device listener and control port in this process, reference
+protocol devices (no Flower on their side of the wire) running the SecAgg+ device steps, the
+coordinator's secure-aggregation driver run by the gateway over its pool, the run's signed
+training graph on onnxruntime.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedge.aggregate import weighted_mean
+from fedge.clients.gateway import GatewaySettings
+from fedge.clients.gateway_pool import device_seed
+from fedge.clients.gateway_secure import SecureExchange, check_secure_settings
+from fedge.clients.protocol_device import Outcome, ProtocolDevice
+from fedge.device_protocol import Frame
+from fedge.errors import FedgeError
+from fedge.secagg import ProtocolViolation
+from tests.live_gateway import LiveGateway
+
+SECURE = {"threshold": 0.5, "neighbours": 0, "clip": 1000.0, "precision": 1e-4, "bits": 32, "weight-clip": 100_000}
+
+
+@pytest.fixture
+def pool(tmp_path: Path, run: dict[str, Any]) -> Iterator[LiveGateway]:
+    """A gateway whose secure rounds take its four checked-in phones (their sessions stay live an hour)."""
+    gateway = LiveGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=4, round_deadline_s=600,
+                                                        idle_poll_s=1200))
+    yield gateway
+    gateway.close()
+
+
+class Polling:
+    """Devices polling their gateway on threads until stopped (what phones do between rounds)."""
+
+    def __init__(self, devices: list[ProtocolDevice]) -> None:
+        self.stop, self.trained = threading.Event(), {device.name: 0 for device in devices}
+        self.threads = [threading.Thread(target=self._run, args=(device,), daemon=True) for device in devices]
+        for device in devices:
+            device.check_in()
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, device: ProtocolDevice) -> None:
+        self.trained[device.name] = device.run(stop=self.stop, max_wait_s=0.05)
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
+
+
+def _recording(exchange_answers: list[tuple[str, Frame]]) -> Any:
+    """SecureExchange.answer, recording every frame a device sent the gateway."""
+    original = SecureExchange.answer
+
+    def answer(self: SecureExchange, device: str, frame: Frame) -> None:
+        exchange_answers.append((device, frame))
+        original(self, device, frame)
+    return answer
+
+
+def _expected_mean(live: LiveGateway, run: dict[str, Any], names: list[str], server_round: int = 1
+                   ) -> tuple[dict[str, np.ndarray], int]:
+    """Each device's training recomputed with the same trainer, shard and seed; their weighted mean."""
+    trainer = live.device("phone0").training_graph()[1]
+    trained, counts = [], []
+    for name in names:
+        inputs, targets = run["shards"][int(name[-1])]
+        weights, work = trainer.train(run["weights"], inputs, targets, epochs=1, batch_size=32, learning_rate=0.05,
+                                      momentum=0.9, seed=device_seed(7, server_round, name))
+        trained.append(weights)
+        counts.append(work.num_examples)
+    return weighted_mean(trained, counts), sum(counts)
+
+
+def test_a_secure_pool_round_sends_the_pool_mean_and_the_gateway_sees_only_masked_inputs(
+        pool: LiveGateway, run: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: four phones that require secure aggregation, each on its own shard; the gateway records what they send
+    sent: list[tuple[str, Frame]] = []
+    monkeypatch.setattr(SecureExchange, "answer", _recording(sent))
+    names = [f"phone{index}" for index in range(4)]
+    polling = Polling([pool.device(name, int(name[-1]), secure=True) for name in names])
+    # Execute: the coordinator's train instruction under secure aggregation
+    try:
+        header, arrays = pool.round(secure=SECURE)
+    finally:
+        polling.close()
+    # Assert: the pool's weighted mean and example count, within the fixed-point step
+    mean, examples = _expected_mean(pool, run, names)
+    assert header["secure-pool"] == 4 and header["devices"] == 4 and header["num-examples"] == examples
+    assert max(float(np.max(np.abs(arrays[k] - mean[k]))) for k in mean) <= 1e-5
+    assert header["metrics"] == {}  # no device's loss either
+    # the gateway got each device's five steps, and from the masked step only a masked ring vector
+    assert sorted(device for device, _ in sent) == sorted(names * 5)
+    masked = [frame for _, frame in sent if "masked/vector" in frame.tensors]
+    assert len(masked) == 4 and all(set(frame.tensors) == {"masked/vector"} for frame in masked)
+    assert all(frame.tensors["masked/vector"].dtype == np.uint32 for frame in masked)
+    assert all(set(frame.header["records"]) == {"secagg-received", "fedge"} for frame in masked)
+    plain = [frame for _, frame in sent if any(t.dtype == np.float32 for t in frame.tensors.values())]
+    assert plain == [] and sum(polling.trained.values()) == 4
+
+
+class LeavingDevice(ProtocolDevice):
+    """A phone that goes away after sharing its secrets: it refuses the masked step."""
+
+    def _masked(self, *args: Any, **kwargs: Any) -> Any:
+        raise ProtocolViolation("the app was closed")
+
+
+def test_a_device_that_leaves_after_sharing_is_a_dropout_and_its_masks_are_removed(
+        pool: LiveGateway, run: dict[str, Any]) -> None:
+    # Prepare: three phones that stay and one that leaves after the share step
+    names = ["phone0", "phone1", "phone2"]
+    leaving = LeavingDevice(gateway=pool.url, name="phone3", key=pool.allow / "phone3.key", data=run["shards"][3],
+                            trust=run["trust"], ca=run["keys"].ca_cert, state_dir=pool.root / "phone3", secure=True)
+    polling = Polling([*(pool.device(name, int(name[-1]), secure=True) for name in names), leaving])
+    # Execute
+    try:
+        header, arrays = pool.round(secure=SECURE)
+    finally:
+        polling.close()
+    # Assert: the three stayers' mean (the leaver's pairwise masks rebuilt from its shares and removed)
+    mean, examples = _expected_mean(pool, run, names)
+    assert header["secure-pool"] == 3 and header["num-examples"] == examples and header["rejected"] == 1
+    assert max(float(np.max(np.abs(arrays[k] - mean[k]))) for k in mean) <= 1e-5
+
+
+def test_a_device_that_requires_secure_aggregation_refuses_a_plain_train_task(live: LiveGateway) -> None:
+    # Prepare: a gateway that offers a plain round of 3 (it would see each update); one phone requires secure
+    # aggregation
+    careful = live.device("phone0", 0, secure=True)
+    careful.check_in()
+    others = [live.device(f"phone{index}", index) for index in (1, 2, 3)]
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.update(result=live.round()), daemon=True)
+    thread.start()
+    while live.gateway.round is None:
+        threading.Event().wait(0.02)
+    # Execute: the careful phone polls first, then the others answer the round
+    outcome = careful.poll()
+    outcomes = [device.poll() for device in others]
+    thread.join()
+    header, _ = box["result"]
+    # Assert: the careful phone sent nothing; the round holds the other three
+    assert outcome == Outcome("refused", 5.0, 1)
+    assert [o.kind for o in outcomes] == ["train"] * 3 and header["devices"] == 3 and header["secure-pool"] == 0
+
+
+def test_a_pool_too_small_for_secure_aggregation_fails_the_round_naming_why(tmp_path: Path,
+                                                                           run: dict[str, Any]) -> None:
+    # Prepare: two phones only (each would learn the other's update from the sum)
+    small = LiveGateway(tmp_path, run, GatewaySettings(name="gw-small", devices_per_round=0,
+                                                                       min_devices=1, round_deadline_s=0.5,
+                                                                       idle_poll_s=1200))
+    try:
+        for name in ("phone0", "phone1"):
+            small.device(name).check_in()
+        # Execute / Assert
+        with pytest.raises(FedgeError, match="at least 3 devices in a gateway's pool, 2 are checked in"):
+            small.round(secure=SECURE)
+    finally:
+        small.close()
+
+
+@pytest.mark.parametrize(("case", "settings"), [
+    ("not an object", None), ("a missing key", {k: v for k, v in SECURE.items() if k != "bits"}),
+    ("a text value", {**SECURE, "clip": "big"}), ("a boolean", {**SECURE, "neighbours": True}),
+])
+def test_malformed_secure_settings_are_refused(case: str, settings: Any) -> None:
+    with pytest.raises(FedgeError, match="'secure' must hold numbers"):
+        check_secure_settings(settings if settings is not None else "secure")
