@@ -162,6 +162,12 @@ def report_work(context: Context, content: RecordDict) -> None:
     if not deployed and not log.isEnabledFor(logging.DEBUG):
         return  # simulated devices: nothing to build on the hot path
     meta, metrics = content.config_records[wire.REPLY_META], content.metric_records[wire.METRICS]
+    if meta.get(wire.SECURE_POOL):  # a gateway's secure pool sum: no per-device work or loss is known
+        line = (f"round {meta[wire.SERVER_ROUND]}: the secure sum of {meta[wire.SECURE_POOL]} devices' updates "
+                f"(gateway), {wire.payload_bytes(content):,} bytes to send")
+        if deployed:
+            print(line, flush=True)
+        return
     done = {key: int(meta[key]) for key in (wire.SERVER_ROUND, wire.SAMPLES_PROCESSED, wire.STEPS)}  # type: ignore[arg-type]
     line = (f"round {done[wire.SERVER_ROUND]}: trained {done[wire.SAMPLES_PROCESSED]} samples in "
             f"{done[wire.STEPS]} steps ({work_label(context, meta)}), loss "

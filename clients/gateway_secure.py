@@ -38,6 +38,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
 
 from fedge.device_protocol import Frame, assemble_frame, frame_tensors, records_from_json, records_to_json
 from fedge.errors import ConfigError, DeviceProtocolError
@@ -166,6 +167,18 @@ def _reply_message(message: Message, frame: Frame) -> Message:
     return Message(content, reply_to=message)
 
 
+def _adopt_identity() -> None:
+    """Give this process a Flower task identity if it has none (Flower messages need one).
+
+    The gateway's SuperNode runs its ClientApp in another process, so the gateway process
+    has none: its pool is run 0, and this process speaks as its coordinator (node 1).
+    """
+    try:
+        TaskIdentity.run_id  # noqa: B018 - the property raises when unset
+    except RuntimeError:
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 0, 1, 1
+
+
 class PoolGrid(Grid):
     """A Flower ``Grid`` over one gateway's devices: what :class:`SecureAggregation` drives.
 
@@ -176,6 +189,7 @@ class PoolGrid(Grid):
     def __init__(self, exchange: SecureExchange, devices: Mapping[int, str], server_round: int) -> None:
         self.exchange, self.devices, self.server_round = exchange, dict(devices), server_round
         self._run = Run.create_empty(0)
+        _adopt_identity()
 
     def get_node_ids(self) -> Iterable[int]:
         """The pool's devices."""

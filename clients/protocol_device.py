@@ -308,7 +308,8 @@ class ProtocolDevice:
             log.warning("device %s: %s", self.name, reason)
             reply = {"task": task.get("task"), "kind": "secagg", "error": reason}
         answer = self._result(encode_frame(reply, out_tensors))
-        kind = "train" if action == "secagg_masked" and "error" not in reply else "secagg"
+        # a round counts as trained once this device's update is in an unmasked sum (its last step)
+        kind = "train" if action == "secagg_unmask" and "error" not in reply else "secagg"
         return Outcome(kind, float(answer.get("next-in-s", 0.5)), server_round)
 
     def _secure_answer(self, action: str, task: dict[str, Any], records: dict[str, dict[str, Any]],

@@ -67,7 +67,7 @@ class ProtocolFleet:
     as `fedge protocol-device` processes that cannot import Flower or torch."""
 
     def __init__(self, federation: LoopbackFederation, ports: list[int], *, processes: int = 0,
-                 rounds: int = 0) -> None:
+                 rounds: int = 0, secure: bool = False) -> None:
         config = resolve_run_config({"partitioner": "iid"})
         task = load_task(config)
         shards = [task.partition(index, DEVICES, config) for index in range(DEVICES)]
@@ -76,7 +76,8 @@ class ProtocolFleet:
                                        key=federation.root / "allow" / f"phone{index}.key",
                                        data=(tuple(shards[index].inputs), shards[index].targets),
                                        trust=federation.bundle_signing_key, ca=federation.keys.ca_cert,
-                                       state_dir=federation.root / f"phone{index}") for index in range(DEVICES)]
+                                       state_dir=federation.root / f"phone{index}", secure=secure)
+                        for index in range(DEVICES)]
         self.threads = [threading.Thread(target=self._run, args=(index,), daemon=True)
                         for index in range(DEVICES - processes)]
         for thread in self.threads:
@@ -88,7 +89,7 @@ class ProtocolFleet:
                     f"phone{index}", "--key", str(federation.root / "allow" / f"phone{index}.key"), "--data",
                     str(federation.root / f"phone{index}.npz"), "--trust", str(federation.bundle_signing_key),
                     "--ca", str(federation.keys.ca_cert), "--state-dir", str(federation.root / f"phone{index}"),
-                    "--rounds", str(rounds)]
+                    "--rounds", str(rounds), *(["--secure-aggregation"] if secure else [])]
             with (federation.root / f"phone{index}.log").open("wb") as out:
                 self.processes[index] = subprocess.Popen([sys.executable, "-c", WITHOUT_FLOWER_OR_TORCH, *argv],
                                                          stdout=out, stderr=subprocess.STDOUT)
@@ -106,11 +107,11 @@ class ProtocolFleet:
                 self.trained[index] = int(log.rsplit("stopped after ", 1)[1].split()[0])
 
 
-def _start(federation: LoopbackFederation, rounds: int) -> list[int]:
+def _start(federation: LoopbackFederation, rounds: int, run_config: str = RUN) -> list[int]:
     """Allow-list, coordinator (2 nodes a round: the gateways) and both gateways; their device ports."""
     for index in range(DEVICES):
         add_protocol_device(federation.root / "allow", f"phone{index}")
-    federation.start_coordinator("--rounds", str(rounds), "--clients-per-round", "2", "--run-config", RUN)
+    federation.start_coordinator("--rounds", str(rounds), "--clients-per-round", "2", "--run-config", run_config)
     federation.wait_for(federation.bundle_signing_key.exists, 120, "the bundle signing key")
     ports = [free_port(), free_port()]
     for index, port in enumerate(ports):
@@ -173,3 +174,24 @@ def test_a_gateway_restart_loses_at_most_its_round_in_flight(federation: Loopbac
     assert rows[-1]["participants"] == 2
     assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.3
     assert federation.log("gateway0").count("serves devices on https://") == 2
+
+
+def test_secure_aggregation_through_two_gateways_trains_protocol_devices(federation: LoopbackFederation) -> None:
+    # Prepare: the coordinator asks for secure aggregation; every device requires it (one without Flower or torch)
+    ports = _start(federation, ROUNDS, RUN + " secure-aggregation=true")
+    # Execute
+    fleet = ProtocolFleet(federation, ports, processes=1, rounds=ROUNDS, secure=True)
+    try:
+        federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
+    finally:
+        fleet.close()
+    rows = federation.rows()
+    # Assert: every round took both gateways' secure pool sums (three devices each) and the model learned
+    assert [row["round"] for row in rows] == list(range(ROUNDS + 1)), federation.log("coordinator")
+    assert all(row["aggregated"] and row["participants"] == 2 and row["rejected"] == 0 for row in rows[1:]), rows
+    assert sum(fleet.trained) == DEVICES * ROUNDS
+    assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.3
+    for index in range(2):
+        log = federation.log(f"gateway{index}")
+        assert log.count("3 devices' masked inputs summed") == ROUNDS, log
+        assert "the secure sum of 3 devices' updates (gateway)" in log, log
