@@ -106,6 +106,14 @@ def _add_deployment_key_parsers(keys: Any) -> None:
     device.add_argument("--dir", type=Path, default=Path("keys"), help="the `fedge keys init` directory")
     device.add_argument("--force", action="store_true")
     device.set_defaults(handler=_keys_add_device)
+    gateway = keys.add_parser("add-gateway", help="create a gateway's TLS certificate for its devices (CA-signed)")
+    gateway.add_argument("name")
+    gateway.add_argument("--host", action="append", default=[],
+                         help="DNS name or IP devices reach the gateway at (repeatable)")
+    gateway.add_argument("--dir", type=Path, default=Path("keys"), help="the `fedge keys init` directory")
+    gateway.add_argument("--days", type=int, default=365, help="certificate validity")
+    gateway.add_argument("--force", action="store_true", help="replace an existing certificate and key")
+    gateway.set_defaults(handler=_keys_add_gateway)
 
 
 def _keys_init(args: argparse.Namespace) -> int:
@@ -127,6 +135,17 @@ def _keys_add_device(args: argparse.Namespace) -> int:
     private, public = add_device(args.dir, args.name, force=args.force)
     print(f"device key: {private} (mode 0600; copy to the device with {args.dir}/ca.crt)")
     print(f"public key: {public} (registered by `fedge coordinator start`)")
+    return 0
+
+
+def _keys_add_gateway(args: argparse.Namespace) -> int:
+    from fedge.server.pki import add_gateway
+
+    cert, key = add_gateway(args.dir, args.name, hosts=args.host, days=args.days, force=args.force)
+    sans = ", ".join(["localhost", "127.0.0.1", *args.host])
+    print(f"gateway certificate: {cert} (SANs: {sans}; devices check it with {args.dir}/ca.crt)")
+    print(f"gateway TLS key:     {key} (mode 0600; copy both to the gateway host)")
+    print(f"next: fedge keys add-device {args.name} --dir {args.dir}  (the gateway's node key at the coordinator)")
     return 0
 
 

@@ -114,22 +114,62 @@ def init_keys(directory: str | Path, *, hosts: list[str] | None = None, days: in
                                             encipher_only=False, decipher_only=False), critical=True)
                .sign(ca_key, hashes.SHA384()))
     server_key = ec.generate_private_key(ec.SECP384R1())
-    server_cert = (x509.CertificateBuilder()
-                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedge coordinator")]))
-                   .issuer_name(ca_name).public_key(server_key.public_key())
-                   .serial_number(x509.random_serial_number())
-                   .not_valid_before(now - dt.timedelta(minutes=5))
-                   .not_valid_after(now + dt.timedelta(days=days))
-                   .add_extension(x509.SubjectAlternativeName(_subject_alt_names(hosts or [])),
-                                  critical=False)
-                   .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-                   .sign(ca_key, hashes.SHA384()))
+    server_cert = _server_certificate(ca_key, ca_name, server_key, "fedge coordinator", hosts or [], days)
     write_private(keys.ca_key, _pem(ca_key), force=force)
     write_private(keys.key, _pem(server_key), force=force)
     write_public(keys.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
     write_public(keys.cert, server_cert.public_bytes(serialization.Encoding.PEM))
     return keys
+
+
+def _server_certificate(ca_key: ec.EllipticCurvePrivateKey, ca_name: x509.Name, key: ec.EllipticCurvePrivateKey,
+                        common_name: str, hosts: list[str], days: int) -> x509.Certificate:
+    """A TLS server certificate the CA signs, for ``localhost``, ``127.0.0.1`` and ``hosts``."""
+    now = dt.datetime.now(dt.UTC)
+    return (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+            .issuer_name(ca_name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(_subject_alt_names(hosts)), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA384()))
+
+
+def add_gateway(directory: str | Path, name: str, *, hosts: list[str], days: int = 365,
+                force: bool = False) -> tuple[Path, Path]:
+    """A gateway's TLS certificate for its devices, signed by the CA of ``fedge keys init``: ``gateways/NAME.crt``
+    and ``NAME.key`` (0600), for ``localhost``, ``127.0.0.1`` and ``hosts``.
+
+    ECDSA P-256, not the coordinator's P-384: every device's poll may open a TLS connection, and
+    the server's handshake signature is the gateway's per-connection cost (P-256 signs about 6x
+    faster on the measured CPU, ``../shared/notes/device-gateway-probe.md``); phones and
+    browsers all accept it. Devices check it against the same ``ca.crt``.
+
+    Raises
+    ------
+    ConfigError
+        A bad name, no CA in ``directory`` (run ``fedge keys init`` first), or existing files
+        without ``force``.
+    """
+    if not DEVICE_NAME.match(name):
+        raise ConfigError(f"gateway name '{name}' must be 1-64 letters, digits, '.', '_' or '-'")
+    keys = CoordinatorKeys(Path(directory))
+    if not keys.ca_key.is_file():
+        raise ConfigError(f"{keys.ca_key} does not exist: create the CA first with `fedge keys init {directory}`")
+    ca_key = serialization.load_pem_private_key(keys.ca_key.read_bytes(), password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ConfigError(f"{keys.ca_key} is not the EC key `fedge keys init` makes")
+    ca_name = x509.load_pem_x509_certificate(keys.ca_cert.read_bytes()).subject
+    folder = ensure_private_dir(keys.directory / "gateways")
+    cert_path, key_path = folder / f"{name}.crt", folder / f"{name}.key"
+    key = ec.generate_private_key(ec.SECP256R1())
+    write_private(key_path, _pem(key), force=force)
+    write_public(cert_path, _server_certificate(ca_key, ca_name, key, f"fedge gateway {name}", hosts, days)
+                 .public_bytes(serialization.Encoding.PEM))
+    return cert_path, key_path
 
 
 def add_device(directory: str | Path, name: str, *, force: bool = False) -> tuple[Path, Path]:

@@ -18,7 +18,7 @@ from fedge.clients.protocol_device import ProtocolDevice
 from fedge.config import resolve_run_config
 from fedge.listeners import ListenerLimits
 from fedge.server.bundles import run_signing_key
-from fedge.server.pki import CoordinatorKeys, init_keys
+from fedge.server.pki import add_gateway, init_keys
 from fedge.server.training import SIGNING_PUBLIC_KEY, TRAINING_BUNDLE, export_training_graph, write_run_training_bundle
 from fedge.task.api import seeded_model
 from fedge.task.models import model_arrays
@@ -41,18 +41,19 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     shards = [task.partition(index, 4, config) for index in range(4)]
     return {"config": dict(config), "architecture": str(manifest["architecture"]), "weights": weights,
             "bundle": run_dir / TRAINING_BUNDLE, "trust": run_dir / SIGNING_PUBLIC_KEY,
-            "keys": init_keys(root / "keys"), "shards": [(tuple(s.inputs), s.targets) for s in shards]}
+            "keys": (keys := init_keys(root / "keys")),
+            "gateway-cert": add_gateway(keys.directory, "gw-test", hosts=[]),  # `fedge keys add-gateway`
+            "shards": [(tuple(s.inputs), s.targets) for s in shards]}
 
 
 class LiveGateway:
     """A gateway's two listeners in this process, an allow-list with devices, and helpers."""
 
     def __init__(self, root: Path, run: dict[str, Any], settings: GatewaySettings) -> None:
-        keys: CoordinatorKeys = run["keys"]
         self.root, self.run, self.allow = root, run, root / "allow"
         self.gateway = Gateway(settings, self._allow_list(), run["bundle"])
         self.devices = Served(device_app(self.gateway), "127.0.0.1", 0, limits=ListenerLimits(per_address=64),
-                              cert=keys.cert, cert_key=keys.key)
+                              cert=run["gateway-cert"][0], cert_key=run["gateway-cert"][1])
         self.token = "t" * 40
         self.control = Served(control_app(self.gateway, self.token), "127.0.0.1", 0, limits=ListenerLimits())
         self.url = f"https://127.0.0.1:{self.devices.port}"

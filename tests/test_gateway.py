@@ -12,6 +12,7 @@ import base64
 import http.client
 import json
 import os
+import re
 import ssl
 import subprocess
 import sys
@@ -47,8 +48,9 @@ from fedge.device_protocol import (
     int8_delta,
     request_mac,
 )
-from fedge.errors import BundleVerificationError, DeviceProtocolError
+from fedge.errors import BundleVerificationError, ConfigError, DeviceProtocolError
 from fedge.server.bundles import run_signing_key
+from fedge.server.pki import add_gateway, init_keys
 from fedge.server.training import SIGNING_PUBLIC_KEY
 from fedge.task.api import seeded_model
 from fedge.task.models import model_arrays
@@ -383,3 +385,39 @@ def test_the_protocol_device_imports_neither_flower_nor_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- `fedge keys add-gateway`
+def test_add_gateway_makes_a_ca_signed_p256_certificate_for_the_gateways_hosts(tmp_path: Path) -> None:
+    from cryptography import x509  # noqa: PLC0415
+    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
+
+    from fedge.cli.main import main  # noqa: PLC0415
+
+    # Prepare: a CA
+    keys = init_keys(tmp_path / "keys")
+    # Execute: the command an operator runs
+    assert main(["keys", "add-gateway", "gw1", "--dir", str(keys.directory), "--host", "gw1.example.org",
+                 "--host", "10.0.0.7"]) == 0
+    # Assert: P-256, signed by the CA, the hosts as SANs, a server certificate; the key 0600
+    cert = x509.load_pem_x509_certificate((keys.directory / "gateways" / "gw1.crt").read_bytes())
+    ca = x509.load_pem_x509_certificate(keys.ca_cert.read_bytes())
+    cert.verify_directly_issued_by(ca)
+    public = cert.public_key()
+    assert isinstance(public, ec.EllipticCurvePublicKey) and public.curve.name == "secp256r1"
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["localhost", "gw1.example.org"]
+    assert [str(a) for a in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1", "10.0.0.7"]
+    assert (keys.directory / "gateways" / "gw1.key").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize(("case", "setup", "reason"), [
+    ("no CA yet", lambda d: None, "create the CA first with `fedge keys init"),
+    ("a bad name", lambda d: init_keys(d), "gateway name 'gw 1' must be"),
+    ("an existing key", lambda d: (init_keys(d), add_gateway(d, "gw1", hosts=[])), "already exists; pass --force"),
+])
+def test_add_gateway_refuses_naming_the_fix(tmp_path: Path, case: str, setup: Any, reason: str) -> None:
+    setup(tmp_path / "keys")
+    name = "gw 1" if case == "a bad name" else "gw1"
+    with pytest.raises(ConfigError, match=re.escape(reason)):
+        add_gateway(tmp_path / "keys", name, hosts=[])

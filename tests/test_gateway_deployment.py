@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedge.cli.main import main
 from fedge.clients.gateway import add_protocol_device
 from fedge.clients.protocol_device import ProtocolDevice
 from fedge.config import resolve_run_config
@@ -41,12 +42,15 @@ def federation(tmp_path: Path) -> Iterator[LoopbackFederation]:
 
 
 def _start_gateway(federation: LoopbackFederation, index: int, port: int) -> None:
-    keys = federation.keys
+    keys, cert = federation.keys, federation.keys.directory / "gateways" / f"gw{index}"
+    if not cert.with_suffix(".crt").exists():  # its TLS certificate for devices, as an operator makes it
+        assert main(["keys", "add-gateway", f"gw{index}", "--dir", str(keys.directory)]) == 0
     federation.devices[100 + index] = federation.spawn(
         ["gateway", "start", "--coordinator", f"127.0.0.1:{federation.port}", "--name", f"gw{index}",
          "--devices", str(federation.root / "allow"), "--key", str(keys.devices / f"dev{index}.key"),
-         "--ca", str(keys.ca_cert), "--trust", str(federation.bundle_signing_key), "--cert", str(keys.cert),
-         "--cert-key", str(keys.key), "--port", str(port), "--state-dir", str(federation.root / f"gw{index}"),
+         "--ca", str(keys.ca_cert), "--trust", str(federation.bundle_signing_key),
+         "--cert", str(cert.with_suffix(".crt")), "--cert-key", str(cert.with_suffix(".key")), "--port", str(port),
+         "--state-dir", str(federation.root / f"gw{index}"),
          "--devices-per-round", str(DEVICES // 2), "--poll-interval", "0.5"], f"gateway{index}.log")
 
 
