@@ -83,16 +83,14 @@ def serve(root: Path, per_round: int) -> None:
     """
     from fedge.clients.gateway import DEVICE_LIMITS, Gateway, GatewaySettings, Served, control_app, device_app
     from fedge.listeners import ListenerLimits, bind, uvicorn_options
-    from fedge.server.pki import CoordinatorKeys
 
-    keys = CoordinatorKeys(root / "keys")
+    cert, cert_key = root / "keys" / "gateways" / "bench.crt", root / "keys" / "gateways" / "bench.key"
     gateway = Gateway(GatewaySettings(name="bench", devices_per_round=per_round, round_deadline_s=600,
                                       idle_poll_s=30, max_in_flight=4096, uplink="int8-delta"),
                       root / "allow", None)
     control = Served(control_app(gateway, "bench-token"), "127.0.0.1", 0, limits=ListenerLimits())
     if not os.environ.get("FEDGE_PROFILE"):
-        devices = Served(device_app(gateway), "127.0.0.1", 0, limits=DEVICE_LIMITS, cert=keys.cert,
-                         cert_key=keys.key)
+        devices = Served(device_app(gateway), "127.0.0.1", 0, limits=DEVICE_LIMITS, cert=cert, cert_key=cert_key)
         print(json.dumps({"devices": devices.port, "control": control.port}), flush=True)
         while True:
             time.sleep(3600)
@@ -103,7 +101,7 @@ def serve(root: Path, per_round: int) -> None:
     sock = bind("127.0.0.1", 0)
     print(json.dumps({"devices": sock.getsockname()[1], "control": control.port}), flush=True)
     server = uvicorn.Server(uvicorn.Config(device_app(gateway), log_level="warning", access_log=False,
-                                          ssl_certfile=str(keys.cert), ssl_keyfile=str(keys.key),
+                                          ssl_certfile=str(cert), ssl_keyfile=str(cert_key),
                                           **uvicorn_options(DEVICE_LIMITS)))
     def stop(*_: Any) -> None:
         raise SystemExit(0)
@@ -260,10 +258,11 @@ def main() -> None:
         serve(args.serve, args.per_round)
         return
     from fedge.clients.gateway import add_protocol_device
-    from fedge.server.pki import init_keys
+    from fedge.server.pki import add_gateway, init_keys
 
     root = Path(tempfile.mkdtemp(prefix="gateway-load-"))
     keys = init_keys(root / "keys")
+    add_gateway(keys.directory, "bench", hosts=[])  # the P-256 certificate `fedge keys add-gateway` makes
     print(f"making {args.devices} device keys ...", flush=True)
     for index in range(args.devices):
         add_protocol_device(root / "allow", f"d{index}")
