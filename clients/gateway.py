@@ -113,7 +113,7 @@ class Gateway:
         if self.exchange is not None:
             return self.exchange.task_for(session.device)
         current = self.round
-        if current is None or current.closed or current.complete.is_set() or current.task_id in session.done:
+        if current is None or current.closed or current.complete.is_set() or current.has_answered(session.device):
             return None
         left = max(0.0, self.settings.round_deadline_s - (time.monotonic() - current.opened))
         header = {"kind": current.kind, "task": current.task_id, "server-round": current.server_round,

@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +153,6 @@ class Session:
     expires: float
     counter: int = 0
     last_seen: float = 0.0
-    done: set[str] = field(default_factory=set)  # task ids this device answered
 
 
 class Sessions:
@@ -286,6 +285,7 @@ class GatewayRound:
         self._sum = WeightedMeanAccumulator()
         self._metric_sums: dict[str, float] = {}
         self._examples = self._samples = self._steps = self._devices = self._rejected = 0
+        self._answered: set[str] = set()  # device names whose result is in the sum
         self._lock = threading.Lock()
         self.complete = threading.Event()
         self.closed = False
@@ -311,7 +311,8 @@ class GatewayRound:
         with self._lock:
             if self.closed:
                 raise refused(409, "the round closed before this result arrived; it was not counted")
-            if self.task_id in session.done:
+            if session.device in self._answered:  # by name: a device that checked in again (an app or page
+                # reloaded after sending) must not be counted twice
                 raise refused(409, "this device already answered this task")
             if arrays:
                 self._sum.add(arrays, float(examples))
@@ -321,7 +322,7 @@ class GatewayRound:
             self._samples += samples
             self._steps = max(self._steps, steps)
             self._devices += 1
-            session.done.add(self.task_id)
+            self._answered.add(session.device)
             if self._devices >= self.target:
                 self.complete.set()
 
@@ -364,6 +365,11 @@ class GatewayRound:
             return RoundResult(kind=self.kind, arrays=arrays, num_examples=self._examples, metrics=means,
                                samples_processed=self._samples, steps=self._steps, devices=self._devices,
                                rejected=self._rejected)
+
+    def has_answered(self, device: str) -> bool:
+        """Whether ``device``'s result is already in this round (under any session of it)."""
+        with self._lock:
+            return device in self._answered
 
     @property
     def answered(self) -> int:

@@ -363,6 +363,24 @@ def _other_key(tmp_path: Path) -> Path:
     return tmp_path / "other-run" / SIGNING_PUBLIC_KEY
 
 
+def test_a_device_that_checks_in_again_after_sending_is_not_counted_twice(live: LiveGateway) -> None:
+    # Prepare: a round of 3; phone0 sends its result, then (an app or page reloaded) checks in on a new session
+    thread, box = _in_background(live.round)
+    _wait(lambda: live.gateway.round is not None)
+    phone = live.device("phone0", 0)
+    assert phone.poll().kind == "train"
+    reloaded = live.device("phone0", 0)
+    reloaded.check_in()
+    # Execute: the reloaded device asks for a task on its new session
+    outcome = reloaded.poll()
+    others = [live.device(f"phone{index}", index).poll() for index in (1, 2)]
+    thread.join()
+    header, _ = box["result"]
+    # Assert: no second task for it; the round holds three different devices
+    assert outcome.kind == "wait" and [o.kind for o in others] == ["train", "train"]
+    assert header["devices"] == 3 and live.gateway.round is not None and live.gateway.round.answered == 3
+
+
 def test_a_busy_gateway_answers_503_with_retry_after(live: LiveGateway) -> None:
     live.gateway.in_flight = live.gateway.settings.max_in_flight  # as if that many requests were in progress
     try:
