@@ -50,11 +50,22 @@ def _start_options(start: argparse.ArgumentParser) -> None:
     start.add_argument("--state-dir", type=Path, help="this gateway's working files (default ~/.fedge-gateway)")
     start.add_argument("--max-wait", type=float, help="give up if the coordinator is unreachable this long")
     start.add_argument("--insecure", action="store_true", help="NO TLS to devices or coordinator (throwaway tests)")
+    start.add_argument("--demo-page", action="store_true",
+                       help="serve the web device SDK's demo page at /web/demo.html?name=NAME (needs --ort-web)")
+    start.add_argument("--ort-web", type=Path, help="onnxruntime-web's dist folder (npm onnxruntime-web@1.31.1)")
+    start.add_argument("--demo-data", type=Path, help="NAME.json examples for demo devices (docs/devices.md)")
     start.set_defaults(handler=_start)
 
 
 def _start(args: argparse.Namespace) -> int:
     from fedge.clients.gateway import GatewayOptions, GatewaySettings, run_gateway  # noqa: PLC0415
+    from fedge.clients.gateway_web import WebSite  # noqa: PLC0415
+    from fedge.errors import ConfigError  # noqa: PLC0415
+
+    if args.demo_page and args.ort_web is None:
+        raise ConfigError("--demo-page needs --ort-web DIR: onnxruntime-web's dist folder (npm install "
+                          "onnxruntime-web@1.31.1), which the page's worker loads")
+    web = WebSite(ort=args.ort_web, bundle_key=args.trust, data=args.demo_data) if args.demo_page else None
 
     settings = GatewaySettings(name=args.name, devices_per_round=args.devices_per_round, min_devices=args.min_devices,
                                round_deadline_s=args.round_deadline, idle_poll_s=args.poll_interval,
@@ -63,7 +74,7 @@ def _start(args: argparse.Namespace) -> int:
     return run_gateway(GatewayOptions(coordinator=args.coordinator, devices=args.devices, key=args.key, ca=args.ca,
                                       trust=args.trust, cert=args.cert, cert_key=args.cert_key, host=args.host,
                                       port=args.port, insecure=args.insecure, state_dir=args.state_dir,
-                                      bundles=args.bundles, max_wait_s=args.max_wait, settings=settings))
+                                      bundles=args.bundles, max_wait_s=args.max_wait, settings=settings, web=web))
 
 
 def _add_device(args: argparse.Namespace) -> int:

@@ -50,6 +50,7 @@ from fedge.clients.gateway_secure import (
     pool_node_id,
     secure_pool_round,
 )
+from fedge.clients.gateway_web import WebSite, check_web, web_routes
 from fedge.device_protocol import (
     COUNTER_HEADER,
     FRAME_TYPE,
@@ -217,8 +218,8 @@ async def _body(request: Any, limit: int) -> bytes:
 Handler = Callable[[Any], Awaitable[Any]]
 
 
-def device_app(gateway: Gateway, *, max_body: int = 64 << 20) -> Any:
-    """The Starlette app devices talk to (``/v1/...``)."""
+def device_app(gateway: Gateway, *, max_body: int = 64 << 20, web: WebSite | None = None) -> Any:
+    """The Starlette app devices talk to (``/v1/...``), and with ``web`` the web SDK's demo page (``/web/...``)."""
     from starlette.applications import Starlette  # noqa: PLC0415
     from starlette.responses import FileResponse, Response  # noqa: PLC0415
     from starlette.routing import Route  # noqa: PLC0415
@@ -284,7 +285,7 @@ def device_app(gateway: Gateway, *, max_body: int = 64 << 20) -> Any:
               Route(f"{PREFIX}/task", guarded(task), methods=["GET"]),
               Route(f"{PREFIX}/result", guarded(result), methods=["POST"]),
               Route(f"{PREFIX}/bundles/training", guarded(training_bundle), methods=["GET"])]
-    return Starlette(routes=routes)
+    return Starlette(routes=routes + ([] if web is None else web_routes(web)))
 
 
 def control_app(gateway: Gateway, token: str) -> Any:
@@ -375,6 +376,7 @@ class GatewayOptions:
     max_wait_s: float | None = None
     profile: str = "gpu-box"
     settings: GatewaySettings = GatewaySettings()
+    web: WebSite | None = None  # --demo-page: serve the web SDK's demo page
 
 
 def check_gateway(options: GatewayOptions) -> None:
@@ -385,6 +387,8 @@ def check_gateway(options: GatewayOptions) -> None:
     if options.trust is None or not options.trust.is_file():
         raise ConfigError("--trust KEY.pub is needed: the coordinator's bundle signing public key, which the training "
                           "graph this gateway hands its devices must be signed with")
+    if options.web is not None:
+        check_web(options.web)
     if options.settings.uplink not in ("fp32", "int8-delta"):
         raise ConfigError(f"--uplink {options.settings.uplink!r}: use fp32 or int8-delta")
     if options.insecure:
@@ -410,13 +414,15 @@ def run_gateway(options: GatewayOptions) -> int:
     gateway = Gateway(options.settings, options.devices, node_state / "bundles" / "training.zip")
     if options.insecure:
         print_insecure_warning()
-    devices = Served(device_app(gateway), options.host, options.port, limits=DEVICE_LIMITS,
+    devices = Served(device_app(gateway, web=options.web), options.host, options.port, limits=DEVICE_LIMITS,
                      cert=None if options.insecure else options.cert,
                      cert_key=None if options.insecure else options.cert_key, name="fedge-gateway-devices")
     control = Served(control_app(gateway, token), "127.0.0.1", 0, limits=ListenerLimits(), name="fedge-gateway-ctl")
     scheme = "http" if options.insecure else "https"
     print(f"gateway '{options.settings.name}' serves devices on {scheme}://{options.host}:{devices.port}{PREFIX} "
           f"({len(gateway.allow)} devices in its allow-list)", flush=True)
+    if options.web is not None:
+        print(f"web device demo page: {scheme}://{options.host}:{devices.port}/web/demo.html?name=NAME", flush=True)
     try:
         return run_device(DeviceOptions(
             coordinator=options.coordinator, profile=options.profile, data=Path("."), key=options.key, ca=options.ca,

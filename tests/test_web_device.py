@@ -1,0 +1,204 @@
+"""The web device SDK in Chromium (issue 28): a browser tab is a device of a gateway.
+
+Real parts: a gateway's TLS device listener in this process serving the SDK and its demo page
+(``--demo-page``), onnxruntime-web's WebAssembly build, headless Chromium told to trust the
+gateway's certificate (and no other), WebCrypto keys made in the page, the run's signed training
+graph verified in the page. Needs Debian's chromium + chromedriver and the pinned onnxruntime-web
+under ``.cache/ortweb`` (``make test`` installs both); skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import threading
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from chromium import start_chromium, trust_certificate_flag
+
+from fedge.batching import batch_order
+from fedge.clients.gateway import GatewaySettings, Served, device_app
+from fedge.clients.gateway_pool import device_seed
+from fedge.clients.gateway_web import WebSite
+from fedge.edge.trainer import OnnxTrainer
+from fedge.edge.training_bundle import read_training_bundle
+from fedge.errors import FedgeError
+from fedge.listeners import ListenerLimits
+from fedge.web import ORT_FILES
+from tests.live_gateway import LiveGateway
+
+ROOT = Path(__file__).resolve().parent.parent
+ORT_DIST = ROOT / os.environ.get("FEDGE_ORTWEB_DIR", ".cache/ortweb") / "node_modules" / "onnxruntime-web" / "dist"
+
+
+def demo_examples(inputs: tuple[np.ndarray, ...], targets: np.ndarray) -> dict[str, Any]:
+    """A device's examples as the demo page reads them (data/NAME.json)."""
+    def entry(array: np.ndarray) -> dict[str, Any]:
+        array = np.ascontiguousarray(array)
+        return {"dtype": str(array.dtype), "dims": list(array.shape),
+                "b64": base64.b64encode(array.tobytes()).decode()}
+    return {"inputs": [entry(array) for array in inputs], "targets": entry(targets)}
+
+
+class WebGateway(LiveGateway):
+    """A live gateway whose device listener also serves the web SDK's demo page."""
+
+    def __init__(self, root: Path, run: dict[str, Any], settings: GatewaySettings, bundle: Path | None = None) -> None:
+        super().__init__(root, run, settings)
+        self.devices.stop()
+        data = root / "demo-data"
+        data.mkdir()
+        for index in range(4):
+            inputs, targets = run["shards"][index]
+            (data / f"browser{index}.json").write_text(json.dumps(demo_examples(inputs, targets)))
+        if bundle is not None:
+            self.gateway.training_bundle = bundle
+        site = WebSite(ort=ORT_DIST, bundle_key=run["trust"], data=data)
+        self.devices = Served(device_app(self.gateway, web=site), "127.0.0.1", 0, limits=ListenerLimits(per_address=64),
+                              cert=run["gateway-cert"][0], cert_key=run["gateway-cert"][1])
+        self.url = f"https://127.0.0.1:{self.devices.port}"
+
+
+@pytest.fixture(scope="module")
+def chromium(run: dict[str, Any]) -> Iterator[Any]:
+    missing = [name for name in ORT_FILES if not (ORT_DIST / name).is_file()]
+    if missing:
+        pytest.skip(f"onnxruntime-web is not installed under {ORT_DIST.parent}; `make test` installs it with npm")
+    driver = start_chromium(trust_certificate_flag(run["gateway-cert"][0].read_bytes()))
+    driver.set_script_timeout(600)
+    yield driver
+    driver.quit()
+
+
+def _open_device(driver: Any, gateway: WebGateway, name: str) -> None:
+    """Load the demo page as device ``name`` and admit the key the page made (as an operator would)."""
+    driver.get(f"{gateway.url}/web/demo.html?name={name}")
+    pem = driver.execute_async_script(
+        "const done = arguments[0];"
+        "(function wait() { const s = window.__fedge;"
+        " if (s && (s.publicKeyPem || s.error)) done(s.publicKeyPem || s.error); else setTimeout(wait, 50); })();")
+    assert pem.startswith("-----BEGIN PUBLIC KEY-----"), pem
+    (gateway.allow / f"{name}.pub").write_text(pem)
+    gateway.gateway.allow.refresh(force=True)
+
+
+def _join_and_wait(driver: Any, rounds: int) -> dict[str, Any]:
+    """Start the page's device for ``rounds`` train rounds; its state once done (or failed)."""
+    return dict(driver.execute_async_script(
+        "const done = arguments[1]; window.fedgeJoin(arguments[0]);"
+        "(function wait() { const s = window.__fedge;"
+        " if (s.done || s.error) done({done: s.done, error: s.error, trained: s.trained || 0,"
+        "  kinds: s.progress.map((e) => e.kind), errors: s.progress.filter((e) => e.error).map((e) => e.error)});"
+        " else setTimeout(wait, 100); })();", rounds))
+
+
+def test_a_browser_tab_trains_a_gateway_round_as_the_python_device_would(tmp_path: Path, run: dict[str, Any],
+                                                                         chromium: Any) -> None:
+    # Prepare: a gateway round of 1 device, served with the demo page; the tab admitted as browser0
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=1, round_deadline_s=600,
+                                                       idle_poll_s=0.2))
+    try:
+        _open_device(chromium, gateway, "browser0")
+        box: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: box.update(result=gateway.round()), daemon=True)
+        thread.start()
+        # Execute: the tab joins for one round
+        state = _join_and_wait(chromium, 1)
+        thread.join()
+    finally:
+        gateway.close()
+    header, arrays = box["result"]
+    # Assert: one browser result, the update of one local epoch from the round's weights
+    assert state["done"] and state["trained"] == 1 and state["error"] is None, state
+    assert header["devices"] == 1 and header["num-examples"] == len(run["shards"][0][1])
+    bundle = read_training_bundle(run["bundle"], trusted_keys=[run["trust"]])
+    trainer = OnnxTrainer(bundle.train_onnx, bundle.eval_onnx, bundle.manifest)
+    inputs, targets = run["shards"][0]
+    python, _ = trainer.train(run["weights"], inputs, targets, epochs=1, batch_size=32, learning_rate=0.05,
+                              momentum=0.9, seed=device_seed(7, 1, "browser0"))
+    # the update a Python device sends: the same batches (numpy's order), float32 steps in onnxruntime-web
+    assert arrays.keys() == python.keys()
+    assert max(float(np.max(np.abs(arrays[k] - python[k]))) for k in python) <= 1e-5
+    assert min(float(np.max(np.abs(arrays[k] - run["weights"][k]))) for k in python) > 1e-3  # it trained
+
+
+def _unanswered_round(gateway: WebGateway) -> None:
+    """A round no device answers (the test ends it): the gateway's ClientApp gets its refusal."""
+    with pytest.raises(FedgeError, match="none of this gateway's devices answered"):
+        gateway.round()
+
+
+def _tampered(bundle: Path, out: Path, change: Any) -> Path:
+    with zipfile.ZipFile(bundle) as source:
+        files = {name: source.read(name) for name in source.namelist()}
+    change(files)
+    with zipfile.ZipFile(out, "w") as target:
+        for name, data in files.items():
+            target.writestr(name, data)
+    return out
+
+
+def _flip_graph_byte(files: dict[str, bytes]) -> None:
+    graph = bytearray(files["train.onnx"])
+    graph[len(graph) // 2] ^= 0xFF
+    files["train.onnx"] = bytes(graph)
+
+
+def _altered_manifest(files: dict[str, bytes]) -> None:
+    files["manifest.json"] = files["manifest.json"].replace(b'"training"', b'"training" ', 1)
+
+
+@pytest.mark.parametrize(("case", "change", "reason"), [
+    ("a graph byte changed", _flip_graph_byte, "train.onnx: its SHA-256 does not match"),
+    ("the manifest altered", _altered_manifest, "the signature does not verify"),
+    ("an extra file", lambda files: files.update({"extra.onnx": b"x"}), "differ from the manifest"),
+])
+def test_a_tampered_training_graph_is_refused_in_the_browser(tmp_path: Path, run: dict[str, Any], chromium: Any,
+                                                            case: str, change: Any, reason: str) -> None:
+    # Prepare: a gateway that hands out a tampered copy of the run's signed training bundle
+    bundle = _tampered(run["bundle"], tmp_path / "tampered.zip", change)
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=1, round_deadline_s=600,
+                                                       idle_poll_s=0.2), bundle=bundle)
+    try:
+        _open_device(chromium, gateway, "browser1")
+        thread = threading.Thread(target=_unanswered_round, args=(gateway,), daemon=True)
+        thread.start()
+        # Execute
+        state = _join_and_wait(chromium, 1)
+    finally:
+        gateway.gateway.round.complete.set()  # type: ignore[union-attr]  # end the round nobody answers
+        thread.join()
+        gateway.close()
+    # Assert: refused by name before onnxruntime-web saw the graph; nothing was sent
+    error = state["error"] or ""
+    assert "training bundle refused" in error and reason in error, state
+    assert state["trained"] == 0 and gateway.gateway.round is not None and gateway.gateway.round.answered == 0
+
+
+
+
+@pytest.mark.parametrize(("size", "batch", "seed", "epochs"), [
+    (1, 1, 0, 1), (10, 3, 0, 2), (450, 32, 7, 2), (1000, 64, 2**32, 1), (37, 5, 2**63 - 1, 3),
+    (300, 300, 123456789, 1),
+])
+def test_the_browser_draws_numpys_batch_order(tmp_path: Path, run: dict[str, Any], chromium: Any, size: int,
+                                              batch: int, seed: int, epochs: int) -> None:
+    # Prepare: a page of the gateway that serves the SDK
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test"))
+    try:
+        chromium.get(f"{gateway.url}/web/demo.html?name=order")
+        # Execute: the SDK's batch order in the browser
+        order = chromium.execute_async_script(
+            "const [size, batch, seed, epochs, done] = arguments; const script = document.createElement('script');"
+            "script.src = 'batch-order.js'; script.onload = () => done(fedgeBatchOrder.batchOrder(size, batch, seed,"
+            " epochs)); document.head.appendChild(script);", size, batch, str(seed), epochs)
+    finally:
+        gateway.close()
+    # Assert: fedge.batching.batch_order's, batch for batch
+    assert order == [list(map(int, b)) for b in batch_order(size, batch, seed, epochs)]

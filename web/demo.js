@@ -1,0 +1,52 @@
+// The demo page's logic: a FedgeDevice on the examples the operator left for this device name
+// (data/NAME.json: {"inputs": [{"dtype", "dims", "b64"}], "targets": {"dtype", "dims", "b64"}}).
+// window.__fedge exposes the state (the public key, progress events, errors) to scripts and tests.
+import {FedgeDevice} from "./fedge-device.js";
+import {DTYPES} from "./frame.js";
+
+const name = new URLSearchParams(location.search).get("name") || "browser";
+const state = window.__fedge = {name: name, publicKeyPem: null, progress: [], error: null, done: false};
+const $ = (id) => document.getElementById(id);
+
+function array(entry) {
+  const bytes = Uint8Array.from(atob(entry.b64), (c) => c.charCodeAt(0));
+  return {data: new DTYPES[entry.dtype](bytes.buffer), dims: entry.dims};
+}
+
+function render(event) {
+  const line = document.createElement("li");
+  line.textContent = event.kind + (event.round ? " round " + event.round : "") +
+    (event.loss !== undefined ? ", loss " + event.loss.toFixed(4) : "") + (event.error ? ": " + event.error : "");
+  if (event.kind === "error") line.className = "error";
+  $("log").prepend(line);
+  $("progress").value = event.trained || 0;
+  $("status").textContent = event.kind === "wait" ? "waiting for a round" : event.kind;
+}
+
+async function join(rounds) {
+  const data = await (await fetch("data/" + encodeURIComponent(name) + ".json", {cache: "no-store"})).json();
+  const bundleKeyPem = await (await fetch("bundle-key.pem", {cache: "no-store"})).text();
+  const device = new FedgeDevice({gateway: location.origin, name: name, bundleKeyPem: bundleKeyPem,
+                                  data: {inputs: data.inputs.map(array), targets: array(data.targets)},
+                                  ortBase: new URL("ort/", location.href).href});
+  state.device = device;
+  $("progress").max = rounds;
+  state.trained = await device.run({rounds: rounds, maxWaitS: 2, onProgress: (event) => { state.progress.push(event); render(event); }});
+  state.done = true;
+  $("status").textContent = "done: " + state.trained + " rounds trained";
+}
+
+window.fedgeJoin = (rounds) => join(rounds).catch((error) => {
+  state.error = String(error.message || error);
+  $("status").textContent = state.error;
+  $("status").className = "error";
+});
+
+(async function main() {
+  $("name").textContent = name;
+  const identity = await FedgeDevice.identity(name);
+  state.publicKeyPem = identity.publicKeyPem;
+  $("key").textContent = identity.publicKeyPem;
+  $("join").disabled = false;
+  $("join").onclick = () => { $("join").disabled = true; window.fedgeJoin(Number($("rounds").value)); };
+})().catch((error) => { state.error = String(error.message || error); });

@@ -1,0 +1,228 @@
+// fedge's web device SDK: a browser tab trains in a fedge federation through a gateway.
+//
+// It speaks the device protocol (docs/device-protocol.md) as fedge.clients.protocol_device does:
+// hello, a check-in signed with the device's ECDSA P-256 key (WebCrypto, non-extractable, kept in
+// IndexedDB), then HMAC-SHA256 session MACs; it fetches the coordinator's signed training graph,
+// verifies it (bundle.js) and trains in a Web Worker (worker.js); every answer's next-in-s paces it.
+//
+// Usage (see docs/devices.md, "A web app"):
+//   const identity = await FedgeDevice.identity("phone-017");   // once: the operator admits identity.publicKeyPem
+//   const device = new FedgeDevice({gateway: "https://gw1.example.org:9443", name: "phone-017",
+//                                   bundleKeyPem: SIGNING_PUB, data: {inputs, targets}});
+//   await device.run({rounds: 3, onProgress: (event) => ...});
+//   const scores = await device.predict(inputs);   // the latest global model, on the app's inputs
+//
+// Threat model (device side): the gateway is authenticated by TLS (the browser's trust store);
+// the private key never leaves WebCrypto; the training graph must be signed by the pinned bundle
+// key and pass the graph checks before onnxruntime-web sees it. A page reload loses the session
+// and the round's work, not the key: the device checks in again, and the gateway, which counts a
+// device once a round by name, gives it the round's task again only if it had not answered it.
+// Secure aggregation is not implemented here: a secure round's steps are answered with a refusal
+// (the gateway then counts this device as a dropout of that round).
+
+import {FRAME_TYPE, decodeFrame, encodeFrame, int8Delta} from "./frame.js";
+import {importBundleKey, verifyTrainingBundle} from "./bundle.js";
+
+const PREFIX = "/v1";
+const enc = new TextEncoder();
+
+function b64(bytes) {
+  let raw = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) raw += String.fromCharCode.apply(null, bytes.subarray(i, i + 0x8000));
+  return btoa(raw);
+}
+function unb64(text) { return Uint8Array.from(atob(text), (c) => c.charCodeAt(0)); }
+async function sha256Hex(data) {
+  const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", data));
+  return Array.from(digest, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+// ------------------------------------------------------------------ the device key, kept in IndexedDB
+function keyStore(mode, action) {
+  return new Promise((resolve, reject) => {
+    const open = indexedDB.open("fedge-device", 1);
+    open.onupgradeneeded = () => open.result.createObjectStore("keys");
+    open.onerror = () => reject(open.error);
+    open.onsuccess = () => {
+      const request = action(open.result.transaction("keys", mode).objectStore("keys"));
+      request.onsuccess = () => resolve(request.result);
+      request.onerror = () => reject(request.error);
+    };
+  });
+}
+
+function pem(spki) {
+  const body = b64(new Uint8Array(spki)).match(/.{1,64}/g).join("\n");
+  return "-----BEGIN PUBLIC KEY-----\n" + body + "\n-----END PUBLIC KEY-----\n";
+}
+
+export class FedgeDevice {
+  // This browser's key pair for `name` (made on first use; the private half is not extractable).
+  // The operator saves publicKeyPem as NAME.pub in the gateway's allow-list.
+  static async identity(name) {
+    let pair = await keyStore("readonly", (store) => store.get(name));
+    if (!pair) {
+      pair = await crypto.subtle.generateKey({name: "ECDSA", namedCurve: "P-256"}, false, ["sign", "verify"]);
+      await keyStore("readwrite", (store) => store.put(pair, name));
+    }
+    return {keys: pair, publicKeyPem: pem(await crypto.subtle.exportKey("spki", pair.publicKey))};
+  }
+
+  constructor({gateway, name, bundleKeyPem, data, ortBase, workerUrl}) {
+    this.gateway = gateway.replace(/\/$/, "");
+    this.name = name;
+    this.bundleKeyPem = bundleKeyPem;
+    this.data = data;  // {inputs: [{data, dims}], targets: {data, dims}}: as the manifest's inputs take them
+    this.ortBase = ortBase || new URL("./ort/", import.meta.url).href;
+    this.worker = new Worker(workerUrl || new URL("./worker.js", import.meta.url).href);
+    this.pending = new Map();
+    this.nextId = 1;
+    this.worker.onmessage = (event) => {
+      const waiter = this.pending.get(event.data.id);
+      this.pending.delete(event.data.id);
+      if (event.data.error) waiter.reject(new Error(event.data.error)); else waiter.resolve(event.data);
+    };
+    this.session = null;
+    this.graph = null;  // the architecture of the verified graph loaded in the worker
+    this.latest = null;  // the last global weights received (predict runs on them)
+    this.log = [];
+  }
+
+  call(message, transfer) {
+    return new Promise((resolve, reject) => {
+      const id = this.nextId++;
+      this.pending.set(id, {resolve: resolve, reject: reject});
+      this.worker.postMessage({...message, id: id}, transfer || []);
+    });
+  }
+
+  // ---------------------------------------------------------------- transport
+  async send(method, path, body, headers = {}) {
+    const response = await fetch(this.gateway + path, {method: method, body: body, headers: headers, cache: "no-store"});
+    return {status: response.status, type: response.headers.get("content-type") || "", body: new Uint8Array(await response.arrayBuffer())};
+  }
+
+  static json(answer, what) {
+    const value = JSON.parse(new TextDecoder().decode(answer.body) || "{}");
+    if (answer.status !== 200) throw new Error(what + ": the gateway answered " + answer.status + ": " + (value.error || ""));
+    return value;
+  }
+
+  async checkIn() {
+    if (!this.gatewayName) this.gatewayName = FedgeDevice.json(await this.send("GET", PREFIX + "/hello"), "hello").gateway;
+    const {keys} = await FedgeDevice.identity(this.name);
+    const issued = Math.floor(Date.now() / 1000), nonce = b64(crypto.getRandomValues(new Uint8Array(16)));
+    const message = enc.encode(["fedge-check-in/1", this.name, this.gatewayName, String(issued), nonce].join("\n"));
+    const signature = new Uint8Array(await crypto.subtle.sign({name: "ECDSA", hash: "SHA-256"}, keys.privateKey, message));
+    const answer = FedgeDevice.json(await this.send("POST", PREFIX + "/check-in", JSON.stringify({
+      protocol: 1, device: this.name, time: issued, nonce: nonce, signature: b64(signature)}),
+      {"Content-Type": "application/json"}), "check-in");
+    const key = await crypto.subtle.importKey("raw", unb64(answer.key), {name: "HMAC", hash: "SHA-256"}, false, ["sign"]);
+    this.session = {token: answer.session, key: key, counter: 0};
+    return answer["next-in-s"] || 0;
+  }
+
+  async authenticated(method, path, body = new Uint8Array(0)) {
+    for (let attempt = 0; attempt < 2; attempt++) {
+      if (!this.session) await this.checkIn();
+      const counter = ++this.session.counter;
+      const text = ["fedge-request/1", method, path, String(counter), await sha256Hex(body)].join("\n");
+      const mac = b64(new Uint8Array(await crypto.subtle.sign("HMAC", this.session.key, enc.encode(text))));
+      const answer = await this.send(method, path, method === "GET" ? undefined : body, {
+        "Authorization": "Fedge-Session " + this.session.token, "X-Fedge-Counter": String(counter),
+        "X-Fedge-Mac": mac, "Content-Type": FRAME_TYPE});
+      if (answer.status === 401 && attempt === 0) { this.session = null; continue; }  // expired or a restarted gateway
+      return answer;
+    }
+  }
+
+  // ---------------------------------------------------------------- the training graph
+  async ready(architecture) {
+    if (this.graph && (!architecture || this.graph === architecture)) return;
+    const answer = await this.authenticated("GET", PREFIX + "/bundles/training");
+    if (answer.status !== 200) FedgeDevice.json(answer, "training graph");
+    const trusted = await importBundleKey(this.bundleKeyPem);
+    const bundle = await verifyTrainingBundle(answer.body, trusted);  // throws before the worker sees anything
+    if (architecture && bundle.manifest.architecture !== architecture) {
+      throw new Error("the gateway's training graph is not the one the task names; try again later");
+    }
+    await this.call({type: "load", ortBase: this.ortBase, train: bundle.train, eval: bundle.eval, manifest: bundle.manifest});
+    this.manifest = bundle.manifest;
+    this.graph = bundle.manifest.architecture;
+  }
+
+  // ---------------------------------------------------------------- one poll
+  async poll() {
+    const answer = await this.authenticated("GET", PREFIX + "/task");
+    if (answer.status !== 200 || !answer.type.startsWith(FRAME_TYPE)) {
+      return {kind: "wait", nextInS: FedgeDevice.json(answer, "task")["next-in-s"] || 1};
+    }
+    const {header: task, tensors} = decodeFrame(answer.body.buffer);
+    if (task.kind === "secagg") return this.refuseSecure(task);
+    await this.ready(task.graph);
+    const weights = {};
+    for (const [name, tensor] of Object.entries(tensors)) weights[name] = tensor.data;
+    this.latest = weights;
+    if (task.kind === "evaluate") {
+      const result = await this.call({type: "evaluate", weights: weights, ...this.data});
+      const sent = await this.result(encodeFrame({task: task.task, kind: "evaluate", "num-examples": result.numExamples,
+                                                  metrics: result.metrics}));
+      return {kind: "evaluate", nextInS: sent["next-in-s"], round: task["server-round"], metrics: result.metrics};
+    }
+    const trained = await this.call({type: "train", weights: weights, config: task.config, seed: String(task.seed), ...this.data});
+    const header = {task: task.task, kind: "train", "num-examples": trained.stats.numExamples,
+                    "samples-processed": trained.stats.samplesProcessed, steps: trained.stats.steps,
+                    metrics: {"train-loss": trained.stats.loss}, encoding: task.uplink || "fp32"};
+    const out = {};
+    for (const entry of this.manifest.state) {
+      const shape = entry.shape;
+      if (header.encoding === "int8-delta") {
+        const {data, scale} = int8Delta(trained.weights[entry.name], weights[entry.name]);
+        out[entry.name] = {data: data, shape: shape, scale: scale};
+      } else {
+        out[entry.name] = {data: trained.weights[entry.name], shape: shape};
+      }
+    }
+    const sent = await this.result(encodeFrame(header, out));
+    return {kind: "train", nextInS: sent["next-in-s"], round: task["server-round"], loss: trained.stats.loss};
+  }
+
+  async refuseSecure(task) {
+    const sent = await this.result(encodeFrame({task: task.task, kind: "secagg",
+      error: "this web device does not implement secure aggregation yet"}));
+    return {kind: "refused", nextInS: sent["next-in-s"] || 1, round: task["server-round"]};
+  }
+
+  async result(frame) {
+    return FedgeDevice.json(await this.authenticated("POST", PREFIX + "/result", frame), "result");
+  }
+
+  // Poll until `rounds` train tasks are done (or stop() is called), waiting what the gateway says.
+  async run({rounds = Infinity, maxWaitS = 30, onProgress = () => {}} = {}) {
+    let trained = 0;
+    this.stopped = false;
+    while (!this.stopped && trained < rounds) {
+      let outcome;
+      try {
+        outcome = await this.poll();
+      } catch (error) {
+        outcome = {kind: "error", nextInS: 2, error: String(error.message || error)};
+        if (/training bundle refused/.test(outcome.error)) { onProgress(outcome); throw error; }
+      }
+      if (outcome.kind === "train") trained++;
+      onProgress({...outcome, trained: trained});
+      await new Promise((resolve) => setTimeout(resolve, 1000 * Math.min(outcome.nextInS || 0, maxWaitS)));
+    }
+    return trained;
+  }
+
+  stop() { this.stopped = true; }
+
+  // The latest global model on the app's inputs: the evaluation graph's output (class scores).
+  async predict(inputs) {
+    if (!this.latest) throw new Error("no global model yet: run at least one round first");
+    const size = inputs[0].dims[0];
+    const targets = {data: new (this.manifest.targets.dtype === "int64" ? BigInt64Array : Float32Array)(size), dims: [size]};
+    return (await this.call({type: "predict", weights: this.latest, inputs: inputs, targets: targets})).output;
+  }
+}

@@ -1,0 +1,78 @@
+// fedge device protocol frames (docs/device-protocol.md, "Frame format"), in the browser.
+//
+//   "FDG1" | u32 little-endian H | H bytes of UTF-8 JSON header | tensor bytes
+//
+// The header's "tensors" lists {name, dtype, shape} (and "scale" for int8) in the order their
+// bytes follow: C order, little-endian, nothing between or after them. Every length is checked
+// against what is left before anything is allocated (the Python reader, fedge.device_protocol,
+// does the same).
+
+export const FRAME_TYPE = "application/vnd.fedge.frame";
+const MAGIC = [0x46, 0x44, 0x47, 0x31];
+const MAX_HEADER = 1 << 20;
+export const DTYPES = {
+  float32: Float32Array, float64: Float64Array, int8: Int8Array, int32: Int32Array,
+  int64: BigInt64Array, uint32: Uint32Array, uint64: BigUint64Array,
+};
+
+function dtypeOf(typed) {
+  for (const [name, Typed] of Object.entries(DTYPES)) if (typed instanceof Typed) return name;
+  throw new Error("frames carry " + Object.keys(DTYPES).join(", ") + ", not " + typed.constructor.name);
+}
+
+// tensors: {name: {data: TypedArray, shape: [..], scale?: number}}
+export function encodeFrame(header, tensors = {}) {
+  const entries = [];
+  const blobs = [];
+  for (const [name, tensor] of Object.entries(tensors)) {
+    const entry = {name: name, dtype: dtypeOf(tensor.data), shape: tensor.shape};
+    if (entry.dtype === "int8") entry.scale = tensor.scale || 0;
+    entries.push(entry);
+    blobs.push(new Uint8Array(tensor.data.buffer, tensor.data.byteOffset, tensor.data.byteLength));
+  }
+  const text = new TextEncoder().encode(JSON.stringify({...header, tensors: entries}));
+  const size = 8 + text.length + blobs.reduce((sum, blob) => sum + blob.length, 0);
+  const out = new Uint8Array(size);
+  out.set(MAGIC, 0);
+  new DataView(out.buffer).setUint32(4, text.length, true);
+  out.set(text, 8);
+  let offset = 8 + text.length;
+  for (const blob of blobs) { out.set(blob, offset); offset += blob.length; }
+  return out;
+}
+
+export function decodeFrame(buffer, maxElements = 1 << 28) {
+  const bytes = new Uint8Array(buffer);
+  if (bytes.length < 8 || MAGIC.some((value, i) => bytes[i] !== value)) throw new Error("not a fedge frame");
+  const length = new DataView(bytes.buffer, bytes.byteOffset).getUint32(4, true);
+  if (length > Math.min(MAX_HEADER, bytes.length - 8)) throw new Error("frame header length " + length + " is too long");
+  const header = JSON.parse(new TextDecoder().decode(bytes.subarray(8, 8 + length)));
+  const entries = header.tensors || [];
+  delete header.tensors;
+  const tensors = {};
+  let offset = 8 + length;
+  for (const entry of entries) {
+    const Typed = DTYPES[entry.dtype];
+    if (!Typed) throw new Error("tensor " + entry.name + ": dtype " + entry.dtype + " is not a frame dtype");
+    const count = entry.shape.reduce((a, b) => a * b, 1);
+    if (!(count >= 0 && count <= maxElements)) throw new Error("tensor " + entry.name + " is too large");
+    const size = count * Typed.BYTES_PER_ELEMENT;
+    if (offset + size > bytes.length) throw new Error("tensor " + entry.name + " runs past the frame");
+    // a copy: the frame's offsets need not be aligned for the typed array
+    const data = new Typed(bytes.slice(offset, offset + size).buffer);
+    tensors[entry.name] = {data: data, shape: entry.shape, scale: entry.scale};
+    offset += size;
+  }
+  if (offset !== bytes.length) throw new Error((bytes.length - offset) + " bytes follow the last tensor");
+  return {header: header, tensors: tensors};
+}
+
+// int8-delta (the uplink codec): q = round((trained - base) / scale), scale = max|trained - base| / 127
+export function int8Delta(trained, base) {
+  const q = new Int8Array(trained.length);
+  let peak = 0;
+  for (let i = 0; i < trained.length; i++) peak = Math.max(peak, Math.abs(trained[i] - base[i]));
+  const scale = peak > 0 ? peak / 127 : 0;
+  if (scale > 0) for (let i = 0; i < trained.length; i++) q[i] = Math.round((trained[i] - base[i]) / scale);
+  return {data: q, scale: scale};
+}

@@ -1,0 +1,124 @@
+// fedge's training loop in a Web Worker, so the page stays responsive while a device trains.
+//
+// The semantics are fedge.edge.trainer.OnnxTrainer's (fedge.task.training.MomentumSGD): the
+// training graph gives the mean loss of a batch and the gradient of every trainable weight; the
+// step runs here in float32: v = g on the first step, then v = m v + g; p -= lr v; FedProx adds
+// mu (p - p_start) to the gradient. Batches are fedge.batching.batch_order's, drawn with numpy's own
+// generator (batch-order.js), so a browser device sends the update a Python device would.
+//
+// Messages: {id, type: "load", ortBase, train, eval, manifest} -> {id, ok}
+//           {id, type: "train", weights, inputs, targets, config, seed} -> {id, weights, stats}
+//           {id, type: "evaluate", weights, inputs, targets} -> {id, metrics, numExamples}
+//           {id, type: "predict", weights, inputs, targets} -> {id, output: {data, dims}}
+// inputs: [{data: TypedArray, dims}] in the manifest's input order; targets: {data, dims}.
+"use strict";
+
+importScripts("batch-order.js");  // fedgeBatchOrder: numpy's batch order
+
+let trainSession = null, evalSession = null, manifest = null;
+
+const TYPES = {float32: Float32Array, float64: Float64Array, int64: BigInt64Array, int32: Int32Array,
+               uint8: Uint8Array, int8: Int8Array, bool: Uint8Array};
+
+function tensor(dtype, data, dims) { return new ort.Tensor(dtype, data, dims); }
+
+function rows(source, dims, index) {  // the rows `index` of an array shaped [N, ...]
+  const width = dims.slice(1).reduce((a, b) => a * b, 1);
+  const out = new source.constructor(index.length * width);
+  for (let i = 0; i < index.length; i++) out.set(source.subarray(index[i] * width, (index[i] + 1) * width), i * width);
+  return out;
+}
+
+function feeds(weights, inputs, targets, index) {
+  const out = {};
+  for (const entry of manifest.state) {
+    out["state:" + entry.name] = tensor(entry.dtype, weights[entry.name], entry.shape);
+  }
+  manifest.inputs.forEach((spec, i) => {
+    const data = index ? rows(inputs[i].data, inputs[i].dims, index) : inputs[i].data;
+    const dims = [index ? index.length : inputs[i].dims[0], ...inputs[i].dims.slice(1)];
+    out[spec.name] = tensor(spec.dtype, data, dims);
+  });
+  const targetData = index ? rows(targets.data, targets.dims, index) : targets.data;
+  out.targets = tensor(manifest.targets.dtype, targetData, [index ? index.length : targets.dims[0], ...targets.dims.slice(1)]);
+  return out;
+}
+
+async function train(message) {
+  const config = message.config;
+  const lr = Math.fround(config["learning-rate"]), momentum = Math.fround(config.momentum);
+  const mu = Math.fround(config["proximal-mu"] || 0), batch = config["batch-size"], epochs = config["local-epochs"];
+  const weights = {};
+  for (const [name, data] of Object.entries(message.weights)) weights[name] = Float32Array.from(data);
+  const anchor = {}, velocity = {};
+  const trainable = manifest.state.filter((e) => e.trainable);
+  for (const entry of trainable) anchor[entry.name] = Float32Array.from(weights[entry.name]);
+  const size = message.targets.dims[0];
+  let total = 0, seen = 0, steps = 0;
+  for (const index of fedgeBatchOrder.batchOrder(size, batch, message.seed, epochs)) {
+    {
+      const out = await trainSession.run(feeds(weights, message.inputs, message.targets, index));
+      for (const entry of trainable) {
+        const p = weights[entry.name], g = out["grad:" + entry.name].data, a = anchor[entry.name];
+        const v = velocity[entry.name];
+        const nv = v || new Float32Array(p.length);
+        for (let i = 0; i < p.length; i++) {
+          const grad = mu ? Math.fround(g[i] + Math.fround(mu * Math.fround(p[i] - a[i]))) : g[i];
+          nv[i] = v ? Math.fround(Math.fround(momentum * v[i]) + grad) : grad;
+          p[i] = Math.fround(p[i] - Math.fround(lr * nv[i]));
+        }
+        velocity[entry.name] = nv;
+      }
+      total += Number(out.loss.data[0]) * index.length;
+      seen += index.length;
+      steps += 1;
+    }
+  }
+  return {weights: weights, stats: {loss: total / Math.max(seen, 1), numExamples: size, samplesProcessed: seen, steps: steps}};
+}
+
+async function evaluate(message) {
+  const size = message.targets.dims[0];
+  let loss = 0, correct = 0;
+  for (let start = 0; start < size; start += 256) {
+    const index = Array.from({length: Math.min(256, size - start)}, (_, i) => start + i);
+    const out = await evalSession.run(feeds(message.weights, message.inputs, message.targets, index));
+    loss += Number(out.loss.data[0]) * index.length;
+    const output = out.output, classes = output.dims[1];
+    const targets = rows(message.targets.data, message.targets.dims, index);
+    for (let i = 0; i < index.length; i++) {
+      let best = 0;
+      for (let c = 1; c < classes; c++) if (output.data[i * classes + c] > output.data[i * classes + best]) best = c;
+      correct += BigInt(best) === BigInt(targets[i]) ? 1 : 0;
+    }
+  }
+  const metrics = {loss: loss / size};
+  if ((manifest.metrics || []).includes("accuracy")) metrics.accuracy = correct / size;
+  return {metrics: metrics, numExamples: size};
+}
+
+self.onmessage = async function (event) {
+  const message = event.data;
+  try {
+    if (message.type === "load") {
+      if (typeof ort === "undefined") {
+        importScripts(message.ortBase + "ort.wasm.min.js");
+        ort.env.wasm.numThreads = 1;  // no SharedArrayBuffer, so no cross-origin isolation needed
+        ort.env.wasm.wasmPaths = message.ortBase;
+      }
+      manifest = message.manifest;
+      trainSession = await ort.InferenceSession.create(message.train, {executionProviders: ["wasm"]});
+      evalSession = await ort.InferenceSession.create(message.eval, {executionProviders: ["wasm"]});
+      self.postMessage({id: message.id, ok: true});
+    } else if (message.type === "train") {
+      self.postMessage({id: message.id, ...(await train(message))});
+    } else if (message.type === "evaluate") {
+      self.postMessage({id: message.id, ...(await evaluate(message))});
+    } else if (message.type === "predict") {
+      const out = await evalSession.run(feeds(message.weights, message.inputs, message.targets, null));
+      self.postMessage({id: message.id, output: {data: out.output.data, dims: out.output.dims}});
+    }
+  } catch (error) {
+    self.postMessage({id: message.id, error: String(error && error.message || error)});
+  }
+};
