@@ -183,22 +183,23 @@ def test_a_tampered_training_graph_is_refused_in_the_browser(tmp_path: Path, run
 
 
 
-@pytest.mark.parametrize(("size", "batch", "seed", "epochs"), [
-    (1, 1, 0, 1), (10, 3, 0, 2), (450, 32, 7, 2), (1000, 64, 2**32, 1), (37, 5, 2**63 - 1, 3),
-    (300, 300, 123456789, 1),
-])
-def test_the_browser_draws_numpys_batch_order(tmp_path: Path, run: dict[str, Any], chromium: Any, size: int,
-                                              batch: int, seed: int, epochs: int) -> None:
-    # Prepare: a page of the gateway that serves the SDK
+ORDERS = [(1, 1, 0, 1), (10, 3, 0, 2), (450, 32, 7, 2), (1000, 64, 2**32, 1), (37, 5, 2**63 - 1, 3),
+          (300, 300, 123456789, 1)]
+
+
+def test_the_browser_draws_numpys_batch_order(tmp_path: Path, run: dict[str, Any], chromium: Any) -> None:
+    # Prepare: a page of the gateway that serves the SDK; sizes, batch sizes, seeds (past 2^32) and epochs
     gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test"))
     try:
         chromium.get(f"{gateway.url}/web/demo.html?name=order")
-        # Execute: the SDK's batch order in the browser
-        order = chromium.execute_async_script(
-            "const [size, batch, seed, epochs, done] = arguments; const script = document.createElement('script');"
-            "script.src = 'batch-order.js'; script.onload = () => done(fedgeBatchOrder.batchOrder(size, batch, seed,"
-            " epochs)); document.head.appendChild(script);", size, batch, str(seed), epochs)
+        # Execute: the SDK's batch order in the browser, for each case
+        orders = chromium.execute_async_script(
+            "const [cases, done] = arguments; const script = document.createElement('script');"
+            "script.src = 'batch-order.js'; script.onload = () => done(cases.map(([size, batch, seed, epochs]) =>"
+            " fedgeBatchOrder.batchOrder(size, batch, seed, epochs))); document.head.appendChild(script);",
+            [[size, batch, str(seed), epochs] for size, batch, seed, epochs in ORDERS])
     finally:
         gateway.close()
-    # Assert: fedge.batching.batch_order's, batch for batch
-    assert order == [list(map(int, b)) for b in batch_order(size, batch, seed, epochs)]
+    # Assert: fedge.batching.batch_order's (numpy's PCG64), batch for batch
+    for order, (size, batch, seed, epochs) in zip(orders, ORDERS, strict=True):
+        assert order == [list(map(int, b)) for b in batch_order(size, batch, seed, epochs)], (size, batch, seed)

@@ -1,0 +1,171 @@
+"""Browsers train in a real federation (issue 28): a coordinator, a `fedge gateway` serving the web
+SDK's demo page, three headless-Chromium tabs and one Python protocol device, all on 127.0.0.1 over
+TLS (the gateway's certificate from `fedge keys add-gateway`, the only one Chromium is told to trust).
+
+The same run with four Python protocol devices (same names, so the same seeds, and the same
+partitions) is the baseline: a browser sends the update a Python device sends (numpy's batch
+order, float32 steps), so the two runs must learn alike. One tab reloads right after sending its
+first result, while the round still waits for others: it must not be counted twice.
+
+Needs Debian's chromium + chromedriver and the pinned onnxruntime-web (``make test`` installs both).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from chromium import start_chromium, trust_certificate_flag
+
+from fedge.cli.main import main
+from fedge.clients.gateway import add_protocol_device
+from fedge.clients.protocol_device import ProtocolDevice
+from fedge.config import resolve_run_config
+from fedge.simulation.loopback import LoopbackFederation, free_port
+from fedge.tasks import load_task
+from fedge.web import ORT_FILES
+from tests.test_web_device import ORT_DIST, demo_examples
+
+pytestmark = pytest.mark.slow
+ROUNDS, BROWSERS = 3, 3
+NAMES = [*(f"browser{index}" for index in range(BROWSERS)), "phone3"]
+RUN = ("model='mlp' local-epochs=2 export-onnx=false runtime='onnx' round-timeout=300.0 gateways=true "
+       "min-train-replies=1")
+
+
+@pytest.fixture
+def federation(tmp_path: Path) -> Iterator[LoopbackFederation]:
+    if any(not (ORT_DIST / name).is_file() for name in ORT_FILES):
+        pytest.skip(f"onnxruntime-web is not installed under {ORT_DIST.parent}; `make test` installs it with npm")
+    fed = LoopbackFederation(tmp_path, num_devices=1)  # dev0: the gateway's node key
+    yield fed
+    fed.close()
+
+
+def _shards() -> list[tuple[tuple[np.ndarray, ...], np.ndarray]]:
+    config = resolve_run_config({"partitioner": "iid"})
+    task = load_task(config)
+    return [(tuple(s.inputs), s.targets) for s in (task.partition(i, len(NAMES), config) for i in range(len(NAMES)))]
+
+
+def _start(federation: LoopbackFederation, shards: list[Any]) -> int:
+    """Coordinator (one gateway a round) and a gateway with the demo page; the gateway's device port."""
+    root, keys = federation.root, federation.keys
+    federation.start_coordinator("--rounds", str(ROUNDS), "--clients-per-round", "1", "--run-config", RUN)
+    federation.wait_for(federation.bundle_signing_key.exists, 120, "the bundle signing key")
+    assert main(["keys", "add-gateway", "gw0", "--dir", str(keys.directory)]) == 0
+    (root / "demo-data").mkdir()
+    for name, (inputs, targets) in zip(NAMES, shards, strict=True):
+        (root / "demo-data" / f"{name}.json").write_text(json.dumps(demo_examples(inputs, targets)))
+    add_protocol_device(root / "allow", "phone3")
+    port = free_port()
+    federation.devices[100] = federation.spawn(
+        ["gateway", "start", "--coordinator", f"127.0.0.1:{federation.port}", "--name", "gw0",
+         "--devices", str(root / "allow"), "--key", str(keys.devices / "dev0.key"), "--ca", str(keys.ca_cert),
+         "--trust", str(federation.bundle_signing_key), "--cert", str(keys.directory / "gateways" / "gw0.crt"),
+         "--cert-key", str(keys.directory / "gateways" / "gw0.key"), "--port", str(port),
+         "--state-dir", str(root / "gw0"), "--devices-per-round", str(len(NAMES)), "--poll-interval", "0.5",
+         "--demo-page", "--ort-web", str(ORT_DIST), "--demo-data", str(root / "demo-data")], "gateway0.log")
+    federation.wait_for(lambda: "web device demo page" in federation.log("gateway0"), 120, "the gateway")
+    return port
+
+
+def _python_device(federation: LoopbackFederation, port: int, name: str, shard: Any, stop: threading.Event,
+                   trained: dict[str, int]) -> threading.Thread:
+    device = ProtocolDevice(gateway=f"https://127.0.0.1:{port}", name=name,
+                            key=federation.root / "allow" / f"{name}.key", data=shard,
+                            trust=federation.bundle_signing_key, ca=federation.keys.ca_cert,
+                            state_dir=federation.root / name)
+    thread = threading.Thread(target=lambda: trained.update({name: device.run(stop=stop, max_wait_s=1.0)}),
+                              daemon=True)
+    thread.start()
+    return thread
+
+
+def _state(driver: Any) -> dict[str, Any]:
+    return dict(driver.execute_script(
+        "const s = window.__fedge || {}; return {key: s.publicKeyPem || null, done: !!s.done, error: s.error || null,"
+        " trained: (s.progress || []).filter((e) => e.kind === 'train').length};"))
+
+
+def _wait_page(driver: Any, condition: Any) -> dict[str, Any]:
+    """The page's state once ``condition`` holds (an event in the page, not a duration)."""
+    while not condition(state := _state(driver)):
+        if state["error"]:
+            raise AssertionError(f"the page failed: {state['error']}")
+        driver.execute_async_script("setTimeout(arguments[0], 100)")
+    return state
+
+
+def test_three_browsers_and_a_python_device_train_like_an_all_python_fleet(federation: LoopbackFederation,
+                                                                             tmp_path: Path) -> None:
+    # Prepare: the federation; Chromium trusting the gateway's certificate only; four devices' examples
+    shards = _shards()
+    port = _start(federation, shards)
+    root = federation.root
+    driver = start_chromium(trust_certificate_flag((root / "keys" / "gateways" / "gw0.crt").read_bytes()))
+    driver.set_script_timeout(60)
+    stop, trained = threading.Event(), {}
+    tabs = {}
+    try:
+        # Execute: three tabs become devices (the operator admits each page's key), joined for 3 rounds
+        for index, name in enumerate(NAMES[:BROWSERS]):
+            if index:
+                driver.switch_to.new_window("tab")
+            driver.get(f"https://127.0.0.1:{port}/web/demo.html?name={name}")
+            pem = _wait_page(driver, lambda s: s["key"])["key"]
+            (root / "allow" / f"{name}.pub").write_text(pem)
+            tabs[name] = driver.current_window_handle
+        for handle in tabs.values():
+            driver.switch_to.window(handle)
+            driver.execute_script(f"window.fedgeJoin({ROUNDS})")
+        python = _python_device(federation, port, "phone3", shards[3], stop, trained)
+        # browser0 reloads right after sending its first result (its round waits for the others)
+        driver.switch_to.window(tabs["browser0"])
+        _wait_page(driver, lambda s: s["trained"] >= 1)
+        driver.refresh()
+        _wait_page(driver, lambda s: s["key"])
+        driver.execute_script(f"window.fedgeJoin({ROUNDS - 1})")
+        federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
+        states = {}
+        for name, handle in tabs.items():
+            driver.switch_to.window(handle)
+            states[name] = _wait_page(driver, lambda s: s["done"])
+    finally:
+        stop.set()
+        driver.quit()
+    python.join(60)
+    rows, gateway_log = federation.rows(), federation.log("gateway0")
+    # the baseline: four Python protocol devices, same names and partitions, a fresh federation
+    baseline = LoopbackFederation(tmp_path / "python", num_devices=1)
+    try:
+        port = _start(baseline, shards)
+        stop, python_trained = threading.Event(), {}
+        for name in NAMES[:BROWSERS]:
+            add_protocol_device(baseline.root / "allow", name)
+        threads = [_python_device(baseline, port, name, shard, stop, python_trained)
+                   for name, shard in zip(NAMES, shards, strict=True)]
+        baseline.wait_for(lambda: (baseline.run_dir / "summary.json").exists(), 900, "the baseline's summary")
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+        python_rows = baseline.rows()
+    finally:
+        baseline.close()
+    # Assert: every round aggregated the gateway's 4 device results (the reloaded tab counted once)
+    assert [row["round"] for row in rows] == list(range(ROUNDS + 1)), federation.log("coordinator")
+    assert all(row["aggregated"] and row["participants"] == 1 and row["rejected"] == 0 for row in rows[1:]), rows
+    assert gateway_log.count("4 device results (0 rejected)") == ROUNDS, gateway_log
+    assert all(state["error"] is None for state in states.values()), states
+    assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.3
+    # ... and learned like the all-Python fleet: within 0.5 accuracy points, round for round
+    assert [row["round"] for row in python_rows] == list(range(ROUNDS + 1))
+    gaps = [abs(a["accuracy"] - b["accuracy"]) for a, b in zip(rows, python_rows, strict=True)]
+    assert max(gaps) <= 0.005, (gaps, [r["accuracy"] for r in rows], [r["accuracy"] for r in python_rows])
+
+
