@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 from chromium import start_chromium, trust_certificate_flag
 
@@ -26,10 +27,12 @@ from fedge.batching import batch_order
 from fedge.clients.gateway import GatewaySettings, Served, device_app
 from fedge.clients.gateway_pool import device_seed
 from fedge.clients.gateway_web import WebSite
+from fedge.config import resolve_run_config
 from fedge.edge.trainer import OnnxTrainer
-from fedge.edge.training_bundle import read_training_bundle
+from fedge.edge.training_bundle import pack_training_bundle, read_training_bundle
 from fedge.errors import FedgeError
 from fedge.listeners import ListenerLimits
+from fedge.server.bundles import run_signing_key
 from fedge.web import ORT_FILES
 from tests.live_gateway import LiveGateway
 
@@ -203,3 +206,51 @@ def test_the_browser_draws_numpys_batch_order(tmp_path: Path, run: dict[str, Any
     # Assert: fedge.batching.batch_order's (numpy's PCG64), batch for batch
     for order, (size, batch, seed, epochs) in zip(orders, ORDERS, strict=True):
         assert order == [list(map(int, b)) for b in batch_order(size, batch, seed, epochs)], (size, batch, seed)
+
+
+def _external_data(model: Any) -> None:
+    tensor = model.graph.initializer[0]
+    tensor.ClearField("raw_data")
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value="phone-017.key")
+
+
+def _custom_domain(model: Any) -> None:
+    model.graph.node[0].domain = "com.microsoft"
+
+
+def _unlisted_op(model: Any) -> None:
+    model.graph.node.append(onnx.helper.make_node("Identity", [model.graph.node[0].output[0]], ["copy"]))
+
+
+@pytest.mark.parametrize(("case", "change", "reason"), [
+    ("an initializer read from a device file", _external_data, "keeps tensor data outside the model"),
+    ("a contrib op", _custom_domain, "of domain com.microsoft"),
+    ("an op the manifest does not list", _unlisted_op, 'uses ops ["Identity"] its signed manifest does not list'),
+])
+def test_a_signed_graph_that_would_read_device_data_is_refused_in_the_browser(
+        tmp_path: Path, run: dict[str, Any], chromium: Any, case: str, change: Any, reason: str) -> None:
+    # Prepare: the coordinator's own key signs a changed train.onnx (a compromised or curious coordinator)
+    bundle = read_training_bundle(run["bundle"], trusted_keys=[run["trust"]])
+    model = onnx.load_from_string(bundle.train_onnx)
+    change(model)
+    key = run_signing_key(resolve_run_config(run["config"]), Path(run["config"]["run-dir"]))
+    signed = tmp_path / "signed.zip"
+    signed.write_bytes(pack_training_bundle(model.SerializeToString(), bundle.eval_onnx, bundle.manifest,
+                                            private_key=key))
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=1, round_deadline_s=600,
+                                                       idle_poll_s=0.2), bundle=signed)
+    try:
+        _open_device(chromium, gateway, "browser2")
+        thread = threading.Thread(target=_unanswered_round, args=(gateway,), daemon=True)
+        thread.start()
+        # Execute
+        state = _join_and_wait(chromium, 1)
+    finally:
+        gateway.gateway.round.complete.set()  # type: ignore[union-attr]  # end the round nobody answers
+        thread.join()
+        gateway.close()
+    # Assert: the signature verified, the graph walk refused it by name; nothing was sent
+    error = state["error"] or ""
+    assert "training bundle refused: train.onnx" in error and reason in error, state
+    assert gateway.gateway.round is not None and gateway.gateway.round.answered == 0
