@@ -1,6 +1,6 @@
 """On-device training: torch devices vs onnx devices (the signed training graph on onnxruntime + numpy).
 
-Five sections, each behind its own flag (none given: all five), every number measured in
+Six sections, each behind its own flag (none given: all six), every number measured in
 this run against a torch baseline measured in the same run:
 
 1. ``--steps``: time of one training step (forward, loss, backward, SGD + momentum) per
@@ -20,8 +20,11 @@ this run against a torch baseline measured in the same run:
    ``device`` venv of section 3 when it exists: no torch installed at all).
 5. ``--accuracy``: the demo (``fedge simulate`` defaults: digits CNN, 50 rounds) with a torch
    fleet vs an onnx fleet (``runtime='onnx'``), seeds 0, 1, 2: final accuracy.
+6. ``--browser``: the web SDK in headless Chromium (onnxruntime-web's WebAssembly build in a Web
+   Worker) vs the Python onnx device on the demo device's shard and signed bundle: bundle verify
+   and graph load, one 16-example step (median), one local round, the bundle's download size.
 
-Usage: python bench/ondevice.py [--steps] [--startup] [--install] [--deploy] [--accuracy] [options]
+Usage: python bench/ondevice.py [--steps] [--startup] [--install] [--deploy] [--accuracy] [--browser] [options]
 Writes bench/results/ondevice.json (sections run now replace their entry; others are kept)
 and prints a table per section.
 """
@@ -212,9 +215,35 @@ def worker_round_onnx(spec: dict[str, Any]) -> dict[str, Any]:
             "torch_loaded": "torch" in sys.modules, "python": sys.executable}
 
 
+def worker_browser_baseline(spec: dict[str, Any]) -> dict[str, Any]:
+    """The Python onnx device's side of section 6: one step of 16 examples (median) and one local round."""
+    import numpy as np
+
+    from fedge.edge.trainer import OnnxTrainer
+    from fedge.edge.training_bundle import read_training_bundle
+
+    started = time.perf_counter()
+    bundle = read_training_bundle(Path(spec["bundle"]), trusted_keys=[Path(spec["trust"])])
+    trainer = OnnxTrainer(bundle.train_onnx, bundle.eval_onnx, bundle.manifest)
+    verified_ms = (time.perf_counter() - started) * 1000
+    weights, shard, args = dict(np.load(spec["weights"])), np.load(spec["data"]), spec["round"]
+    inputs, targets = (shard["x"],), shard["y"]
+
+    def step() -> object:
+        return trainer.train(weights, (inputs[0][:16],), targets[:16], epochs=1, batch_size=16,
+                             learning_rate=args["learning_rate"], momentum=args["momentum"], seed=0)
+    timing = _median_ms(step, spec["warmup"], spec["steps"])
+    started = time.perf_counter()
+    _, stats = trainer.train(weights, inputs, targets, epochs=args["epochs"], batch_size=args["batch_size"],
+                             learning_rate=args["learning_rate"], momentum=args["momentum"], seed=args["seed"])
+    return {"load_ms": verified_ms, "step_ms": timing["median_ms"], "round_s": time.perf_counter() - started,
+            "steps": stats.steps, "peak_rss_mib": _peak_rss_mib()}
+
+
 WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "step-torch": worker_step_torch, "step-onnx": worker_step_onnx,
     "round-torch": worker_round_torch, "round-onnx": worker_round_onnx,
+    "browser-baseline": worker_browser_baseline,
 }
 
 
@@ -673,12 +702,134 @@ def print_accuracy(result: dict[str, Any]) -> None:
 
 # =========================================================================== main
 
+# =========================================================================== 6. the browser
+BROWSER_PAGE = """
+const [spec, done] = arguments;
+(async () => {
+  const {importBundleKey, verifyTrainingBundle} = await import("./bundle.js");
+  let started = performance.now();
+  const body = await (await fetch(spec.bundle, {cache: "no-store"})).arrayBuffer();
+  const bundle = await verifyTrainingBundle(body, await importBundleKey(spec.key));
+  const worker = new Worker("worker.js");
+  const call = (message) => new Promise((resolve, reject) => {
+    worker.onmessage = (e) => e.data.error ? reject(new Error(e.data.error)) : resolve(e.data);
+    worker.postMessage({...message, id: 1});
+  });
+  await call({type: "load", ortBase: new URL("ort/", location.href).href, train: bundle.train, eval: bundle.eval,
+              manifest: bundle.manifest});
+  const loadMs = performance.now() - started;
+  const data = await (await fetch(spec.data, {cache: "no-store"})).json();
+  const decode = (e) => ({data: new ({float32: Float32Array, int64: BigInt64Array})[e.dtype](
+    Uint8Array.from(atob(e.b64), (c) => c.charCodeAt(0)).buffer), dims: e.dims});
+  const inputs = data.inputs.map(decode), targets = decode(data.targets);
+  const weights = {};  // as the SDK holds them: typed arrays (converted once, outside the timing)
+  for (const [name, values] of Object.entries(spec.weights)) weights[name] = Float32Array.from(values);
+  const width = inputs[0].dims.slice(1).reduce((a, b) => a * b, 1);
+  const few = {inputs: [{data: inputs[0].data.slice(0, 16 * width), dims: [16, ...inputs[0].dims.slice(1)]}],
+               targets: {data: targets.data.slice(0, 16), dims: [16]}};
+  const config = (epochs, batch) => ({"local-epochs": epochs, "batch-size": batch,
+                                      "learning-rate": spec.round.learning_rate, momentum: spec.round.momentum});
+  const steps = [];
+  for (let i = 0; i < spec.warmup + spec.steps; i++) {
+    started = performance.now();
+    await call({type: "train", weights: weights, config: config(1, 16), seed: "0", ...few});
+    if (i >= spec.warmup) steps.push(performance.now() - started);
+  }
+  steps.sort((a, b) => a - b);
+  started = performance.now();
+  const round = await call({type: "train", weights: weights, seed: String(spec.round.seed), inputs: inputs,
+                            targets: targets, config: config(spec.round.epochs, spec.round.batch_size)});
+  done({load_ms: loadMs, step_ms: steps[Math.floor(steps.length / 2)], round_s: (performance.now() - started) / 1000,
+        steps: round.stats.steps, bundle_bytes: body.byteLength, user_agent: navigator.userAgent});
+})().catch((error) => done({error: String(error.message || error)}));
+"""
+
+
+class _QuietFiles(__import__("http.server").server.SimpleHTTPRequestHandler):
+    """Static files for the browser section on 127.0.0.1 (a secure context: WebCrypto works), quietly."""
+
+    extensions_map = {".js": "text/javascript", ".wasm": "application/wasm", ".mjs": "text/javascript",
+                      ".html": "text/html", ".json": "application/json", ".zip": "application/zip"}
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+def section_browser(args: argparse.Namespace) -> dict[str, Any]:
+    """The demo device's local round and one 16-example step: the web SDK in headless Chromium (onnxruntime-web's
+    WebAssembly build, in a Web Worker) vs the Python onnx device, on the same signed bundle and shard."""
+    import base64
+    import functools
+    import http.server
+    import threading
+
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from chromium import start_chromium
+
+    from fedge.web import ASSETS, ORT_FILES, SDK_FILES
+
+    ort = REPO / os.environ.get("FEDGE_ORTWEB_DIR", ".cache/ortweb") / "node_modules" / "onnxruntime-web" / "dist"
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, site = Path(tmp) / "shard", Path(tmp) / "site"
+        spec = {**demo_shard(folder, SHARDS["IID half (section 4's device)"]), "warmup": args.warmup,
+                "steps": min(args.step_count, 50)}
+        python = run_worker("browser-baseline", spec, folder)
+        (site / "ort").mkdir(parents=True)
+        for name in SDK_FILES:
+            shutil.copyfile(ASSETS / name, site / name)
+        for name in ORT_FILES:
+            shutil.copyfile(ort / name, site / "ort" / name)
+        shutil.copyfile(spec["bundle"], site / "training.zip")
+        shard, weights = np.load(spec["data"]), dict(np.load(spec["weights"]))
+        def entry(array: Any) -> dict[str, Any]:
+            array = np.ascontiguousarray(array)
+            return {"dtype": str(array.dtype), "dims": list(array.shape),
+                    "b64": base64.b64encode(array.tobytes()).decode()}
+        (site / "data.json").write_text(json.dumps({"inputs": [entry(shard["x"])], "targets": entry(shard["y"])}))
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietFiles, directory=str(site)))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        driver = start_chromium()
+        try:
+            driver.set_script_timeout(600)
+            driver.get(f"http://127.0.0.1:{server.server_address[1]}/demo.html?name=bench")
+            browser = driver.execute_async_script(BROWSER_PAGE, {
+                "bundle": "training.zip", "key": Path(spec["trust"]).read_text(), "data": "data.json",
+                "weights": {name: value.astype(np.float32).ravel().tolist() for name, value in weights.items()},
+                "round": spec["round"], "warmup": spec["warmup"], "steps": spec["steps"]})
+        finally:
+            driver.quit()
+            server.shutdown()
+    if "error" in browser:
+        raise RuntimeError(f"the browser failed: {browser['error']}")
+    ratios = {key: browser[key] / python[key] for key in ("load_ms", "step_ms", "round_s")}
+    return {"settings": {"model": "digits cnn (the demo)", "shard": "IID half", "examples": spec["examples"],
+                         **spec["round"], "step": "16 examples, 1 step, median", "threads": "1 (both)",
+                         "browser": browser.get("user_agent", "")},
+            "python": python, "browser": browser, "ratio_browser_over_python": ratios}
+
+
+def print_browser(result: dict[str, Any]) -> None:
+    python, browser, ratio = result["python"], result["browser"], result["ratio_browser_over_python"]
+    rows = [["verify bundle + load graphs (ms)", f"{python['load_ms']:.0f}", f"{browser['load_ms']:.0f}",
+             f"{ratio['load_ms']:.2f}x"],
+            ["one step, 16 examples (ms, median)", f"{python['step_ms']:.2f}", f"{browser['step_ms']:.2f}",
+             f"{ratio['step_ms']:.2f}x"],
+            [f"one local round, {python['steps']} steps (s)", f"{python['round_s']:.2f}", f"{browser['round_s']:.2f}",
+             f"{ratio['round_s']:.2f}x"],
+            ["training bundle downloaded (bytes)", "", f"{browser['bundle_bytes']:,}", ""]]
+    print_table("6. the browser (web SDK, onnxruntime-web wasm, Web Worker) vs the Python onnx device",
+                ["measure", "python onnx", "browser", "browser / python"], rows)
+
+
 SECTIONS: dict[str, tuple[Callable[[argparse.Namespace], dict[str, Any]], Callable[[dict[str, Any]], None]]] = {
     "steps": (section_steps, print_steps),
     "startup": (section_startup, print_startup),
     "install": (section_install, print_install),
     "deploy": (section_deploy, print_deploy),
     "accuracy": (section_accuracy, print_accuracy),
+    "browser": (section_browser, print_browser),
 }
 
 
