@@ -164,7 +164,7 @@ class Gateway:
         """
         wanted = self.settings.devices_per_round or max(self.settings.min_devices, MIN_DEVICES)
         deadline = time.monotonic() + self.settings.round_deadline_s
-        while len(names := self.sessions.live_devices(3 * self.settings.idle_poll_s)) < wanted and \
+        while len(names := self.sessions.live_devices(3 * self.settings.idle_poll_s, secure=True)) < wanted and \
                 time.monotonic() < deadline:
             time.sleep(0.05)
         if self.settings.devices_per_round:
@@ -175,6 +175,7 @@ class Gateway:
         """A train round under secure aggregation over this gateway's pool (a worker thread:
         it blocks while the devices poll for each step)."""
         secure = check_secure_settings(header.get("secure"))
+        self.sessions.secure_run = True  # from now on, devices that cannot do secure aggregation are refused
         server_round, config = int(header.get("server-round", 0)), dict(header.get("config", {}))
         run_seed = int(config.get("seed", 0))
         devices = self.pool()

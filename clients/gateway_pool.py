@@ -56,6 +56,7 @@ from fedge.strategies.validation import check_arrays
 log = logging.getLogger("fedge.gateway")
 
 DEVICE_NAME_MAX = 64
+SECURE_AGGREGATION = "secure-aggregation"  # the capability a device declares at check-in
 PublicKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey
 
 
@@ -153,6 +154,7 @@ class Session:
     expires: float
     counter: int = 0
     last_seen: float = 0.0
+    secure: bool = True  # the device implements secure aggregation's steps (its check-in's "capabilities")
 
 
 class Sessions:
@@ -164,6 +166,7 @@ class Sessions:
         self._token_of: dict[str, str] = {}
         self._nonces: dict[str, float] = {}
         self._lock = threading.Lock()
+        self.secure_run = False  # set once the coordinator's rounds ask for secure aggregation
 
     def check_in(self, body: Mapping[str, Any], now: float | None = None) -> tuple[str, bytes, Session]:
         """Verify a check-in and open a session; (token, session key, session)."""
@@ -178,6 +181,7 @@ class Sessions:
         nonce = body.get("nonce")
         unb64(nonce, "nonce", size=NONCE_BYTES)
         signature = unb64(body.get("signature"), "signature", max_size=128)
+        secure = self._capabilities(body)
         key = self.allow.key_of(device)
         verify_signature(key, signature, check_in_message(device=device, gateway=self.gateway,
                                                           issued_at=issued, nonce=str(nonce)))
@@ -190,9 +194,26 @@ class Sessions:
             if old is not None:
                 self._by_token.pop(old, None)
             token, session_key = secrets.token_urlsafe(24), secrets.token_bytes(SESSION_KEY_BYTES)
-            session = Session(device=device, key=session_key, expires=now + self.ttl_s, last_seen=now)
+            session = Session(device=device, key=session_key, expires=now + self.ttl_s, last_seen=now, secure=secure)
             self._by_token[token], self._token_of[device] = session, token
         return token, session_key, session
+
+    def _capabilities(self, body: Mapping[str, Any]) -> bool:
+        """Whether the device implements secure aggregation (``capabilities`` lists what it does; absent: all).
+
+        A gateway whose run asks for secure aggregation refuses a device that cannot, at
+        check-in, with the reason (403): it could only ever drop out of that run's rounds.
+        """
+        capabilities = body.get("capabilities")
+        if capabilities is None:
+            return True
+        if not isinstance(capabilities, list) or not all(isinstance(c, str) for c in capabilities):
+            raise refused(400, "'capabilities' must be a list of names (e.g. [\"int8-delta\", \"secure-aggregation\"])")
+        if SECURE_AGGREGATION not in capabilities and self.secure_run:
+            raise refused(403, "this run uses secure aggregation, which this device does not implement "
+                               f"('{SECURE_AGGREGATION}' is not in its capabilities): it cannot take part in this run; "
+                               "use a device that does, or a run without secure-aggregation")
+        return SECURE_AGGREGATION in capabilities
 
     def _forget_nonces(self, now: float) -> None:
         """Drop expired nonces, oldest first (they were added in time order: O(1) a check-in on average)."""
@@ -233,12 +254,13 @@ class Sessions:
         with self._lock:
             return sum(1 for s in self._by_token.values() if now - s.last_seen <= within_s and s.expires >= now)
 
-    def live_devices(self, within_s: float, now: float | None = None) -> list[str]:
-        """The names of devices that made a request in the last ``within_s`` seconds, sorted."""
+    def live_devices(self, within_s: float, now: float | None = None, *, secure: bool = False) -> list[str]:
+        """The names of devices that made a request in the last ``within_s`` seconds (with ``secure``: those
+        that implement secure aggregation), sorted."""
         now = time.time() if now is None else now
         with self._lock:
             return sorted(s.device for s in self._by_token.values() if now - s.last_seen <= within_s
-                          and s.expires >= now)
+                          and s.expires >= now and (s.secure or not secure))
 
     def __len__(self) -> int:
         return len(self._by_token)

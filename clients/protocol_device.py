@@ -211,7 +211,8 @@ class ProtocolDevice:
         issued, nonce = int(time.time()), b64(secrets.token_bytes(NONCE_BYTES))
         message = check_in_message(device=self.name, gateway=self.gateway_name, issued_at=issued, nonce=nonce)
         request = {"protocol": 1, "device": self.name, "time": issued, "nonce": nonce,
-                   "signature": b64(sign(self.key, message))}
+                   "signature": b64(sign(self.key, message)),
+                   "capabilities": ["fp32", "int8-delta", "secure-aggregation"]}
         status, _, body = self._send("POST", f"{PREFIX}/check-in", json.dumps(request).encode(),
                                      {"Content-Type": "application/json"})
         answer = self._json(status, body, "check-in")

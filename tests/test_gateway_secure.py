@@ -8,7 +8,10 @@ training graph on onnxruntime.
 
 from __future__ import annotations
 
+import os
+import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,7 @@ from fedge.clients.gateway_pool import device_seed
 from fedge.clients.gateway_secure import SecureExchange, check_secure_settings
 from fedge.clients.protocol_device import Outcome, ProtocolDevice
 from fedge.device_protocol import Frame
-from fedge.errors import FedgeError
+from fedge.errors import DeviceProtocolError, FedgeError
 from fedge.secagg import ProtocolViolation
 from tests.live_gateway import LiveGateway
 
@@ -178,3 +181,37 @@ def test_a_pool_too_small_for_secure_aggregation_fails_the_round_naming_why(tmp_
 def test_malformed_secure_settings_are_refused(case: str, settings: Any) -> None:
     with pytest.raises(FedgeError, match="'secure' must hold numbers"):
         check_secure_settings(settings if settings is not None else "secure")
+
+
+def _check_in_body(live: LiveGateway, name: str, capabilities: list[str] | None) -> dict[str, Any]:
+    from fedge.clients.protocol_device import load_private_key, sign  # noqa: PLC0415
+    from fedge.device_protocol import b64, check_in_message  # noqa: PLC0415
+
+    issued, nonce = int(time.time()), b64(os.urandom(16))
+    signature = sign(load_private_key(live.allow / f"{name}.key"),
+                     check_in_message(device=name, gateway="gw-test", issued_at=issued, nonce=nonce))
+    body = {"device": name, "time": issued, "nonce": nonce, "signature": b64(signature)}
+    return body if capabilities is None else {**body, "capabilities": capabilities}
+
+
+@pytest.mark.parametrize(("capabilities", "secure_run", "outcome"), [
+    (None, True, "secure"),  # a device that does not say: it implements everything (the Python reference client)
+    (["fp32", "int8-delta", "secure-aggregation"], True, "secure"),
+    (["fp32", "int8-delta"], False, "plain"),  # a browser, while the run is not secure: admitted, left out of pools
+    (["fp32", "int8-delta"], True, "this run uses secure aggregation, which this device does not implement"),
+    ("secure-aggregation", False, "'capabilities' must be a list of names"),
+])
+def test_a_device_that_cannot_do_secure_aggregation_is_refused_at_check_in_by_a_secure_run(
+        pool: LiveGateway, capabilities: Any, secure_run: bool, outcome: str) -> None:
+    # Prepare: a gateway whose coordinator has (or has not yet) asked for a secure round
+    sessions = pool.gateway.sessions
+    sessions.secure_run = secure_run
+    body = _check_in_body(pool, "phone0", capabilities)
+    # Execute / Assert
+    if outcome in ("secure", "plain"):
+        _, _, session = sessions.check_in(body)
+        assert session.secure == (outcome == "secure")
+        assert sessions.live_devices(60, secure=True) == (["phone0"] if outcome == "secure" else [])
+    else:
+        with pytest.raises(DeviceProtocolError, match=re.escape(outcome)):
+            sessions.check_in(body)

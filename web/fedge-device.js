@@ -17,8 +17,8 @@
 // key and pass the graph checks before onnxruntime-web sees it. A page reload loses the session
 // and the round's work, not the key: the device checks in again, and the gateway, which counts a
 // device once a round by name, gives it the round's task again only if it had not answered it.
-// Secure aggregation is not implemented here: a secure round's steps are answered with a refusal
-// (the gateway then counts this device as a dropout of that round).
+// Secure aggregation is not implemented here: the check-in says so ("capabilities"), a gateway whose
+// run is secure refuses it with the reason, and a secure step that reaches it anyway is refused.
 
 import {FRAME_TYPE, decodeFrame, encodeFrame, int8Delta} from "./frame.js";
 import {importBundleKey, verifyTrainingBundle} from "./bundle.js";
@@ -115,7 +115,8 @@ export class FedgeDevice {
     const message = enc.encode(["fedge-check-in/1", this.name, this.gatewayName, String(issued), nonce].join("\n"));
     const signature = new Uint8Array(await crypto.subtle.sign({name: "ECDSA", hash: "SHA-256"}, keys.privateKey, message));
     const answer = FedgeDevice.json(await this.send("POST", PREFIX + "/check-in", JSON.stringify({
-      protocol: 1, device: this.name, time: issued, nonce: nonce, signature: b64(signature)}),
+      protocol: 1, device: this.name, time: issued, nonce: nonce, signature: b64(signature),
+      capabilities: ["fp32", "int8-delta"]}),  // no secure aggregation yet: a secure run refuses this check-in
       {"Content-Type": "application/json"}), "check-in");
     const key = await crypto.subtle.importKey("raw", unb64(answer.key), {name: "HMAC", hash: "SHA-256"}, false, ["sign"]);
     this.session = {token: answer.session, key: key, counter: 0};
@@ -207,7 +208,7 @@ export class FedgeDevice {
         outcome = await this.poll();
       } catch (error) {
         outcome = {kind: "error", nextInS: 2, error: String(error.message || error)};
-        if (/training bundle refused/.test(outcome.error)) { onProgress(outcome); throw error; }
+        if (/training bundle refused|cannot take part/.test(outcome.error)) { onProgress(outcome); throw error; }
       }
       if (outcome.kind === "train") trained++;
       onProgress({...outcome, trained: trained});
