@@ -28,6 +28,7 @@ from fedge.clients.gateway import GatewaySettings, Served, device_app
 from fedge.clients.gateway_pool import device_seed
 from fedge.clients.gateway_web import WebSite
 from fedge.config import resolve_run_config
+from fedge.edge.graph_check import check_graph, session_of
 from fedge.edge.trainer import OnnxTrainer
 from fedge.edge.training_bundle import pack_training_bundle, read_training_bundle
 from fedge.errors import FedgeError
@@ -112,9 +113,14 @@ def test_a_browser_tab_trains_a_gateway_round_as_the_python_device_would(tmp_pat
         box: dict[str, Any] = {}
         thread = threading.Thread(target=lambda: box.update(result=gateway.round()), daemon=True)
         thread.start()
-        # Execute: the tab joins for one round
+        # Execute: the tab joins for one round, then predicts its own examples with the weights it received
         state = _join_and_wait(chromium, 1)
         thread.join()
+        predicted = chromium.execute_async_script(
+            "const done = arguments[0]; (async () => { const data = await (await fetch('data/browser0.json')).json();"
+            " const x = data.inputs[0]; const bytes = Uint8Array.from(atob(x.b64), (c) => c.charCodeAt(0));"
+            " const out = await window.__fedge.device.predict([{data: new Float32Array(bytes.buffer), dims: x.dims}]);"
+            " done({dims: out.dims, data: Array.from(out.data)}); })().catch((e) => done({error: String(e)}));")
     finally:
         gateway.close()
     header, arrays = box["result"]
@@ -133,6 +139,13 @@ def test_a_browser_tab_trains_a_gateway_round_as_the_python_device_would(tmp_pat
         step = float(np.max(np.abs(python[name] - run["weights"][name]))) / 127 if uplink == "int8-delta" else 0.0
         assert float(np.max(np.abs(arrays[name] - python[name]))) <= step + 1e-5, name
     assert min(float(np.max(np.abs(arrays[k] - run["weights"][k]))) for k in python) > 1e-3  # it trained
+    # predict(): the evaluation graph's output on the app's inputs, as onnxruntime gives it in Python
+    session = session_of(check_graph(bundle.eval_onnx, what="eval.onnx"))
+    feeds = {**{f"state:{name}": value for name, value in run["weights"].items()},
+             bundle.manifest["inputs"][0]["name"]: inputs[0], "targets": targets}
+    expected = session.run(["output"], feeds)[0]
+    assert predicted.get("dims") == list(expected.shape), predicted.get("error")
+    assert float(np.max(np.abs(np.array(predicted["data"]).reshape(expected.shape) - expected))) <= 1e-4
 
 
 def _unanswered_round(gateway: WebGateway) -> None:
