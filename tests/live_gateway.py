@@ -87,12 +87,17 @@ class LiveGateway:
         self.devices.stop()
         self.control.stop()
 
+    def __enter__(self) -> LiveGateway:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
 
 @pytest.fixture
 def live(tmp_path: Path, run: dict[str, Any]) -> Iterator[LiveGateway]:
-    gateway = LiveGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=3, round_deadline_s=300,
-                                                        idle_poll_s=0.2))
-    yield gateway
-    gateway.close()
+    with LiveGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=3, round_deadline_s=300,
+                                                   idle_poll_s=0.2)) as gateway:
+        yield gateway
 
 

@@ -35,10 +35,9 @@ SECURE = {"threshold": 0.5, "neighbours": 0, "clip": 1000.0, "precision": 1e-4, 
 @pytest.fixture
 def pool(tmp_path: Path, run: dict[str, Any]) -> Iterator[LiveGateway]:
     """A gateway whose secure rounds take its four checked-in phones (their sessions stay live an hour)."""
-    gateway = LiveGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=4, round_deadline_s=600,
-                                                        idle_poll_s=1200))
-    yield gateway
-    gateway.close()
+    with LiveGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=4, round_deadline_s=600,
+                                                   idle_poll_s=1200)) as gateway:
+        yield gateway
 
 
 class Polling:

@@ -154,6 +154,25 @@ def _unanswered_round(gateway: WebGateway) -> None:
         gateway.round()
 
 
+def _joined_with_bundle(tmp_path: Path, run: dict[str, Any], chromium: Any, bundle: Path) -> tuple[dict[str, Any], int]:
+    """A tab's state after joining a round of a gateway that hands out ``bundle``; the results the round got."""
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=1, round_deadline_s=600,
+                                                       idle_poll_s=0.2), bundle=bundle)
+    thread = threading.Thread(target=_unanswered_round, args=(gateway,), daemon=True)
+    thread.start()
+    try:
+        _open_device(chromium, gateway, "browser1")
+        state = _join_and_wait(chromium, 1)
+    finally:
+        while gateway.gateway.round is None:  # the round opens once the control POST lands
+            threading.Event().wait(0.02)
+        gateway.gateway.round.complete.set()  # end the round nobody answers
+        thread.join()
+        gateway.close()
+    assert gateway.gateway.round is not None
+    return state, gateway.gateway.round.answered
+
+
 def _tampered(bundle: Path, out: Path, change: Any) -> Path:
     with zipfile.ZipFile(bundle) as source:
         files = {name: source.read(name) for name in source.namelist()}
@@ -183,22 +202,12 @@ def test_a_tampered_training_graph_is_refused_in_the_browser(tmp_path: Path, run
                                                             case: str, change: Any, reason: str) -> None:
     # Prepare: a gateway that hands out a tampered copy of the run's signed training bundle
     bundle = _tampered(run["bundle"], tmp_path / "tampered.zip", change)
-    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=1, round_deadline_s=600,
-                                                       idle_poll_s=0.2), bundle=bundle)
-    try:
-        _open_device(chromium, gateway, "browser1")
-        thread = threading.Thread(target=_unanswered_round, args=(gateway,), daemon=True)
-        thread.start()
-        # Execute
-        state = _join_and_wait(chromium, 1)
-    finally:
-        gateway.gateway.round.complete.set()  # type: ignore[union-attr]  # end the round nobody answers
-        thread.join()
-        gateway.close()
+    # Execute: a tab joins for one round
+    state, answered = _joined_with_bundle(tmp_path, run, chromium, bundle)
     # Assert: refused by name before onnxruntime-web saw the graph; nothing was sent
     error = state["error"] or ""
     assert "training bundle refused" in error and reason in error, state
-    assert state["trained"] == 0 and gateway.gateway.round is not None and gateway.gateway.round.answered == 0
+    assert state["trained"] == 0 and answered == 0
 
 
 
@@ -255,22 +264,12 @@ def test_a_signed_graph_that_would_read_device_data_is_refused_in_the_browser(
     signed = tmp_path / "signed.zip"
     signed.write_bytes(pack_training_bundle(model.SerializeToString(), bundle.eval_onnx, bundle.manifest,
                                             private_key=key))
-    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=1, round_deadline_s=600,
-                                                       idle_poll_s=0.2), bundle=signed)
-    try:
-        _open_device(chromium, gateway, "browser2")
-        thread = threading.Thread(target=_unanswered_round, args=(gateway,), daemon=True)
-        thread.start()
-        # Execute
-        state = _join_and_wait(chromium, 1)
-    finally:
-        gateway.gateway.round.complete.set()  # type: ignore[union-attr]  # end the round nobody answers
-        thread.join()
-        gateway.close()
+    # Execute: a tab joins for one round
+    state, answered = _joined_with_bundle(tmp_path, run, chromium, signed)
     # Assert: the signature verified, the graph walk refused it by name; nothing was sent
     error = state["error"] or ""
     assert "training bundle refused: train.onnx" in error and reason in error, state
-    assert gateway.gateway.round is not None and gateway.gateway.round.answered == 0
+    assert answered == 0
 
 
 def test_a_secure_run_refuses_a_browser_at_check_in_naming_why(tmp_path: Path, run: dict[str, Any],
