@@ -158,7 +158,7 @@ def pull_training_graph(options: DeviceOptions, state: Path) -> Path:
     delay = 1.0
     while True:  # a coordinator publishes the graph when its run starts, a few seconds after it listens
         try:
-            result = pull(url_or_address=options.bundles or _bundle_service(options.coordinator), kind="training",
+            result = pull(url_or_address=options.bundles or bundle_service(options.coordinator), kind="training",
                           directory=state / "bundles", device_key=options.key, ca=options.ca,
                           trusted_keys=[options.trust], freshness_dir=state / "freshness",
                           insecure=options.insecure)
@@ -190,7 +190,7 @@ def refresh_settings(options: DeviceOptions, training_bundle: Path) -> str:
     """Node-config entries with which the device's app fetches a new training graph itself when a run
     trains another architecture (:func:`fedge.clients.onnx_client.refresh_training_bundle`): the same
     bundle service, device key, CA and freshness records as the pull at start."""
-    entries = {"bundle-service": options.bundles or _bundle_service(options.coordinator),
+    entries = {"bundle-service": options.bundles or bundle_service(options.coordinator),
                "freshness-dir": str((training_bundle.parent.parent / "freshness").resolve())}
     if options.insecure:
         entries["bundles-insecure"] = "yes"
@@ -200,7 +200,8 @@ def refresh_settings(options: DeviceOptions, training_bundle: Path) -> str:
     return "".join(f' {key}="{value}"' for key, value in entries.items())
 
 
-def _bundle_service(coordinator: str) -> str:
+def bundle_service(coordinator: str) -> str:
+    """The coordinator's bundle service, by default (its port + 1)."""
     host, port = split_address(coordinator)
     return f"{host}:{port + 1}"
 

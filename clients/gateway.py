@@ -91,11 +91,13 @@ class GatewaySettings:
 class Gateway:
     """A gateway's state: its allow-list, sessions, the training graph it serves and the round in flight."""
 
-    def __init__(self, settings: GatewaySettings, allow_dir: Path, training_bundle: Path | None) -> None:
+    def __init__(self, settings: GatewaySettings, allow_dir: Path, training_bundle: Path | None,
+                 inference_bundle: Path | None = None) -> None:
         self.settings = settings
         self.allow = AllowList(allow_dir)
         self.sessions = Sessions(self.allow, settings.name)
         self.training_bundle = training_bundle
+        self.inference_bundle = inference_bundle  # the coordinator's latest, pulled and verified by this gateway
         self.round: GatewayRound | None = None
         self.exchange: SecureExchange | None = None  # a secure round's steps in flight
         self.in_flight = 0
@@ -281,11 +283,19 @@ def device_app(gateway: Gateway, *, max_body: int = 64 << 20, web: WebSite | Non
             raise refused(404, "this gateway holds no training graph yet; come back after the coordinator's run starts")
         return FileResponse(gateway.training_bundle, media_type="application/zip")
 
+    async def inference_bundle(request: Any) -> Any:
+        await session_of(request, await _body(request, 0))
+        if gateway.inference_bundle is None or not gateway.inference_bundle.is_file():
+            raise refused(404, "the coordinator has published no inference bundle yet (it does every export-every "
+                               "rounds and at the end of a run); come back later")
+        return FileResponse(gateway.inference_bundle, media_type="application/zip")
+
     routes = [Route(f"{PREFIX}/hello", guarded(hello), methods=["GET"]),
               Route(f"{PREFIX}/check-in", guarded(check_in), methods=["POST"]),
               Route(f"{PREFIX}/task", guarded(task), methods=["GET"]),
               Route(f"{PREFIX}/result", guarded(result), methods=["POST"]),
-              Route(f"{PREFIX}/bundles/training", guarded(training_bundle), methods=["GET"])]
+              Route(f"{PREFIX}/bundles/training", guarded(training_bundle), methods=["GET"]),
+              Route(f"{PREFIX}/bundles/inference", guarded(inference_bundle), methods=["GET"])]
     return Starlette(routes=routes + ([] if web is None else web_routes(web)))
 
 
@@ -412,7 +422,8 @@ def run_gateway(options: GatewayOptions) -> int:
     token_file = state / CONTROL_TOKEN
     write_bytes_atomic(token_file, token.encode())  # 0600
     node_state = state / "node"
-    gateway = Gateway(options.settings, options.devices, node_state / "bundles" / "training.zip")
+    gateway = Gateway(options.settings, options.devices, node_state / "bundles" / "training.zip",
+                      node_state / "bundles" / "inference.zip")
     if options.insecure:
         print_insecure_warning()
     devices = Served(device_app(gateway, web=options.web), options.host, options.port, limits=DEVICE_LIMITS,
@@ -424,6 +435,9 @@ def run_gateway(options: GatewayOptions) -> int:
           f"({len(gateway.allow)} devices in its allow-list)", flush=True)
     if options.web is not None:
         print(f"web device demo page: {scheme}://{options.host}:{devices.port}/web/demo.html?name=NAME", flush=True)
+    stop = threading.Event()
+    threading.Thread(target=relay_inference_bundles, args=(options, node_state, stop), daemon=True,
+                     name="fedge-gateway-inference").start()
     try:
         return run_device(DeviceOptions(
             coordinator=options.coordinator, profile=options.profile, data=Path("."), key=options.key, ca=options.ca,
@@ -431,8 +445,40 @@ def run_gateway(options: GatewayOptions) -> int:
             trust=options.trust, bundles=options.bundles, gateway_control=f"127.0.0.1:{control.port}",
             gateway_token=token_file))
     finally:
+        stop.set()
         devices.stop()
         control.stop()
+
+
+INFERENCE_PULL_S = 30.0
+
+
+def relay_inference_bundles(options: GatewayOptions, node_state: Path, stop: threading.Event) -> None:
+    """Keep the coordinator's latest inference bundle for devices (``GET /v1/bundles/inference``).
+
+    Pulled every :data:`INFERENCE_PULL_S` seconds as the gateway's node, with the same
+    checks a device makes (:func:`fedge.edge.delivery.pull`: signature by the trusted key,
+    hashes, expiry, and no rollback to an older version): a gateway never relays a bundle it
+    would refuse itself, and devices verify it again.
+    """
+    from fedge.clients.device import bundle_service  # noqa: PLC0415
+    from fedge.edge.delivery import DeliveryError, NotPublished, pull  # noqa: PLC0415
+
+    assert options.trust is not None
+    while not stop.is_set():
+        try:
+            result = pull(url_or_address=options.bundles or bundle_service(options.coordinator), kind="inference",
+                          directory=node_state / "bundles", device_key=options.key, ca=options.ca,
+                          trusted_keys=[options.trust], freshness_dir=node_state / "freshness",
+                          insecure=options.insecure)
+            if result.changed:
+                log.info("inference bundle for devices: %s (%d bytes downloaded)", result.path, result.bytes_downloaded)
+        except NotPublished:
+            pass  # not yet: the coordinator exports every export-every rounds and at the end
+        except (DeliveryError, OSError) as exc:
+            log.warning("could not pull the coordinator's inference bundle: %s; trying again in %.0f s", exc,
+                        INFERENCE_PULL_S)
+        stop.wait(INFERENCE_PULL_S)
 
 
 def add_protocol_device(directory: Path, name: str, *, force: bool = False) -> tuple[Path, Path]:

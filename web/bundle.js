@@ -79,7 +79,8 @@ export async function importBundleKey(pem) {
   return {key: key, fingerprint: "sha256:" + await sha256Hex(raw)};
 }
 
-export async function verifyTrainingBundle(buffer, trusted, now = Date.now()) {
+// Signature, files, expiry: what both kinds of bundle share. The manifest, and the files by name.
+async function verifySigned(buffer, trusted, now) {
   const files = await unzip(buffer);
   const manifestBytes = files["manifest.json"], envelopeBytes = files["manifest.sig"];
   if (!manifestBytes || !envelopeBytes) fail("manifest.json or manifest.sig is missing");
@@ -92,7 +93,6 @@ export async function verifyTrainingBundle(buffer, trusted, now = Date.now()) {
     fail("the signature does not verify: manifest.json or manifest.sig was altered after signing");
   }
   const manifest = JSON.parse(new TextDecoder().decode(manifestBytes));
-  if (manifest.kind !== "training" || manifest.format !== TRAINING_FORMAT) fail("it is not a training bundle");
   if (manifest.expires_at && Date.parse(manifest.expires_at) < now) fail("it expired at " + manifest.expires_at);
   const listed = manifest.files || {};
   const present = Object.keys(files).filter((n) => n !== "manifest.json" && n !== "manifest.sig");
@@ -103,10 +103,37 @@ export async function verifyTrainingBundle(buffer, trusted, now = Date.now()) {
       fail(name + ": its SHA-256 does not match manifest.json (altered or damaged)");
     }
   }
+  return {manifest: manifest, files: files};
+}
+
+export async function verifyTrainingBundle(buffer, trusted, now = Date.now()) {
+  const {manifest, files} = await verifySigned(buffer, trusted, now);
+  if (manifest.kind !== "training" || manifest.format !== TRAINING_FORMAT) fail("it is not a training bundle");
   for (const name of ["train.onnx", "eval.onnx"]) {
     const declared = ((manifest.graph_ops || {})[name] || {}).ops;
     if (!declared) fail("the manifest lists no ops for " + name);
     checkGraph(files[name], name, declared);
   }
   return {manifest: manifest, train: files["train.onnx"], eval: files["eval.onnx"]};
+}
+
+// An inference bundle (`fedge export`, published by the coordinator, relayed by the gateway):
+// signature, files and expiry as above; then freshness, as fedge.edge.bundle.FreshnessStore: a
+// version lower than highestFor(model_id) (the highest this device accepted for that model) is a
+// rollback and refused; then the graph checks of the fp32 model. The manifest and that model's bytes.
+export async function verifyInferenceBundle(buffer, trusted, highestFor, now = Date.now()) {
+  const {manifest, files} = await verifySigned(buffer, trusted, now);
+  if (manifest.format !== "fedge-bundle/1") fail("it is not an inference bundle (format fedge-bundle/1)");
+  if (!Number.isInteger(manifest.version) || typeof manifest.model_id !== "string") {
+    fail("its manifest has no model_id and version, so a rollback could not be told apart");
+  }
+  const highest = highestFor(manifest.model_id);
+  if (highest !== null && highest !== undefined && manifest.version < highest) {
+    fail("it is version " + manifest.version + " of " + manifest.model_id + ", older than version " + highest +
+         " this device accepted: a rollback");
+  }
+  const file = ((manifest.variants || {}).fp32 || {}).file;
+  if (!file || !files[file]) fail("it has no fp32 model");
+  checkGraph(files[file], file, null);
+  return {manifest: manifest, model: files[file]};
 }

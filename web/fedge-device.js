@@ -10,7 +10,7 @@
 //   const device = new FedgeDevice({gateway: "https://gw1.example.org:9443", name: "phone-017",
 //                                   bundleKeyPem: SIGNING_PUB, data: {inputs, targets}});
 //   await device.run({rounds: 3, onProgress: (event) => ...});
-//   const scores = await device.predict(inputs);   // the latest global model, on the app's inputs
+//   const scores = await device.predict({data, dims});  // the coordinator's latest signed inference model
 //
 // Threat model (device side): the gateway is authenticated by TLS (the browser's trust store);
 // the private key never leaves WebCrypto; the training graph must be signed by the pinned bundle
@@ -21,7 +21,7 @@
 // run is secure refuses it with the reason, and a secure step that reaches it anyway is refused.
 
 import {FRAME_TYPE, decodeFrame, encodeFrame, int8Delta} from "./frame.js";
-import {importBundleKey, verifyTrainingBundle} from "./bundle.js";
+import {importBundleKey, verifyInferenceBundle, verifyTrainingBundle} from "./bundle.js";
 
 const PREFIX = "/v1";
 const enc = new TextEncoder();
@@ -84,7 +84,7 @@ export class FedgeDevice {
     };
     this.session = null;
     this.graph = null;  // the architecture of the verified graph loaded in the worker
-    this.latest = null;  // the last global weights received (predict runs on them)
+    this.inference = null;  // the manifest of the verified inference model loaded in the worker
     this.log = [];
   }
 
@@ -163,7 +163,6 @@ export class FedgeDevice {
     await this.ready(task.graph);
     const weights = {};
     for (const [name, tensor] of Object.entries(tensors)) weights[name] = tensor.data;
-    this.latest = weights;
     if (task.kind === "evaluate") {
       const result = await this.call({type: "evaluate", weights: weights, ...this.data});
       const sent = await this.result(encodeFrame({task: task.task, kind: "evaluate", "num-examples": result.numExamples,
@@ -219,11 +218,27 @@ export class FedgeDevice {
 
   stop() { this.stopped = true; }
 
-  // The latest global model on the app's inputs: the evaluation graph's output (class scores).
-  async predict(inputs) {
-    if (!this.latest) throw new Error("no global model yet: run at least one round first");
-    const size = inputs[0].dims[0];
-    const targets = {data: new (this.manifest.targets.dtype === "int64" ? BigInt64Array : Float32Array)(size), dims: [size]};
-    return (await this.call({type: "predict", weights: this.latest, inputs: inputs, targets: targets})).output;
+  // The coordinator's latest signed inference bundle, relayed by the gateway: verified (signature,
+  // hashes, expiry, graph checks) and refused if older than the highest version this browser accepted
+  // for its model_id (a rollback; the highest is kept in localStorage), then loaded in the worker.
+  async model() {
+    const answer = await this.authenticated("GET", PREFIX + "/bundles/inference");
+    if (answer.status !== 200) FedgeDevice.json(answer, "inference bundle");
+    const trusted = await importBundleKey(this.bundleKeyPem);
+    const accepted = JSON.parse(localStorage.getItem("fedge-models") || "{}");  // model_id -> highest version
+    const {manifest, model} = await verifyInferenceBundle(answer.body, trusted, (id) => accepted[id] ?? null);
+    await this.call({type: "model", ortBase: this.ortBase, model: model});
+    accepted[manifest.model_id] = Math.max(manifest.version, accepted[manifest.model_id] ?? 0);
+    localStorage.setItem("fedge-models", JSON.stringify(accepted));
+    this.inference = manifest;
+    return manifest;
+  }
+
+  // The signed inference model on the app's inputs ({data, dims}, as the manifest's first input takes
+  // them): its first output. Pulls the model first if this device holds none.
+  async predict(input) {
+    if (!this.inference) await this.model();
+    const spec = this.inference.inputs[0];
+    return (await this.call({type: "infer", input: spec.name, dtype: spec.dtype, data: input.data, dims: input.dims})).output;
   }
 }

@@ -6,7 +6,8 @@
 //   same inside every subgraph (g, graphs) up to 16 levels deep;
 // - any node outside the standard ONNX domain ("" or "ai.onnx");
 // - model-local functions, training info, and the "ort_config" metadata key;
-// - a graph whose op types differ from the list its signed manifest declares.
+// - a graph whose op types differ from the list its signed manifest declares (training graphs;
+//   inference manifests list none).
 //
 // Why a hand-written protobuf walk: the browser has no `onnx` package, onnxruntime-web exposes no
 // parsed graph, and a protobuf library for the whole ONNX schema is a large download for the dozen
@@ -103,6 +104,7 @@ export function checkGraph(bytes, what, declaredOps) {
   if (graphs.length !== 1) refuse(what, "has no graph");
   const ops = new Set();
   walkGraph(bytes, graphs[0], 0, ops, what);
+  if (declaredOps === null) return [...ops].sort();  // an inference model: its manifest lists no ops
   const listed = new Set(declaredOps);
   const extra = [...ops].filter((op) => !listed.has(op)), missing = [...listed].filter((op) => !ops.has(op));
   if (extra.length || missing.length) {

@@ -9,13 +9,14 @@
 // Messages: {id, type: "load", ortBase, train, eval, manifest} -> {id, ok}
 //           {id, type: "train", weights, inputs, targets, config, seed} -> {id, weights, stats}
 //           {id, type: "evaluate", weights, inputs, targets} -> {id, metrics, numExamples}
-//           {id, type: "predict", weights, inputs, targets} -> {id, output: {data, dims}}
+//           {id, type: "model", ortBase, model} -> {id, ok}   (a verified inference model)
+//           {id, type: "infer", input, dtype, data, dims} -> {id, output: {data, dims}}
 // inputs: [{data: TypedArray, dims}] in the manifest's input order; targets: {data, dims}.
 "use strict";
 
 importScripts("batch-order.js");  // fedgeBatchOrder: numpy's batch order
 
-let trainSession = null, evalSession = null, manifest = null;
+let trainSession = null, evalSession = null, manifest = null, modelSession = null;
 
 const TYPES = {float32: Float32Array, float64: Float64Array, int64: BigInt64Array, int32: Int32Array,
                uint8: Uint8Array, int8: Int8Array, bool: Uint8Array};
@@ -114,9 +115,18 @@ self.onmessage = async function (event) {
       self.postMessage({id: message.id, ...(await train(message))});
     } else if (message.type === "evaluate") {
       self.postMessage({id: message.id, ...(await evaluate(message))});
-    } else if (message.type === "predict") {
-      const out = await evalSession.run(feeds(message.weights, message.inputs, message.targets, null));
-      self.postMessage({id: message.id, output: {data: out.output.data, dims: out.output.dims}});
+    } else if (message.type === "model") {
+      if (typeof ort === "undefined") {
+        importScripts(message.ortBase + "ort.wasm.min.js");
+        ort.env.wasm.numThreads = 1;
+        ort.env.wasm.wasmPaths = message.ortBase;
+      }
+      modelSession = await ort.InferenceSession.create(message.model, {executionProviders: ["wasm"]});
+      self.postMessage({id: message.id, ok: true});
+    } else if (message.type === "infer") {
+      const out = await modelSession.run({[message.input]: tensor(message.dtype, message.data, message.dims)});
+      const output = out[modelSession.outputNames[0]];
+      self.postMessage({id: message.id, output: {data: output.data, dims: output.dims}});
     }
   } catch (error) {
     self.postMessage({id: message.id, error: String(error && error.message || error)});
