@@ -280,9 +280,9 @@ PREDICT = """
 const done = arguments[arguments.length - 1];
 (async () => {
   const {FedgeDevice} = await import("./fedge-device.js");
-  const device = window.__predictor || (window.__predictor = new FedgeDevice({gateway: location.origin, name: "browser0",
-      bundleKeyPem: await (await fetch("bundle-key.pem")).text(), data: null,
-      ortBase: new URL("ort/", location.href).href}));
+  const device = window.__predictor || (window.__predictor = new FedgeDevice({
+      gateway: location.origin, name: "browser0", bundleKeyPem: await (await fetch("bundle-key.pem")).text(),
+      data: null, ortBase: new URL("ort/", location.href).href}));
   const manifest = await device.model();
   const out = await device.predict({data: new Float32Array([1, 0, 0, 0, 0.5, -1, 2, 0]), dims: [2, 4]});
   done({version: manifest.version, dims: out.dims, data: Array.from(out.data)});
