@@ -163,8 +163,9 @@ def report_work(context: Context, content: RecordDict) -> None:
         return  # simulated devices: nothing to build on the hot path
     meta, metrics = content.config_records[wire.REPLY_META], content.metric_records[wire.METRICS]
     if meta.get(wire.SECURE_POOL):  # a gateway's secure pool sum: no per-device work or loss is known
-        line = (f"round {meta[wire.SERVER_ROUND]}: the secure sum of {meta[wire.SECURE_POOL]} devices' updates "
-                f"(gateway), {wire.payload_bytes(content):,} bytes to send")
+        server_round, pool = int(meta[wire.SERVER_ROUND]), int(meta[wire.SECURE_POOL])  # type: ignore[arg-type]
+        line = (f"round {server_round}: the secure sum of {pool} devices' updates (gateway), "
+                f"{wire.payload_bytes(content):,} bytes to send")
         if deployed:
             print(line, flush=True)
         return

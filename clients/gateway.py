@@ -180,15 +180,20 @@ class Gateway:
         self.sessions.secure_run = True  # from now on, devices that cannot do secure aggregation are refused
         server_round, config = int(header.get("server-round", 0)), dict(header.get("config", {}))
         run_seed = int(config.get("seed", 0))
-        devices = self.pool()
-        log.info("round %d (train, secure aggregation): %d devices in this gateway's pool", server_round, len(devices))
-        self.exchange = SecureExchange(lambda device: device_seed(run_seed, server_round, device),
-                                       str(header.get("graph", "")))
+        if self.exchange is not None:
+            raise refused(409, f"round {server_round}: a secure-aggregation round is still running on this gateway; "
+                               "this one is refused (the coordinator goes on without this gateway)")
+        exchange = self.exchange = SecureExchange(lambda device: device_seed(run_seed, server_round, device),
+                                                  str(header.get("graph", "")))
         try:
-            pooled = secure_pool_round(self.exchange, devices, server_round=server_round, weights=weights,
+            devices = self.pool()
+            log.info("round %d (train, secure aggregation): %d devices in this gateway's pool", server_round,
+                     len(devices))
+            pooled = secure_pool_round(exchange, devices, server_round=server_round, weights=weights,
                                        config=config, secure=secure, step_timeout_s=self.settings.round_deadline_s)
         finally:
-            self.exchange = None
+            if self.exchange is exchange:  # only this round's: a later round's exchange is not cleared
+                self.exchange = None
             self.rounds_done += 1
         log.info("round %d (train, secure aggregation): %d devices' masked inputs summed, weight %.0f", server_round,
                  pooled.devices, pooled.weight)

@@ -284,7 +284,7 @@ class RoundResult:
 def device_seed(run_seed: int, server_round: int, device: str) -> int:
     """A device's training seed for a round (stable across gateways and restarts)."""
     number = int.from_bytes(hashlib.sha256(device.encode()).digest()[:6], "big")
-    return (run_seed * 1_000_003 + server_round * 10_007 + number) % 2**63
+    return (run_seed * 1_000_003 + server_round * 10_007 + number) % 2**53  # exact as a JSON number in JavaScript
 
 
 class GatewayRound:

@@ -52,8 +52,9 @@ SECURE_KEYS = ("threshold", "neighbours", "clip", "precision", "bits", "weight-c
 
 
 def pool_node_id(device: str) -> int:
-    """A device's node id inside its gateway's pool: stable, from its name (1 .. 2^56)."""
-    return int.from_bytes(hashlib.sha256(device.encode()).digest()[:7], "big") + 1
+    """A device's node id inside its gateway's pool: stable, from its name (1 .. 2^48, exact as a JSON
+    number in every language: JavaScript's numbers hold integers up to 2^53)."""
+    return int.from_bytes(hashlib.sha256(device.encode()).digest()[:6], "big") + 1
 
 
 @dataclass
@@ -80,17 +81,22 @@ class SecureExchange:
         self._changed = threading.Condition()
 
     def post(self, messages: Iterable[Message], devices: Mapping[int, str], server_round: int) -> list[Step]:
-        """Post each message for its device (replacing any step it had not answered)."""
+        """Post each message for its device (replacing any step it had not answered).
+
+        The frames are built before the lock is taken (devices' polls wait on it), and each
+        distinct array record is encoded once (the masked step sends every device the same model).
+        """
+        encoded: dict[int, tuple[list[dict[str, Any]], bytes]] = {}
         posted = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid4().hex
+            device, task = devices[message.metadata.dst_node_id], secrets.token_hex(8)
+            posted.append((device, Step(task, message, _step_frame(message, task, server_round, self._seeds(device),
+                                                                   self.graph, encoded))))
         with self._changed:
-            for message in messages:
-                message.metadata.__dict__["_message_id"] = uuid4().hex
-                device = devices[message.metadata.dst_node_id]
-                task = secrets.token_hex(8)
-                step = Step(task, message, _step_frame(message, task, server_round, self._seeds(device), self.graph))
+            for device, step in posted:
                 self._steps[device] = step
-                posted.append(step)
-        return posted
+        return [step for _, step in posted]
 
     def wait(self, steps: list[Step], timeout: float) -> list[Message]:
         """The replies to ``steps`` once all came, or those that came within ``timeout`` seconds."""
@@ -134,16 +140,21 @@ def _refused(status: int, reason: str) -> DeviceProtocolError:
     return error
 
 
-def _step_frame(message: Message, task: str, server_round: int, seed: int, graph: str) -> bytes:
-    """A secure-aggregation step as a device-protocol frame: records as JSON, arrays as tensors."""
+def _step_frame(message: Message, task: str, server_round: int, seed: int, graph: str,
+                encoded: dict[int, tuple[list[dict[str, Any]], bytes]]) -> bytes:
+    """A secure-aggregation step as a device-protocol frame: records as JSON, arrays as tensors (``encoded``
+    keeps each array record's tensors, encoded once, by the record's identity)."""
     action = message.metadata.message_type.partition(".")[2]
-    tensors = {f"{name}/{key}": array.numpy() for name, record in message.content.array_records.items()
-               for key, array in record.items()}
+    records = list(message.content.array_records.items())
+    key = id(records[0][1]) if len(records) == 1 else -1
+    if key not in encoded or key == -1:
+        encoded[key] = frame_tensors({f"{name}/{k}": array.numpy() for name, record in records
+                                      for k, array in record.items()})
     header = {"kind": "secagg", "action": action, "task": task, "node": message.metadata.dst_node_id,
               "server-round": server_round, "seed": seed, "graph": graph,
               "records": records_to_json({name: dict(record) for name, record in
                                           message.content.config_records.items()})}
-    return assemble_frame(header, *frame_tensors(tensors))
+    return assemble_frame(header, *encoded[key])
 
 
 def _reply_message(message: Message, frame: Frame) -> Message:

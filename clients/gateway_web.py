@@ -59,8 +59,10 @@ def web_routes(site: WebSite) -> list[Any]:
         return FileResponse(path, media_type=MEDIA.get(path.suffix, "application/octet-stream"),
                             headers={"Cache-Control": "no-store"})
 
-    async def asset(request: Any) -> Any:
-        return send(files[request.url.path])
+    def asset(path: Path) -> Any:  # each route bound to its own file: no request value picks a path
+        async def serve(request: Any) -> Any:
+            return send(path)
+        return serve
 
     async def data(request: Any) -> Any:
         name = str(request.path_params["name"])
@@ -74,5 +76,5 @@ def web_routes(site: WebSite) -> list[Any]:
 
         return RedirectResponse("/web/demo.html")
 
-    return [*(Route(path, asset, methods=["GET"]) for path in files),
+    return [*(Route(route, asset(path), methods=["GET"]) for route, path in files.items()),
             Route("/web/data/{name}.json", data, methods=["GET"]), Route("/web/", index, methods=["GET"])]

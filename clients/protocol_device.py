@@ -296,9 +296,11 @@ class ProtocolDevice:
         A step this device refuses (a protocol violation, a malformed step) is answered with
         the reason and forgets the round's secrets: it takes no further part in that round.
         """
-        action, server_round = str(task.get("action", "")), int(task.get("server-round", 0))
+        action, server_round = str(task.get("action", "")), task.get("server-round")
         out_tensors: dict[str, np.ndarray] = {}
         try:
+            if isinstance(server_round, bool) or not isinstance(server_round, int):
+                raise DeviceProtocolError(f"malformed {action} step: 'server-round' is not a whole number")
             records, out_tensors = self._secure_answer(action, task, records_from_json(task.get("records", {})),
                                                        tensors)
             reply: dict[str, Any] = {"task": task["task"], "kind": "secagg", "records": records_to_json(records)}
@@ -311,7 +313,8 @@ class ProtocolDevice:
         answer = self._result(encode_frame(reply, out_tensors))
         # a round counts as trained once this device's update is in an unmasked sum (its last step)
         kind = "train" if action == "secagg_unmask" and "error" not in reply else "secagg"
-        return Outcome(kind, float(answer.get("next-in-s", 0.5)), server_round)
+        known_round = server_round if isinstance(server_round, int) else None
+        return Outcome(kind, float(answer.get("next-in-s", 0.5)), known_round)
 
     def _secure_answer(self, action: str, task: dict[str, Any], records: dict[str, dict[str, Any]],
                        tensors: dict[str, np.ndarray]) -> tuple[dict[str, dict[str, Any]], dict[str, np.ndarray]]:
@@ -382,6 +385,10 @@ class ProtocolDevice:
             except (OSError, http.client.HTTPException):
                 self.close()
                 outcome = Outcome("wait", 2.0)  # the gateway is down or restarting: try again soon
+            except (KeyError, TypeError, ValueError) as exc:  # a malformed task from the gateway: not this device's
+                log.warning("device %s: the gateway sent a malformed task (%s: %s)", self.name, type(exc).__name__, exc)
+                self.close()
+                outcome = Outcome("wait", 2.0)
             except (DeviceProtocolError, ConfigError) as exc:  # refused, or no graph yet: say so, try again later
                 log.warning("device %s: %s", self.name, exc)
                 self.close()

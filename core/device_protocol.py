@@ -171,6 +171,8 @@ def _json_object(data: bytes, what: str) -> dict[str, Any]:
         value = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DeviceProtocolError(f"the {what} is not valid UTF-8 JSON ({exc})") from None
+    except RecursionError:  # "[[[[..." thousands deep: refused, not a crash of the handler
+        raise DeviceProtocolError(f"the {what} nests too deeply") from None
     if not isinstance(value, dict):
         raise DeviceProtocolError(f"the {what} must be a JSON object")
     return value
@@ -222,8 +224,10 @@ def _record_value(value: object, where: str) -> Value:
             raise DeviceProtocolError(f"'{where}': an object value must be {{\"b64\": ...}} (bytes)")
         return unb64(value["b64"], where, max_size=1 << 20)
     if isinstance(value, list):
+        if any(isinstance(item, list) for item in value):  # before recursing: a deep nest is refused at once
+            raise DeviceProtocolError(f"'{where}': a list holds values of one type, not lists")
         items = [_record_value(item, where) for item in value]
-        if len({type(item) for item in items}) > 1 or any(isinstance(item, list) for item in items):
+        if len({type(item) for item in items}) > 1:
             raise DeviceProtocolError(f"'{where}': a list holds values of one type, not lists")
         return items
     if isinstance(value, float) and not math.isfinite(value):

@@ -273,6 +273,29 @@ def test_a_forged_check_in_is_refused(live: LiveGateway, case: str, change: dict
     assert code == status and reason in answer["error"] and "session" not in answer
 
 
+@pytest.mark.parametrize(("case", "body"), [
+    ("JSON nested 8,000 deep", b"[" * 8_000), ("not JSON", b"\xff\xfe"), ("an array", b"[1, 2]"),
+])
+def test_a_hostile_check_in_body_gets_400_not_a_crash(live: LiveGateway, case: str, body: bytes) -> None:
+    code, answer = _raw(live, "POST", f"{PREFIX}/check-in", body)
+    assert code == 400 and ("JSON" in answer["error"] or "nests too deeply" in answer["error"]), (code, answer)
+
+
+@pytest.mark.parametrize(("case", "records", "reason"), [
+    ("lists nested 900 deep", {"r": {"k": json.loads("[" * 900 + "]" * 900)}}, "a list holds values of one type"),
+    ("mixed types in a list", {"r": {"k": [1, "a"]}}, "a list holds values of one type"),
+    ("null", {"r": {"k": None}}, "null is not a record value"),
+    ("an object that is not bytes", {"r": {"k": {"x": 1}}}, "an object value must be"),
+    ("bad base64", {"r": {"k": {"b64": "***"}}}, "not valid base64"),
+    ("not an object of records", [1], "must be an object"),
+])
+def test_malformed_step_records_are_refused_by_name(case: str, records: Any, reason: str) -> None:
+    from fedge.device_protocol import records_from_json  # noqa: PLC0415
+
+    with pytest.raises(DeviceProtocolError, match=re.escape(reason)):
+        records_from_json(records)
+
+
 def test_a_recorded_check_in_cannot_be_replayed(live: LiveGateway) -> None:
     body = _signed_check_in(live, "phone0")
     first, _ = _raw(live, "POST", f"{PREFIX}/check-in", body)

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 import pytest
 from chromium import start_chromium, trust_certificate_flag
+from google.protobuf.internal import encoder
 
 from fedge.batching import batch_order
 from fedge.clients.gateway import GatewaySettings, Served, device_app
@@ -29,7 +30,7 @@ from fedge.clients.gateway_pool import device_seed
 from fedge.clients.gateway_web import WebSite
 from fedge.config import resolve_run_config
 from fedge.edge.trainer import OnnxTrainer
-from fedge.edge.training_bundle import pack_training_bundle, read_training_bundle
+from fedge.edge.training_bundle import architecture_of, pack_training_bundle, read_training_bundle
 from fedge.errors import FedgeError
 from fedge.listeners import ListenerLimits
 from fedge.server.bundles import run_signing_key
@@ -237,21 +238,40 @@ def _unlisted_op(model: Any) -> None:
     model.graph.node.append(onnx.helper.make_node("Identity", [model.graph.node[0].output[0]], ["copy"]))
 
 
+def _field(number: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field."""
+    return encoder._VarintBytes(number << 3 | 2) + encoder._VarintBytes(len(payload)) + payload
+
+
+def _repeated_domain(model: Any) -> bytes:
+    """The first node names its domain twice: "" and then com.microsoft (protobuf keeps the last)."""
+    node = model.graph.node[0].SerializeToString() + _field(7, b"") + _field(7, b"com.microsoft")
+    rest = onnx.GraphProto()
+    rest.CopyFrom(model.graph)
+    del rest.node[0]
+    graph = _field(1, node) + rest.SerializeToString()
+    shell = onnx.ModelProto()
+    shell.CopyFrom(model)
+    shell.ClearField("graph")
+    return bytes(shell.SerializeToString() + _field(7, graph))
+
+
 @pytest.mark.parametrize(("case", "change", "reason"), [
     ("an initializer read from a device file", _external_data, "keeps tensor data outside the model"),
     ("a contrib op", _custom_domain, "of domain com.microsoft"),
     ("an op the manifest does not list", _unlisted_op, 'uses ops ["Identity"] its signed manifest does not list'),
+    ("a domain named twice", _repeated_domain, "has a node that names its op or domain twice"),
 ])
 def test_a_signed_graph_that_would_read_device_data_is_refused_in_the_browser(
         tmp_path: Path, run: dict[str, Any], chromium: Any, case: str, change: Any, reason: str) -> None:
     # Prepare: the coordinator's own key signs a changed train.onnx (a compromised or curious coordinator)
     bundle = read_training_bundle(run["bundle"], trusted_keys=[run["trust"]])
     model = onnx.load_from_string(bundle.train_onnx)
-    change(model)
+    train = change(model) or model.SerializeToString()
     key = run_signing_key(resolve_run_config(run["config"]), Path(run["config"]["run-dir"]))
+    manifest = {**bundle.manifest, "architecture": architecture_of(train, bundle.eval_onnx)}  # consistent, as signed
     signed = tmp_path / "signed.zip"
-    signed.write_bytes(pack_training_bundle(model.SerializeToString(), bundle.eval_onnx, bundle.manifest,
-                                            private_key=key))
+    signed.write_bytes(pack_training_bundle(train, bundle.eval_onnx, manifest, private_key=key))
     # Execute: a tab joins for one round
     state, answered = _joined_with_bundle(tmp_path, run, chromium, signed)
     # Assert: the signature verified, the graph walk refused it by name; nothing was sent

@@ -22,12 +22,23 @@ function fail(reason) { throw new Error("training bundle refused: " + reason); }
 function u16(view, at) { return view.getUint16(at, true); }
 function u32(view, at) { return view.getUint32(at, true); }
 
-async function inflate(data) {
-  const stream = new Blob([data]).stream().pipeThrough(new DecompressionStream("deflate-raw"));
-  return new Uint8Array(await new Response(stream).arrayBuffer());
+const MAX_ENTRY = 64 << 20, MAX_TOTAL = 256 << 20, MAX_RATIO = 1032;  // deflate expands at most ~1032x
+
+// Inflate `data`, refusing (and stopping) past `limit` bytes: a zip bomb costs at most `limit`.
+async function inflate(data, limit, name) {
+  const reader = new Blob([data]).stream().pipeThrough(new DecompressionStream("deflate-raw")).getReader();
+  const out = new Uint8Array(limit);
+  let at = 0;
+  for (;;) {
+    const {done, value} = await reader.read();
+    if (done) return out.subarray(0, at);
+    if (at + value.length > limit) { await reader.cancel(); fail("entry " + name + " inflates past its declared size"); }
+    out.set(value, at);
+    at += value.length;
+  }
 }
 
-// The zip's files by name (central directory read; local headers checked against it).
+// The zip's entries by name, each read on demand (central directory read; declared sizes bounded).
 export async function unzip(buffer) {
   const bytes = new Uint8Array(buffer);
   const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
@@ -38,7 +49,7 @@ export async function unzip(buffer) {
   if (end < 0) fail("not a zip archive");
   const count = u16(view, end + 10);
   if (count > MAX_ENTRIES) fail("more than " + MAX_ENTRIES + " entries");
-  let at = u32(view, end + 16);
+  let at = u32(view, end + 16), total = 0;
   const files = {};
   for (let i = 0; i < count; i++) {
     if (at + 46 > bytes.length || u32(view, at) !== 0x02014b50) fail("a damaged central directory");
@@ -53,10 +64,16 @@ export async function unzip(buffer) {
     if (local + 30 > bytes.length || u32(view, local) !== 0x04034b50) fail("a damaged local header for " + name);
     const start = local + 30 + u16(view, local + 26) + u16(view, local + 28);
     if (start + packed > bytes.length) fail("entry " + name + " runs past the archive");
+    total += size;
+    if (size > MAX_ENTRY || total > MAX_TOTAL || (method === 0 ? size !== packed : size > packed * MAX_RATIO + 1024)) {
+      fail("entry " + name + " declares a size its archive cannot hold");
+    }
     const raw = bytes.subarray(start, start + packed);
-    const data = method === 0 ? raw.slice() : await inflate(raw);
-    if (data.length !== size) fail("entry " + name + " is not its declared size");
-    files[name] = data;
+    files[name] = async () => {
+      const data = method === 0 ? raw.slice() : await inflate(raw, size, name);
+      if (data.length !== size) fail("entry " + name + " is not its declared size");
+      return data;
+    };
   }
   return files;
 }
@@ -81,9 +98,9 @@ export async function importBundleKey(pem) {
 
 // Signature, files, expiry: what both kinds of bundle share. The manifest, and the files by name.
 async function verifySigned(buffer, trusted, now) {
-  const files = await unzip(buffer);
-  const manifestBytes = files["manifest.json"], envelopeBytes = files["manifest.sig"];
-  if (!manifestBytes || !envelopeBytes) fail("manifest.json or manifest.sig is missing");
+  const entries = await unzip(buffer);
+  if (!entries["manifest.json"] || !entries["manifest.sig"]) fail("manifest.json or manifest.sig is missing");
+  const manifestBytes = await entries["manifest.json"](), envelopeBytes = await entries["manifest.sig"]();
   let envelope;
   try { envelope = JSON.parse(new TextDecoder().decode(envelopeBytes)); } catch (e) { fail("manifest.sig is malformed"); }
   if (envelope.algorithm !== "ed25519") fail("manifest.sig uses " + envelope.algorithm + "; only ed25519 is accepted");
@@ -93,12 +110,18 @@ async function verifySigned(buffer, trusted, now) {
     fail("the signature does not verify: manifest.json or manifest.sig was altered after signing");
   }
   const manifest = JSON.parse(new TextDecoder().decode(manifestBytes));
-  if (manifest.expires_at && Date.parse(manifest.expires_at) < now) fail("it expired at " + manifest.expires_at);
+  if (manifest.expires_at !== undefined && manifest.expires_at !== null) {
+    const expires = Date.parse(manifest.expires_at);
+    if (Number.isNaN(expires)) fail("its expires_at is not a time");
+    if (expires < now) fail("it expired at " + manifest.expires_at);
+  }
   const listed = manifest.files || {};
-  const present = Object.keys(files).filter((n) => n !== "manifest.json" && n !== "manifest.sig");
-  const extra = present.filter((n) => !(n in listed)), missing = Object.keys(listed).filter((n) => !(n in files));
+  const present = Object.keys(entries).filter((n) => n !== "manifest.json" && n !== "manifest.sig");
+  const extra = present.filter((n) => !(n in listed)), missing = Object.keys(listed).filter((n) => !(n in entries));
   if (extra.length || missing.length) fail("files " + JSON.stringify({missing: missing, extra: extra}) + " differ from the manifest");
-  for (const [name, entry] of Object.entries(listed)) {
+  const files = {};
+  for (const [name, entry] of Object.entries(listed)) {  // read only now: after the signature, each file once
+    files[name] = await entries[name]();
     if (files[name].length !== entry.bytes || await sha256Hex(files[name]) !== entry.sha256) {
       fail(name + ": its SHA-256 does not match manifest.json (altered or damaged)");
     }
@@ -109,6 +132,11 @@ async function verifySigned(buffer, trusted, now) {
 export async function verifyTrainingBundle(buffer, trusted, now = Date.now()) {
   const {manifest, files} = await verifySigned(buffer, trusted, now);
   if (manifest.kind !== "training" || manifest.format !== TRAINING_FORMAT) fail("it is not a training bundle");
+  if (manifest.optimizer !== "sgd-momentum") fail("its optimizer is " + manifest.optimizer + ", not sgd-momentum");
+  const both = new Uint8Array(files["train.onnx"].length + files["eval.onnx"].length);
+  both.set(files["train.onnx"]);
+  both.set(files["eval.onnx"], files["train.onnx"].length);
+  if (manifest.architecture !== await sha256Hex(both)) fail("its architecture is not the SHA-256 of its graphs");
   for (const name of ["train.onnx", "eval.onnx"]) {
     const declared = ((manifest.graph_ops || {})[name] || {}).ops;
     if (!declared) fail("the manifest lists no ops for " + name);

@@ -44,9 +44,10 @@ function keyStore(mode, action) {
     open.onupgradeneeded = () => open.result.createObjectStore("keys");
     open.onerror = () => reject(open.error);
     open.onsuccess = () => {
-      const request = action(open.result.transaction("keys", mode).objectStore("keys"));
-      request.onsuccess = () => resolve(request.result);
-      request.onerror = () => reject(request.error);
+      const db = open.result;
+      const request = action(db.transaction("keys", mode).objectStore("keys"));
+      request.onsuccess = () => { resolve(request.result); db.close(); };
+      request.onerror = () => { reject(request.error); db.close(); };
     };
   });
 }

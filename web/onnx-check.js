@@ -76,6 +76,9 @@ function walkGraph(bytes, f, depth, ops, what) {
   for (const t of sub(graph, 15)) checkSparse(bytes, t, "a sparse initializer", what);
   for (const n of sub(graph, 1)) {  // NodeProto: op_type = 4, attribute = 5, domain = 7
     const node = fields(bytes, n.start, n.end);
+    // protobuf keeps the last of a repeated singular field; a parser that kept the first would disagree
+    // with onnxruntime about which op runs, so a node that repeats either field is refused
+    if (sub(node, 4).length > 1 || sub(node, 7).length > 1) refuse(what, "has a node that names its op or domain twice");
     const opType = sub(node, 4).map((x) => text(bytes, x))[0] || "";
     const domain = sub(node, 7).map((x) => text(bytes, x))[0] || "";
     if (domain !== "" && domain !== "ai.onnx") refuse(what, "uses op " + opType + " of domain " + domain + " (only standard ONNX ops run)");

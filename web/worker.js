@@ -45,12 +45,19 @@ function feeds(weights, inputs, targets, index) {
   return out;
 }
 
+function setting(config, key, fallback) {
+  const value = config[key] === undefined ? fallback : config[key];
+  if (typeof value !== "number" || !Number.isFinite(value)) throw new Error("the task's config has no number '" + key + "'");
+  return value;
+}
+
 async function train(message) {
   const config = message.config;
-  const lr = Math.fround(config["learning-rate"]), momentum = Math.fround(config.momentum);
-  const mu = Math.fround(config["proximal-mu"] || 0), batch = config["batch-size"], epochs = config["local-epochs"];
-  const weights = {};
-  for (const [name, data] of Object.entries(message.weights)) weights[name] = Float32Array.from(data);
+  const lr = Math.fround(setting(config, "learning-rate")), momentum = Math.fround(setting(config, "momentum"));
+  const mu = Math.fround(setting(config, "proximal-mu", 0));
+  const batch = setting(config, "batch-size"), epochs = setting(config, "local-epochs");
+  const weights = {};  // copies, each in its manifest dtype (buffers such as int64 counters pass through unchanged)
+  for (const entry of manifest.state) weights[entry.name] = new TYPES[entry.dtype](message.weights[entry.name]);
   const anchor = {}, velocity = {};
   const trainable = manifest.state.filter((e) => e.trainable);
   for (const entry of trainable) anchor[entry.name] = Float32Array.from(weights[entry.name]);
@@ -63,9 +70,9 @@ async function train(message) {
         const p = weights[entry.name], g = out["grad:" + entry.name].data, a = anchor[entry.name];
         const v = velocity[entry.name];
         const nv = v || new Float32Array(p.length);
-        for (let i = 0; i < p.length; i++) {
-          const grad = mu ? Math.fround(g[i] + Math.fround(mu * Math.fround(p[i] - a[i]))) : g[i];
-          nv[i] = v ? Math.fround(Math.fround(momentum * v[i]) + grad) : grad;
+        for (let i = 0; i < p.length; i++) {  // MomentumUpdate: the proximal term when mu > 0, momentum when m > 0
+          const grad = mu > 0 ? Math.fround(g[i] + Math.fround(mu * Math.fround(p[i] - a[i]))) : g[i];
+          nv[i] = v && momentum > 0 ? Math.fround(Math.fround(momentum * v[i]) + grad) : grad;
           p[i] = Math.fround(p[i] - Math.fround(lr * nv[i]));
         }
         velocity[entry.name] = nv;
@@ -78,23 +85,37 @@ async function train(message) {
   return {weights: weights, stats: {loss: total / Math.max(seen, 1), numExamples: size, samplesProcessed: seen, steps: steps}};
 }
 
+// fedge.edge.trainer.NUMPY_METRICS, per batch: accuracy (argmax over the last axis), mse and mae
+// (the output squeezed to the targets' shape)
+const METRICS = {
+  accuracy: (output, targets, n) => {
+    const classes = output.data.length / n;
+    let correct = 0;
+    for (let i = 0; i < n; i++) {
+      let best = 0;
+      for (let c = 1; c < classes; c++) if (output.data[i * classes + c] > output.data[i * classes + best]) best = c;
+      correct += best === Number(targets[i]) ? 1 : 0;
+    }
+    return correct / n;
+  },
+  mse: (output, targets) => targets.reduce((sum, t, i) => sum + (output.data[i] - Number(t)) ** 2, 0) / targets.length,
+  mae: (output, targets) => targets.reduce((sum, t, i) => sum + Math.abs(output.data[i] - Number(t)), 0) / targets.length,
+};
+
 async function evaluate(message) {
   const size = message.targets.dims[0];
-  let loss = 0, correct = 0;
+  const names = (manifest.metrics || []).filter((name) => name in METRICS);
+  const sums = {loss: 0};
+  for (const name of names) sums[name] = 0;
   for (let start = 0; start < size; start += 256) {
     const index = Array.from({length: Math.min(256, size - start)}, (_, i) => start + i);
     const out = await evalSession.run(feeds(message.weights, message.inputs, message.targets, index));
-    loss += Number(out.loss.data[0]) * index.length;
-    const output = out.output, classes = output.dims[1];
-    const targets = rows(message.targets.data, message.targets.dims, index);
-    for (let i = 0; i < index.length; i++) {
-      let best = 0;
-      for (let c = 1; c < classes; c++) if (output.data[i * classes + c] > output.data[i * classes + best]) best = c;
-      correct += BigInt(best) === BigInt(targets[i]) ? 1 : 0;
-    }
+    sums.loss += Number(out.loss.data[0]) * index.length;
+    const targets = Array.from(rows(message.targets.data, message.targets.dims, index));
+    for (const name of names) sums[name] += METRICS[name](out.output, targets, index.length) * index.length;
   }
-  const metrics = {loss: loss / size};
-  if ((manifest.metrics || []).includes("accuracy")) metrics.accuracy = correct / size;
+  const metrics = {};
+  for (const [name, total] of Object.entries(sums)) metrics[name] = total / size;
   return {metrics: metrics, numExamples: size};
 }
 
