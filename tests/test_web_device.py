@@ -166,7 +166,7 @@ def _tampered(bundle: Path, out: Path, change: Any) -> Path:
     with zipfile.ZipFile(bundle) as source:
         files = {name: source.read(name) for name in source.namelist()}
     change(files)
-    with zipfile.ZipFile(out, "w") as target:
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as target:
         for name, data in files.items():
             target.writestr(name, data)
     return out
@@ -186,6 +186,8 @@ def _altered_manifest(files: dict[str, bytes]) -> None:
     ("a graph byte changed", _flip_graph_byte, "train.onnx: its SHA-256 does not match"),
     ("the manifest altered", _altered_manifest, "the signature does not verify"),
     ("an extra file", lambda files: files.update({"extra.onnx": b"x"}), "differ from the manifest"),
+    ("a zip bomb (100 MB of zeros)", lambda files: files.update({"train.onnx": bytes(100 << 20)}),
+     "entry train.onnx declares a size its archive cannot hold"),
 ])
 def test_a_tampered_training_graph_is_refused_in_the_browser(tmp_path: Path, run: dict[str, Any], chromium: Any,
                                                             case: str, change: Any, reason: str) -> None:
