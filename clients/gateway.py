@@ -104,10 +104,19 @@ class Gateway:
         self.rounds_done = 0
         self._rng = random.Random()
 
-    def next_in_s(self) -> float:
-        """Pace steering: when a device should come back, spread over the poll interval."""
-        current = self.round
-        if self.exchange is not None or (current is not None and not current.complete.is_set() and not current.closed):
+    def next_in_s(self, device: str | None = None) -> float:
+        """Pace steering: when a device should come back, spread over the poll interval.
+
+        Soon (0.2-1 s) while a plain round is open, or, during a secure round, for ``device``
+        when it is in that round's pool; otherwise the idle interval (a secure round's steps
+        go to its pool only, so the others need not poll faster).
+        """
+        current, exchange = self.round, self.exchange
+        if exchange is not None:
+            busy = device is None or device in exchange.members
+        else:
+            busy = current is not None and not current.complete.is_set() and not current.closed
+        if busy:
             return round(self._rng.uniform(0.2, 1.0), 2)
         return round(self.settings.idle_poll_s * self._rng.uniform(0.5, 1.5), 2)
 
@@ -187,6 +196,7 @@ class Gateway:
                                                   str(header.get("graph", "")))
         try:
             devices = self.pool()
+            exchange.members.update(devices.values())  # paced to come back soon from now on
             log.info("round %d (train, secure aggregation): %d devices in this gateway's pool", server_round,
                      len(devices))
             pooled = secure_pool_round(exchange, devices, server_round=server_round, weights=weights,
@@ -263,7 +273,7 @@ def device_app(gateway: Gateway, *, max_body: int = 64 << 20, web: WebSite | Non
         session = await session_of(request, await _body(request, 0))
         frame = gateway.task_for(session)
         if frame is None:
-            return _json({"kind": "wait", "next-in-s": gateway.next_in_s()})
+            return _json({"kind": "wait", "next-in-s": gateway.next_in_s(session.device)})
         return Response(frame, media_type=FRAME_TYPE)
 
     async def result(request: Any) -> Any:
@@ -276,7 +286,7 @@ def device_app(gateway: Gateway, *, max_body: int = 64 << 20, web: WebSite | Non
             if exchange is None:
                 raise refused(409, "no secure-aggregation round is in flight; ask for a task first (GET /v1/task)")
             exchange.answer(session.device, frame)
-            return _json({"accepted": True, "next-in-s": gateway.next_in_s()})
+            return _json({"accepted": True, "next-in-s": gateway.next_in_s(session.device)})
         if current is None:
             raise refused(409, "no round is open; ask for a task first (GET /v1/task)")
         current.accept(session, frame, scales)

@@ -78,6 +78,7 @@ class SecureExchange:
     def __init__(self, seeds: Callable[[str], int], graph: str = "") -> None:
         self._steps: dict[str, Step] = {}  # by device name
         self._seeds, self.graph = seeds, graph
+        self.members: set[str] = set()  # the devices this round posted steps to (they are paced to come back soon)
         self._changed = threading.Condition()
 
     def post(self, messages: Iterable[Message], devices: Mapping[int, str], server_round: int) -> list[Step]:
@@ -96,6 +97,7 @@ class SecureExchange:
         with self._changed:
             for device, step in posted:
                 self._steps[device] = step
+                self.members.add(device)
         return [step for _, step in posted]
 
     def wait(self, steps: list[Step], timeout: float) -> list[Message]:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from fedge.aggregate import weighted_mean
-from fedge.clients.gateway import GatewaySettings
+from fedge.clients.gateway import Gateway, GatewaySettings
 from fedge.clients.gateway_pool import device_seed
 from fedge.clients.gateway_secure import SecureExchange, check_secure_settings
 from fedge.clients.protocol_device import Outcome, ProtocolDevice
@@ -214,3 +214,15 @@ def test_a_device_that_cannot_do_secure_aggregation_is_refused_at_check_in_by_a_
     else:
         with pytest.raises(DeviceProtocolError, match=re.escape(outcome)):
             sessions.check_in(body)
+
+
+def test_during_a_secure_round_only_its_pool_is_told_to_come_back_soon(tmp_path: Path) -> None:
+    # Prepare: a gateway idling at 30 s between polls, in a secure round whose pool is phone0
+    (tmp_path / "allow").mkdir()
+    gateway = Gateway(GatewaySettings(idle_poll_s=30), tmp_path / "allow", None)
+    gateway.exchange = SecureExchange(lambda device: 0)
+    gateway.exchange.members.add("phone0")
+    # Execute
+    member, outsider = gateway.next_in_s("phone0"), gateway.next_in_s("phone9")
+    # Assert: the pool within a second, the others at the idle pace (0.5-1.5 x 30 s)
+    assert 0.2 <= member <= 1.0 and 15.0 <= outsider <= 45.0
