@@ -40,8 +40,9 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedge.clients.gateway_pool import refused
 from fedge.device_protocol import Frame, assemble_frame, frame_tensors, records_from_json, records_to_json
-from fedge.errors import ConfigError, DeviceProtocolError
+from fedge.errors import ConfigError
 from fedge.strategies.drivers.secure import MIN_DEVICES, SecureAggregation
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.selection import RandomSelector
@@ -87,7 +88,7 @@ class SecureExchange:
         The frames are built before the lock is taken (devices' polls wait on it), and each
         distinct array record is encoded once (the masked step sends every device the same model).
         """
-        encoded: dict[int, tuple[list[dict[str, Any]], bytes]] = {}
+        encoded: dict[tuple[int, ...], tuple[list[dict[str, Any]], bytes]] = {}
         posted = []
         for message in messages:
             message.metadata.__dict__["_message_id"] = uuid4().hex
@@ -124,7 +125,7 @@ class SecureExchange:
         with self._changed:
             step = self._steps.get(device)
             if step is None or step.reply is not None or frame.header.get("task") != step.task:
-                raise _refused(409, "this result answers no secure-aggregation step of this device in flight "
+                raise refused(409, "this result answers no secure-aggregation step of this device in flight "
                                     "(the step it belonged to is over); ask for the current task")
             step.reply = _reply_message(step.message, frame)
             self._changed.notify_all()
@@ -136,20 +137,14 @@ class SecureExchange:
             return sum(step.reply is None for step in self._steps.values())
 
 
-def _refused(status: int, reason: str) -> DeviceProtocolError:
-    error = DeviceProtocolError(reason)
-    error.status = status
-    return error
-
-
 def _step_frame(message: Message, task: str, server_round: int, seed: int, graph: str,
-                encoded: dict[int, tuple[list[dict[str, Any]], bytes]]) -> bytes:
+                encoded: dict[tuple[int, ...], tuple[list[dict[str, Any]], bytes]]) -> bytes:
     """A secure-aggregation step as a device-protocol frame: records as JSON, arrays as tensors (``encoded``
-    keeps each array record's tensors, encoded once, by the record's identity)."""
+    keeps each set of array records' tensors, encoded once, by the records' identities)."""
     action = message.metadata.message_type.partition(".")[2]
     records = list(message.content.array_records.items())
-    key = id(records[0][1]) if len(records) == 1 else -1
-    if key not in encoded or key == -1:
+    key = tuple(id(record) for _, record in records)
+    if key not in encoded:
         encoded[key] = frame_tensors({f"{name}/{k}": array.numpy() for name, record in records
                                       for k, array in record.items()})
     header = {"kind": "secagg", "action": action, "task": task, "node": message.metadata.dst_node_id,
@@ -176,7 +171,7 @@ def _reply_message(message: Message, frame: Frame) -> Message:
         for name, values in arrays.items():
             content[name] = ArrayRecord(values)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
-        raise _refused(422, f"the step's records are malformed ({exc})") from None
+        raise refused(422, f"the step's records are malformed ({exc})") from None
     return Message(content, reply_to=message)
 
 
@@ -249,7 +244,7 @@ def check_secure_settings(raw: object) -> dict[str, float]:
     """The coordinator's secure-aggregation settings from a control header, each a number."""
     if not isinstance(raw, dict) or any(not isinstance(raw.get(key), int | float) or isinstance(raw.get(key), bool)
                                         for key in SECURE_KEYS):
-        raise _refused(400, f"control: 'secure' must hold numbers {', '.join(SECURE_KEYS)}")
+        raise refused(400, f"control: 'secure' must hold numbers {', '.join(SECURE_KEYS)}")
     return {key: float(raw[key]) for key in SECURE_KEYS}
 
 
@@ -266,7 +261,7 @@ def secure_pool_round(exchange: SecureExchange, devices: Mapping[int, str], *, s
         the global model, as a failed secure round does.
     """
     if len(devices) < MIN_DEVICES:
-        raise _refused(503, f"secure aggregation needs at least {MIN_DEVICES} devices in a gateway's pool, "
+        raise refused(503, f"secure aggregation needs at least {MIN_DEVICES} devices in a gateway's pool, "
                             f"{len(devices)} are checked in (with 2, each learns the other's update from the sum)")
     count = len(devices)
     try:
@@ -281,11 +276,11 @@ def secure_pool_round(exchange: SecureExchange, devices: Mapping[int, str], *, s
         new, metrics = driver.train_round(strategy, grid, server_round, arrays, ConfigRecord(dict(config)),
                                           step_timeout_s)
     except ConfigError as exc:  # e.g. secagg-bits too narrow for this pool's size
-        raise _refused(503, f"round {server_round}: secure aggregation over this gateway's {count} devices cannot "
+        raise refused(503, f"round {server_round}: secure aggregation over this gateway's {count} devices cannot "
                             f"run: {exc}") from None
     if new is None or metrics is None:
         failures = "; ".join(f"{r.node_id}: {r.reason}" for r in strategy.reports[-1].failed[:3])
-        raise _refused(503, f"round {server_round}: secure aggregation over this gateway's pool did not finish "
+        raise refused(503, f"round {server_round}: secure aggregation over this gateway's pool did not finish "
                             f"({failures or 'too few devices finished'}); the coordinator keeps its model")
     return PoolSum({name: array.numpy() for name, array in new.items()}, float(metrics["weight"]),  # type: ignore[arg-type]
                    int(metrics["accepted"]))  # type: ignore[arg-type]

@@ -30,18 +30,15 @@ function rows(source, dims, index) {  // the rows `index` of an array shaped [N,
   return out;
 }
 
-function feeds(weights, inputs, targets, index) {
+function feeds(weights, inputs, targets, index) {  // the graph's feeds for the examples `index`
   const out = {};
   for (const entry of manifest.state) {
     out["state:" + entry.name] = tensor(entry.dtype, weights[entry.name], entry.shape);
   }
   manifest.inputs.forEach((spec, i) => {
-    const data = index ? rows(inputs[i].data, inputs[i].dims, index) : inputs[i].data;
-    const dims = [index ? index.length : inputs[i].dims[0], ...inputs[i].dims.slice(1)];
-    out[spec.name] = tensor(spec.dtype, data, dims);
+    out[spec.name] = tensor(spec.dtype, rows(inputs[i].data, inputs[i].dims, index), [index.length, ...inputs[i].dims.slice(1)]);
   });
-  const targetData = index ? rows(targets.data, targets.dims, index) : targets.data;
-  out.targets = tensor(manifest.targets.dtype, targetData, [index ? index.length : targets.dims[0], ...targets.dims.slice(1)]);
+  out.targets = tensor(manifest.targets.dtype, rows(targets.data, targets.dims, index), [index.length, ...targets.dims.slice(1)]);
   return out;
 }
 
