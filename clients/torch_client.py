@@ -8,16 +8,17 @@ from flwr.app import Array, ArrayRecord, Message
 from fedge import wire
 from fedge.clients.common import LocalWork, TrainOrder, received_weights
 from fedge.config import RunConfig
-from fedge.task.api import Task, TaskData, seeded_model
+from fedge.task.api import Task, TaskData
 from fedge.task.models import load_arrays, model_arrays
 from fedge.task.training import evaluate, pick_device, train_local
+from fedge.task.widths import model_for
 
 
 def torch_local_work(msg: Message, config: RunConfig, order: TrainOrder, task: Task,
                      data: TaskData) -> tuple[ArrayRecord, dict[str, np.ndarray], LocalWork]:
     """Train the instruction's weights on ``data`` with torch; the trained arrays and the base weights."""
-    model = seeded_model(task, config.integer("seed"))
     base = received_weights(msg.content.array_records[wire.ARRAYS])
+    model = model_for(task, {name: value.shape for name, value in base.items()}, seed=config.integer("seed"))
     load_arrays(model, ArrayRecord({k: Array(v) for k, v in base.items()}), source="global arrays")
     stats = train_local(
         task, model, data, epochs=order.epochs, batch_size=order.batch_size,
@@ -30,8 +31,9 @@ def torch_local_work(msg: Message, config: RunConfig, order: TrainOrder, task: T
 
 def torch_scores(msg: Message, config: RunConfig, task: Task, data: TaskData) -> dict[str, float]:
     """The task's metrics of the instruction's weights on ``data`` (unsummarised means)."""
-    model = seeded_model(task, config.integer("seed"))
-    load_arrays(model, msg.content[wire.ARRAYS], source="global arrays")
+    arrays = msg.content.array_records[wire.ARRAYS]
+    model = model_for(task, {name: tuple(array.shape) for name, array in arrays.items()}, seed=config.integer("seed"))
+    load_arrays(model, arrays, source="global arrays")
     return evaluate(task, model, data, device=pick_device(config.text("device")), summarize=False)
 
 

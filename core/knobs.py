@@ -139,6 +139,10 @@ KNOBS: dict[str, Knob] = {
     "byzantine-attack": Knob("sign-flip", "what attacking devices send", "simulation", choices=("sign-flip", "scale")),
     "attack-scale": Knob(1.0, "size of the attack", "simulation", check=above(0)),
     # ---- heterogeneous fleets
+    "sub-models": Knob("off", "devices too small for the model: heterofl (each trains the leading channels at its "
+                       "profile's width), fedrolex (a rolling window), smallest (all on the fleet's smallest width), "
+                       "exclude (they sit out); a profile's model-width, or the widest that fits its memory-mb",
+                       "strategies", choices=("off", "heterofl", "fedrolex", "smallest", "exclude")),
     "round-policy": Knob("sync", "sync: wait for all; deadline: first K before deadline-s", "strategies",
                          choices=("sync", "deadline")),
     "deadline-s": Knob(60.0, "round deadline in seconds (round-policy = deadline)", "strategies", check=above(0)),

@@ -64,6 +64,7 @@ class DeviceProfile:
     dropout: float = 0.0
     online_hours: tuple[tuple[float, float], ...] = ()
     runtime: str = "torch"
+    model_width: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("compute_rate", "uplink_mbps", "downlink_mbps"):
@@ -82,6 +83,9 @@ class DeviceProfile:
         if self.runtime not in RUNTIMES:
             raise ConfigError(f"profile '{self.name}': runtime must be one of {', '.join(RUNTIMES)}, "
                               f"got {self.runtime!r}")
+        if self.model_width is not None and (not _is_number(self.model_width) or not 0 < self.model_width <= 1):
+            raise ConfigError(f"profile '{self.name}': model_width must be a number in (0, 1] (1: the whole model, "
+                              f"0.25: a quarter of every hidden layer), got {self.model_width!r}")
         for window in self.online_hours:
             if (not isinstance(window, tuple) or len(window) != 2 or not all(map(_is_number, window))
                     or not 0 <= window[0] < window[1] <= 24):
@@ -145,6 +149,7 @@ _TOML_FIELDS = {
     "dropout": "dropout",
     "online-hours": "online_hours",
     "runtime": "runtime",
+    "model-width": "model_width",
 }
 
 
@@ -277,7 +282,7 @@ def load_profiles_toml(path: str | Path) -> tuple[dict[str, DeviceProfile], dict
 
 def _profile_from_table(name: str, table: dict[str, object]) -> DeviceProfile:
     unknown = set(table) - set(_TOML_FIELDS)
-    missing = set(_TOML_FIELDS) - {"availability", "dropout", "online-hours", "runtime"} - set(table)
+    missing = set(_TOML_FIELDS) - {"availability", "dropout", "online-hours", "runtime", "model-width"} - set(table)
     if unknown or missing:
         raise ConfigError(
             f"profile '{name}': unknown keys {sorted(unknown)} / missing keys {sorted(missing)};"
@@ -305,7 +310,7 @@ def _profile_from_table(name: str, table: dict[str, object]) -> DeviceProfile:
 
 _FILE_TABLES = ("profiles", "fleet")
 _NUMBER_KEYS = {"compute-rate": 50, "uplink-mbps": 2, "downlink-mbps": 10, "memory-mb": 512, "availability": 0.6,
-                "dropout": 0.1}
+                "dropout": 0.1, "model-width": 0.25}
 
 
 def _refuse_unknown_tables(path: str | Path, data: dict[str, object]) -> None:

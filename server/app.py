@@ -31,12 +31,14 @@ from fedge.server.metering import MeteredGrid, reply_seconds
 from fedge.server.privacy import CLIENT_CLIPPING, build_privacy
 from fedge.server.recorder import RoundRecorder
 from fedge.server.report import config_summary, run_dir_for, write_json_atomic
+from fedge.server.submodels import build_sub_models
 from fedge.strategies import FedAvg, strategy_spec
 from fedge.strategies.drivers.asynchronous import AsynchronousDriver
 from fedge.strategies.drivers.secure import MIN_DEVICES, SecureAggregation
 from fedge.strategies.fedavg import DownlinkLayer, PrivacyLayer
 from fedge.strategies.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
 from fedge.strategies.selection import OortSelector, RandomSelector
+from fedge.strategies.submodels import SubModels
 from fedge.strategies.validation import ReplyValidator
 from fedge.task.api import Task, seeded_model
 from fedge.task.models import load_arrays, model_arrays
@@ -72,12 +74,13 @@ app = make_server_app()
 
 
 def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_names: frozenset[str] | None = None,
-                   privacy: PrivacyLayer | None = None, downlink: DownlinkLayer | None = None) -> FedAvg:
+                   privacy: PrivacyLayer | None = None, downlink: DownlinkLayer | None = None,
+                   submodels: SubModels | None = None) -> FedAvg:
     """The strategy named by ``strategy``, sampling ``clients-per-round`` devices a round.
 
     Its rule comes from the strategy's class, its driver from the run config (secure
     aggregation, or the strategy's own: synchronous, FedBuff's asynchronous); ``buffer_names``
-    (the model's statistics), ``privacy`` and ``downlink`` are its collaborators.
+    (the model's statistics), ``privacy``, ``downlink`` and ``submodels`` are its collaborators.
     ``num_nodes`` (the simulated fleet's size) is checked against ``clients-per-round``;
     in deployment it is unknown and the strategy waits for devices to connect.
     """
@@ -111,6 +114,7 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_na
         buffer_names=buffer_names,
         privacy=privacy,
         downlink=downlink,
+        submodels=submodels,
         **extra,
     )
     if config["gateways"]:
@@ -263,9 +267,10 @@ def check_deployment(config: RunConfig, *, registered: int | None) -> None:
     fleet = fleet_of(config)
     task = load_task(config)
     check_task(task, config)
-    build_strategy(config, None, privacy=build_privacy(config, registered or per_round))
     check_codecs(config, fleet)
     model = seeded_model(task, config.integer("seed"))
+    build_strategy(config, None, privacy=build_privacy(config, registered or per_round),
+                   submodels=build_sub_models(config, task, model, fleet))
     check_deadline(config, fleet, sum(len(array.data) for array in model_arrays(model).values()))
 
 
@@ -330,9 +335,11 @@ def run_coordinator(
                     source=f"checkpoint '{config['init-checkpoint']}'")
     check_codecs(config, fleet)
     downlink = DownlinkEncoder(config, seed=config.integer("seed"))
+    submodels = build_sub_models(config, task, model, fleet)
     strategy = build_strategy(config, fleet.size if simulated else None,
                               buffer_names=frozenset(name for name, _ in model.named_buffers()),  # never stepped
-                              privacy=build_privacy(config, fleet.size), downlink=downlink if downlink.active else None)
+                              privacy=build_privacy(config, fleet.size), downlink=downlink if downlink.active else None,
+                              submodels=submodels)
     check_deadline(config, fleet, sum(len(array.data) for array in model_arrays(model).values()))
     training = training_graph_for(task, model, config, fleet, simulated=simulated)
     run_dir = run_dir_for(config, task.name)

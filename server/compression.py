@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
@@ -21,6 +20,7 @@ from fedge.codec import codec_for, encode_tensor, parse_codec
 from fedge.config import CODEC_PREFIXES, Scalar, codec_policy
 from fedge.errors import ConfigError
 from fedge.profiles import Fleet
+from fedge.strategies.node_profiles import NodeProfiles
 
 log = logging.getLogger("fedge.server.compression")
 
@@ -60,8 +60,8 @@ class DownlinkEncoder:
     def __init__(self, config: Mapping[str, Scalar], *, seed: int = 0) -> None:
         self.policy = {k: v for k, v in config.items() if k.startswith(CODEC_PREFIXES)}
         self.rng = np.random.default_rng(seed)
-        self.profiles: dict[int, str] = {}
-        self._cache: dict[tuple[int, str], ArrayRecord] = {}
+        self.profiles = NodeProfiles()
+        self._cache: dict[tuple[int, str, int], tuple[ArrayRecord, ArrayRecord]] = {}
 
     @property
     def active(self) -> bool:
@@ -69,27 +69,26 @@ class DownlinkEncoder:
         return any(not parse_codec(str(v)).lossless for k, v in self.policy.items() if k.startswith("downlink."))
 
     def record_for(self, node: int, record: RecordDict, grid: Grid, server_round: int) -> RecordDict:
-        """``record`` with its arrays encoded for ``node``'s profile (unchanged for fp32)."""
+        """``record`` with its arrays encoded for ``node``'s profile (unchanged for fp32).
+
+        Encoded once per codec and per model a round sends (the global model, or one
+        sub-model per width and window: keyed by the record's identity, which the cache holds).
+        """
         codec = codec_for(self.profile_of(node, grid), self.policy, "downlink")
         if codec.lossless:
             return record
-        key = (server_round, codec.name)
+        arrays = record.array_records[wire.ARRAYS]
+        key = (server_round, codec.name, id(arrays))
         if key not in self._cache:
             self._cache = {k: v for k, v in self._cache.items() if k[0] == server_round}
-            arrays = record.array_records[wire.ARRAYS]
-            self._cache[key] = ArrayRecord({name: encode_tensor(array.numpy(), codec, self.rng, full=True)
-                                            for name, array in arrays.items()})
-        return RecordDict({wire.ARRAYS: self._cache[key], wire.CONFIG: record.config_records[wire.CONFIG]})
+            self._cache[key] = (arrays, ArrayRecord({name: encode_tensor(array.numpy(), codec, self.rng, full=True)
+                                                     for name, array in arrays.items()}))
+        return RecordDict({wire.ARRAYS: self._cache[key][1], wire.CONFIG: record.config_records[wire.CONFIG]})
 
     def profile_of(self, node: int, grid: Grid) -> str:
         """The profile of ``node``, as far as the coordinator knows it."""
-        lookup: Any = getattr(grid, "node_profile", None)
-        known = lookup(node) if callable(lookup) else None
-        return str(known or self.profiles.get(node, ""))
+        return self.profiles.of(node, grid)
 
     def learn(self, replies: list[Message]) -> None:
         """Remember the profiles devices named in their replies."""
-        for reply in replies:
-            meta = None if reply.has_error() else wire.read_reply_meta_or_none(reply.content)
-            if meta and meta.profile:
-                self.profiles[reply.metadata.src_node_id] = meta.profile
+        self.profiles.learn(replies)

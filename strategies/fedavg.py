@@ -39,6 +39,7 @@ from fedge.strategies.policies import RoundPolicy, SyncPolicy
 from fedge.strategies.registry import register
 from fedge.strategies.rule import LinearRule, RoundContext, Rule, Update
 from fedge.strategies.selection import RandomSelector
+from fedge.strategies.submodels import SubModels
 from fedge.strategies.timing import durations
 from fedge.strategies.validation import AcceptedUpdate, Failure, Rejection, ReplyValidator
 
@@ -112,6 +113,11 @@ class FedAvg(FlowerFedAvg):
         Per-device downlink codecs (:mod:`fedge.server.compression`).
     buffer_names : frozenset, optional
         The model's statistics (BatchNorm buffers): averaged, never stepped.
+    submodels : SubModels, optional
+        Width-scaled sub-models (HeteroFL, FedRolex; :mod:`fedge.strategies.submodels`): each
+        device is sent, and replies with, the window of the model its profile can hold, and
+        each entry is averaged over the devices that held it. Only rules that take them
+        (``Rule.takes_sub_models``: the FedAvg family's linear rules).
     min_train_replies : int
         Accepted updates needed to change the global model.
     flower_lines : bool
@@ -135,6 +141,7 @@ class FedAvg(FlowerFedAvg):
         privacy: PrivacyLayer | None = None,
         downlink: DownlinkLayer | None = None,
         buffer_names: frozenset[str] | None = None,
+        submodels: SubModels | None = None,
         clients_per_round: int | None = None,
         validator: ReplyValidator | None = None,
         selector: RandomSelector | None = None,
@@ -169,6 +176,11 @@ class FedAvg(FlowerFedAvg):
         self.driver: Driver = driver or SyncDriver()
         self.downlink = downlink
         self.privacy = privacy
+        self.submodels = submodels
+        if submodels is not None and not self.rule.takes_sub_models:
+            raise ConfigError(f"{type(self).__name__}'s rule {type(self.rule).__name__} needs every update whole "
+                              "(order statistics, distances or whole-model normalisation are not per-entry means); "
+                              "sub-models run with fedavg, fedprox, fedavgm, fedadam, fedyogi or fedadagrad")
         if privacy is not None:
             privacy.attach(self)
         self.driver.bind(self)
@@ -238,6 +250,8 @@ class FedAvg(FlowerFedAvg):
         self.selector.observe(server_round, replies, durations(grid))
         if self.downlink is not None:
             self.downlink.learn(replies)
+        if self.submodels is not None:
+            self.submodels.learn(replies)
 
     def state_dict(self) -> dict[str, NDArray[np.generic]]:
         """The rule's state, checkpointed with the model (FedAvg's has none; FedAvgM's velocity, ...)."""
@@ -276,9 +290,12 @@ class FedAvg(FlowerFedAvg):
 
     def _instruction(self, node: int, record: RecordDict, config: ConfigRecord, server_round: int,
                      grid: Grid) -> RecordDict:
-        """One device's train instruction: fewer epochs for a straggler, the model in its downlink codec."""
+        """One device's train instruction: fewer epochs for a straggler, its sub-model, the model in its
+        downlink codec."""
         if node in self.stragglers:
             record = self._straggler_record(record, config, server_round, node)
+        if self.submodels is not None:
+            record = self.submodels.record_for(node, record, grid, server_round)
         if self.downlink is not None:
             record = self.downlink.record_for(node, record, grid, server_round)
         return record
@@ -296,6 +313,20 @@ class FedAvg(FlowerFedAvg):
         partial = random.Random(server_round * 1_000_003 + node).randint(1, max(epochs - 1, 1))
         return RecordDict({self.arrayrecord_key: record[self.arrayrecord_key],
                            self.configrecord_key: ConfigRecord({**config, "local-epochs": partial})})
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Flower's evaluate instructions; under sub-models each device evaluates the window it can hold."""
+        messages = super().configure_evaluate(server_round, arrays, config, grid)
+        if self.submodels is None:
+            return messages
+        submodels = self.submodels
+        submodels.begin_round(server_round)
+        return [Message(submodels.record_for(message.metadata.dst_node_id, message.content, grid, server_round,
+                                             train=False),
+                        dst_node_id=message.metadata.dst_node_id, message_type=message.metadata.message_type)
+                for message in messages if submodels.width_of(message.metadata.dst_node_id, grid) is not None]
 
     def devices_needed(self) -> int:
         """Devices that must be connected before a round starts."""
@@ -316,6 +347,8 @@ class FedAvg(FlowerFedAvg):
         least ``min_train_replies``; otherwise none (the round fails and the model is kept).
         """
         nodes = self.wait_for_devices(server_round, grid)
+        if self.submodels is not None:  # `exclude`: devices too small for the model sit out
+            nodes = self.submodels.eligible(nodes, grid)
         if len(nodes) < self.min_train_replies:
             log.warning("round %d: only %d devices connected (< min-train-replies %d); round skipped",
                         server_round, len(nodes), self.min_train_replies)
@@ -363,7 +396,8 @@ class FedAvg(FlowerFedAvg):
         records: list[RecordDict] = []
 
         def accepted() -> Iterator[Update]:
-            for verdict in self.validator.screen(server_round, replies, reference):
+            reference_of = self.submodels.reference_of if self.submodels is not None else None
+            for verdict in self.validator.screen(server_round, replies, reference, reference_of):
                 if verdict.node_id in self.stragglers and not self.keeps_partial_work:
                     report.late += 1  # FedAvg drops stragglers
                     continue
@@ -375,6 +409,8 @@ class FedAvg(FlowerFedAvg):
                     report.accepted += 1
                     self._count_inputs(report, verdict)
                     update = _update_of(verdict, uniform=self.privacy is not None)  # DP: the uniform mean
+                    if self.submodels is not None:
+                        update.window = self.submodels.windows.get(verdict.node_id)
                     records.append(RecordDict({"metrics": next(iter(verdict.content.metric_records.values()))}))
                     metric_rows.append({k: float(v) for k, v in update.metrics.items() if k == wire.TRAIN_LOSS})
                     weights.append(update.weight)

@@ -21,6 +21,7 @@ class NormalisedMean(LinearRule):
     needs_global_model = True  # steps from the global model configure_train sent
     takes_stale_updates = False  # normalises by local steps, which asynchronous arrivals do not carry
     hierarchical = False  # normalises each device's steps, which a gateway's mean does not carry
+    takes_sub_models = False  # its normalised sums are whole-model; a per-entry version is not written
 
     def __init__(self, *, local_momentum: float = 0.0) -> None:
         super().__init__()

@@ -19,6 +19,8 @@ A rule declares what drivers may do with it:
 * ``needs_global_model``: it steps from the model the round started from;
 * ``takes_stale_updates``: it folds updates trained from older models (``Update.base``), as
   the asynchronous driver sends them;
+* ``takes_sub_models``: it folds updates of width-scaled sub-models (``Update.window``), each
+  entry averaged over the updates that hold it (HeteroFL, FedRolex: :mod:`fedge.widths`);
 * state to checkpoint: :meth:`Rule.state_dict`, whose keys name what a checkpoint holds.
 """
 
@@ -33,6 +35,7 @@ from numpy.typing import NDArray
 
 from fedge.aggregate import WeightedMeanAccumulator, statistic_names
 from fedge.errors import CheckpointMismatch
+from fedge.widths import CoverageMean, Window
 
 Arrays = dict[str, NDArray[np.generic]]
 
@@ -56,6 +59,9 @@ class Update:
     base : Mapping, optional
         The model the device trained from when that is not the round's global model (an
         asynchronous driver's stale update); None otherwise.
+    window : Window, optional
+        The part of the global model the device trained (a width-scaled sub-model, see
+        :mod:`fedge.widths`); None: the whole model.
     """
 
     node_id: int
@@ -64,6 +70,7 @@ class Update:
     steps: int | None = None
     metrics: Mapping[str, Any] = field(default_factory=dict)
     base: Mapping[str, NDArray[np.generic]] | None = None
+    window: Window | None = None
 
 
 class RoundContext:
@@ -114,6 +121,7 @@ class Rule:
     hierarchical: ClassVar[bool] = False
     needs_each_update: ClassVar[bool] = False
     takes_stale_updates: ClassVar[bool] = False
+    takes_sub_models: ClassVar[bool] = False
     needs_global_model: bool = False
     state_prefixes: ClassVar[tuple[str, ...]] = ()  # what the keys of its state_dict start with
 
@@ -167,24 +175,37 @@ class LinearRule(Rule):
     linear = True
     hierarchical = True  # the weighted mean of pool means is the weighted mean
     takes_stale_updates = True  # rebased onto the round's model (see fold)
+    takes_sub_models = True  # a per-entry weighted mean (see fold)
     work_momentum: float | None = None  # FedNova: the devices' momentum in its local-work norm
 
     def begin(self, context: RoundContext) -> None:  # noqa: D102
         super().begin(context)
         self.mean = WeightedMeanAccumulator()
+        self.entries: CoverageMean | None = None  # sub-models' updates: each entry's own weighted mean
 
     def fold(self, update: Update) -> None:
         """Add ``update`` to the weighted sum and let its arrays go.
 
         An update trained from an older model (``update.base``) counts as its change applied
-        to the round's model; its statistics (BatchNorm buffers) count as they are.
+        to the round's model; its statistics (BatchNorm buffers) count as they are. An update
+        of a sub-model (``update.window``) adds to the entries its window holds.
         """
-        arrays = update.arrays if update.base is None else self.rebased(update.arrays, update.base)
-        self.mean.add(arrays, update.weight)
+        if update.window is not None:
+            if self.entries is None:
+                self.entries = CoverageMean({name: np.shape(value)
+                                             for name, value in self.context.global_numpy().items()})
+            self.entries.add(update.arrays, update.window, update.weight)
+        else:
+            arrays = update.arrays if update.base is None else self.rebased(update.arrays, update.base)
+            self.mean.add(arrays, update.weight)
         update.arrays.clear()  # folded in: let it go before the next reply is made or pulled
 
     def result(self) -> Arrays | None:
-        """:meth:`step` from the weighted mean; None without updates."""
+        """:meth:`step` from the weighted mean (per entry, for sub-models); None without updates."""
+        if self.entries is not None:
+            if self.mean.count:
+                raise ValueError("a round mixed updates with and without windows: give every update its window")
+            return self.step(self.entries.result(self.context.global_numpy()))
         return self.step(self.mean.result()) if self.mean.count else None
 
     def step(self, mean: Arrays) -> Arrays:

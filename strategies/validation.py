@@ -206,21 +206,28 @@ class ReplyValidator:
                                  f"for {num_examples} examples")
 
     def screen(
-        self, server_round: int, replies: Iterable[Message], reference: ArrayRecord
+        self, server_round: int, replies: Iterable[Message], reference: ArrayRecord,
+        reference_of: Callable[[int], ArrayRecord | None] | None = None,
     ) -> Iterator[AcceptedUpdate | Rejection]:
         """Judge one round's replies one at a time (lazily, so aggregation can stream).
 
         Yields an :class:`AcceptedUpdate`, a :class:`Rejection` (failed validation,
         logged) or a :class:`Failure` (the device replied with an error) per reply.
+        ``reference_of``: a device sent something else than ``reference`` (a sub-model, see
+        :mod:`fedge.strategies.submodels`), which its reply is checked against (None: ``reference``).
         """
-        spec = spec_of(reference)
-        weights = DecodedOnUse(reference)  # what compressed deltas are added to (plain updates never decode it)
+        checked_against = {id(reference): (spec_of(reference), DecodedOnUse(reference), reference)}
         for message in replies:
             node_id = message.metadata.src_node_id
             if message.has_error():
                 yield Failure(node_id, f"device error: {message.error.reason}",
                               systematic=message.error.code in SYSTEMATIC_ERRORS)
                 continue
+            own = reference_of(node_id) if reference_of is not None else None
+            sent = reference if own is None else own
+            if id(sent) not in checked_against:  # one spec and decoded copy per model a round sent
+                checked_against[id(sent)] = (spec_of(sent), DecodedOnUse(sent), sent)
+            spec, weights, _ = checked_against[id(sent)]
             try:
                 checked = self.read(message.content, server_round=server_round, spec=spec, reference=weights)
             except UpdateRejected as exc:

@@ -1,0 +1,237 @@
+"""Width-scaled sub-models: which entries of the global model a device of width ``r`` holds, and
+how their updates are averaged back. Numpy only (no torch, no Flower).
+
+A model's arrays have *hidden* axes (a layer's channels or hidden units) and *fixed* ones (the
+input layer's input, the output layer's classes). A device of width ``r`` holds, on every
+hidden axis of size ``S``, a window of ``r * S`` consecutive indices (mod ``S``) that starts at
+``offset * S``; fixed axes are whole. :class:`WidthPlan` says which axes are hidden;
+:meth:`WidthPlan.window` gives a device's window.
+
+* HeteroFL (Diao, Ding and Tarokh, "HeteroFL: Computation and Communication Efficient Federated
+  Learning for Heterogeneous Clients", ICLR 2021) takes the leading indices: offset 0, so the
+  sub-models are nested.
+* FedRolex (Alam, Liu, Yan and Zhang, "FedRolex: Model-Heterogeneous Federated Learning with
+  Rolling Sub-Model Extraction", NeurIPS 2022) rolls the window from round to round, so every
+  part of the global model is trained. The paper moves it one index a round; here it moves by
+  its own length (offset ``t * r`` mod 1 in round ``t``), so every entry is trained within
+  ``ceil(1 / r)`` rounds whatever the layer's size.
+
+Every hidden axis of a model takes the same *fraction* as its window, which is what keeps
+connected layers consistent without knowing the data flow: an axis of the same size gets
+the same indices, and a channel-major flattened axis (``C * H * W`` features from ``C``
+channels) gets exactly the features of the channels' window, because ``offset * C`` is an
+integer. :class:`CoverageMean` then averages each entry over the devices whose window holds
+it, weighted by their examples (HeteroFL's aggregation, the same for FedRolex); entries no
+device held keep the global model's value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedge.errors import ConfigError
+
+Arrays = Mapping[str, NDArray[np.generic]]
+AxisIndex = slice | NDArray[np.intp]  # a window on one axis: a slice when it does not wrap around
+
+MAX_DENOMINATOR = 1024  # widths are simple fractions (1/2, 1/4, 3/8); a float's binary noise is not
+
+
+def as_fraction(width: float) -> Fraction:
+    """``width`` as the simple fraction it stands for (``0.25`` -> 1/4, ``0.3`` -> 3/10).
+
+    Raises
+    ------
+    ConfigError
+        When ``width`` is not in (0, 1].
+    """
+    if isinstance(width, bool) or not isinstance(width, int | float | Fraction) or not 0 < width <= 1:
+        raise ConfigError(f"model width {width!r} must be a number in (0, 1], e.g. 0.5 or 0.25")
+    return Fraction(width).limit_denominator(MAX_DENOMINATOR)
+
+
+def rolling_offset(width: float, server_round: int) -> Fraction:
+    """FedRolex's window start in round ``server_round`` (1, 2, ...): ``(round - 1) * width`` mod 1."""
+    return (max(server_round - 1, 0) * as_fraction(width)) % 1
+
+
+@dataclass(frozen=True)
+class Window:
+    """The entries one device holds: per array, per axis, the indices (a slice, or an index array
+    when the window wraps around), ``None`` for a whole axis.
+
+    Attributes
+    ----------
+    width, offset : Fraction
+        The width ratio and the window's start, as a fraction of every hidden axis.
+    axes : Mapping[str, tuple[AxisIndex | None, ...]]
+        Each array's per-axis indices.
+    """
+
+    width: Fraction
+    offset: Fraction
+    axes: Mapping[str, tuple[AxisIndex | None, ...]]
+
+    @property
+    def full(self) -> bool:
+        """Whether this window is the whole model."""
+        return self.width == 1
+
+    def take(self, arrays: Arrays) -> dict[str, NDArray[np.generic]]:
+        """The window's part of ``arrays`` (the global model's shapes): contiguous copies."""
+        return {name: np.ascontiguousarray(_take(np.asarray(value), self.axes[name]))
+                for name, value in arrays.items()}
+
+    def outer_index(self, name: str, shape: tuple[int, ...]) -> tuple[slice | NDArray[np.intp], ...]:
+        """An index into the full array ``name`` (of ``shape``) that selects the window's block."""
+        axes = self.axes[name]
+        if all(index is None or isinstance(index, slice) for index in axes):
+            return tuple(slice(None) if index is None else index for index in axes)  # type: ignore[misc]
+        grids = [np.arange(size) if index is None else np.arange(size)[index] for index, size in zip(axes, shape,
+                                                                                                      strict=True)]
+        return np.ix_(*grids)
+
+    def describe(self) -> str:
+        """``width 1/4 at offset 1/2``."""
+        return f"width {self.width} at offset {self.offset}"
+
+
+def _take(value: NDArray[np.generic], axes: tuple[AxisIndex | None, ...]) -> NDArray[np.generic]:
+    for axis, index in enumerate(axes):
+        if isinstance(index, slice):
+            value = value[(slice(None),) * axis + (index,)]
+        elif index is not None:
+            value = np.take(value, index, axis=axis)
+    return value
+
+
+@dataclass(frozen=True)
+class WidthPlan:
+    """Which axes of each array scale with the width (the rest are the model's input and output).
+
+    Attributes
+    ----------
+    shapes : Mapping[str, tuple[int, ...]]
+        The full model's array shapes.
+    hidden : Mapping[str, tuple[int, ...]]
+        Each array's hidden axes (empty: the array is whole at every width).
+    """
+
+    shapes: Mapping[str, tuple[int, ...]]
+    hidden: Mapping[str, tuple[int, ...]]
+
+    def check_width(self, width: float) -> Fraction:
+        """``width`` as a fraction, refused unless it cuts every hidden axis into whole indices.
+
+        Raises
+        ------
+        ConfigError
+            Naming the first array and axis the width does not divide.
+        """
+        ratio = as_fraction(width)
+        for name, axes in self.hidden.items():
+            for axis in axes:
+                size = self.shapes[name][axis]
+                if (ratio * size).denominator != 1:
+                    raise ConfigError(
+                        f"model width {width:g} gives {float(ratio * size):g} of the {size} entries of axis {axis} of "
+                        f"'{name}'; use a width w with w * {size} a whole number (1/2, 1/4, 1/8 for powers of two)")
+        return ratio
+
+    def sub_shapes(self, width: float) -> dict[str, tuple[int, ...]]:
+        """The shapes a device of ``width`` holds."""
+        ratio = self.check_width(width)
+        return {name: tuple(int(ratio * size) if axis in self.hidden[name] else size
+                            for axis, size in enumerate(shape)) for name, shape in self.shapes.items()}
+
+    def window(self, width: float, offset: Fraction = Fraction(0)) -> Window:
+        """The entries a device of ``width`` holds when its window starts at ``offset`` (a fraction in [0, 1))."""
+        ratio = self.check_width(width)
+        if not 0 <= offset < 1:
+            raise ValueError(f"window offset {offset} must be in [0, 1)")
+        return Window(ratio, offset, {name: tuple(_axis_window(size, ratio, offset) if axis in self.hidden[name]
+                                                  else None for axis, size in enumerate(shape))
+                                      for name, shape in self.shapes.items()})
+
+    def parameters_at(self, width: float) -> int:
+        """Entries a device of ``width`` holds."""
+        return sum(int(np.prod(shape, dtype=np.int64)) for shape in self.sub_shapes(width).values())
+
+
+def _axis_window(size: int, width: Fraction, offset: Fraction) -> AxisIndex | None:
+    """``width * size`` consecutive indices of ``range(size)`` from ``offset * size``, wrapping around."""
+    count, start = int(width * size), int(offset * size)  # whole numbers: check_width and the offset's rule
+    if count == size:
+        return None
+    if start + count <= size:
+        return slice(start, start + count)
+    return (start + np.arange(count, dtype=np.intp)) % size
+
+
+class CoverageMean:
+    """Each entry's weighted mean over the updates whose window holds it; streaming, O(model) memory.
+
+    HeteroFL's aggregation (Diao et al., ICLR 2021, eq. 3): a parameter entry is averaged over
+    the devices that trained it, weighted by their examples. Two float64 buffers per array (the
+    weighted sums and the weights that reached each entry), whatever the number of updates.
+    """
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.shapes = dict(shapes)
+        self._sums = {name: np.zeros(shape, np.float64) for name, shape in self.shapes.items()}
+        self._weights = {name: np.zeros(shape, np.float64) for name, shape in self.shapes.items()}
+        self.count = 0
+
+    def add(self, update: Arrays, window: Window, weight: float) -> None:
+        """Add ``weight * update`` (the window's part of the model) to the entries the window holds.
+
+        Raises
+        ------
+        ValueError
+            A weight that is not positive and finite, or an update whose names or shapes are
+            not the window's.
+        """
+        if not np.isfinite(weight) or weight <= 0:
+            raise ValueError(f"weight must be positive and finite, got {weight}")
+        if update.keys() != self._sums.keys():
+            raise ValueError(f"update names {sorted(update)} differ from {sorted(self._sums)}")
+        for name, value in update.items():
+            index = window.outer_index(name, self.shapes[name])
+            block = self._sums[name][index]
+            if np.shape(value) != block.shape:
+                raise ValueError(f"'{name}' has shape {np.shape(value)}; {window.describe()} holds {block.shape}")
+            self._sums[name][index] = block + np.multiply(value, weight, dtype=np.float64)
+            self._weights[name][index] += weight
+        self.count += 1
+
+    def coverage(self) -> dict[str, NDArray[np.float64]]:
+        """The total weight that reached each entry (0: no update held it)."""
+        return self._weights
+
+    def result(self, base: Arrays) -> dict[str, NDArray[np.generic]]:
+        """The per-entry mean, ``base``'s value where no update held an entry, in ``base``'s dtypes."""
+        if self.count == 0:
+            raise ValueError("no updates were added; nothing to average")
+        out: dict[str, NDArray[np.generic]] = {}
+        for name, sums in self._sums.items():
+            weights, start = self._weights[name], np.asarray(base[name])
+            mean = np.divide(sums, weights, out=start.astype(np.float64), where=weights > 0)
+            if np.issubdtype(start.dtype, np.integer):
+                mean = np.rint(mean)
+            out[name] = np.asarray(mean).astype(start.dtype)
+        return out
+
+
+def covered_within(plan: WidthPlan, width: float, rounds: Iterable[int]) -> dict[str, NDArray[np.bool_]]:
+    """Which entries FedRolex's window of ``width`` holds in at least one of ``rounds``."""
+    seen = {name: np.zeros(shape, bool) for name, shape in plan.shapes.items()}
+    for server_round in rounds:
+        window = plan.window(width, rolling_offset(width, server_round))
+        for name, shape in plan.shapes.items():
+            seen[name][window.outer_index(name, shape)] = True
+    return seen

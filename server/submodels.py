@@ -1,0 +1,117 @@
+"""The coordinator's side of width-scaled sub-models: each profile's width, refused at start when it cannot work.
+
+A profile's width is its ``model-width`` when the fleet file declares one, else the largest
+width of :data:`fedge.task.widths.WIDTH_LADDER` whose training memory (estimated from the
+sub-model's parameters and its activations at ``batch-size``:
+:func:`fedge.task.widths.training_memory_bytes`) fits the profile's ``memory-mb``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from fedge.config import RunConfig
+from fedge.errors import ConfigError
+from fedge.profiles import Fleet
+from fedge.strategies.submodels import SubModels, extraction
+from fedge.task.api import Task
+from fedge.task.widths import check_widths, memory_at, width_plan, widest_fitting
+from fedge.widths import WidthPlan
+
+log = logging.getLogger("fedge.server")
+
+WHERE = "docs/sub-models.md"
+
+
+@dataclass(frozen=True)
+class ProfileWidth:
+    """One profile's width and why: declared, or what fits its memory."""
+
+    profile: str
+    width: float | None
+    declared: bool
+    memory_mb: int
+    estimate_mb: float | None
+
+    def describe(self) -> str:
+        """``phone 0.25 (fits 64 MiB: 14.8 MiB)``."""
+        shown = "sits out" if self.width is None else f"{self.width:g}"
+        why = "declared" if self.declared else f"fits {self.memory_mb} MiB"
+        estimate = "" if self.estimate_mb is None else f": {self.estimate_mb:.1f} MiB"
+        return f"{self.profile} {shown} ({why}{estimate})"
+
+
+def check_sub_models(config: RunConfig, fleet: Fleet) -> None:
+    """Refuse, in one line each, what sub-models do not run with (yet)."""
+    if config.text("sub-models") == "off":
+        return
+    refusals = {
+        "secure-aggregation": (config["secure-aggregation"], "masks per width group (one SecAgg+ instance each) are "
+                               "not built yet"),
+        "asynchronous": (config["asynchronous"], "stale updates of another round's window are not rebased per entry"),
+        "dp": (config.text("dp") != "off", "DP clips and noises the whole model's update, not a window's"),
+        "gateways": (config["gateways"], "a gateway averages its pool into one whole-model update"),
+    }
+    for knob, (chosen, why) in refusals.items():
+        if chosen:
+            raise ConfigError(f"sub-models = {config['sub-models']} cannot run with {knob} = {config[knob]} ({why}); "
+                              f"turn one off ({WHERE})")
+    onnx = sorted(name for name, _ in fleet.mix if fleet.profile(name).runtime == "onnx")
+    if onnx:
+        raise ConfigError(f"sub-models = {config['sub-models']}: profiles {', '.join(onnx)} train with the onnx "
+                          f"runtime, whose training graph per width is not built yet; give them runtime = \"torch\" "
+                          f"or set sub-models = \"off\" ({WHERE})")
+
+
+def profile_widths(config: RunConfig, task: Task, fleet: Fleet, plan: WidthPlan) -> list[ProfileWidth]:
+    """Each profile's width: declared (``model-width``) or the widest whose training fits ``memory-mb``."""
+    batch, seed = config.integer("batch-size"), config.integer("seed")
+    found = []
+    for name, profile in fleet.profiles.items():
+        if profile.model_width is not None:
+            plan.check_width(profile.model_width)
+            found.append(ProfileWidth(name, profile.model_width, True, profile.memory_mb,
+                                      memory_at(task, profile.model_width, batch, seed) / 2**20))
+            continue
+        width = widest_fitting(task, profile.memory_mb, batch, seed=seed)
+        estimate = None if width is None else memory_at(task, width, batch, seed) / 2**20
+        found.append(ProfileWidth(name, width, False, profile.memory_mb, estimate))
+    return found
+
+
+def build_sub_models(config: RunConfig, task: Task, model: nn.Module, fleet: Fleet) -> SubModels | None:
+    """The run's :class:`SubModels` (None when ``sub-models = "off"``), its widths logged.
+
+    Raises
+    ------
+    ConfigError
+        A model that cannot be scaled (its layer named), a declared width that does not cut its
+        axes, or a fleet in which no profile can train.
+    """
+    name = config.text("sub-models")
+    if name == "off":
+        return None
+    check_sub_models(config, fleet)
+    plan = width_plan(task, model)
+    if not any(plan.hidden.values()):
+        raise ConfigError(f"task '{task.name}': its model has no hidden layer to scale (its input layer is its "
+                          "output layer); set sub-models = \"off\"")
+    widths = profile_widths(config, task, fleet, plan)
+    in_fleet = {profile for profile, _ in fleet.mix}
+    check_widths(task, model, plan, [w.width for w in widths if w.width is not None and w.profile in in_fleet])
+    submodels = SubModels(plan, {w.profile: w.width for w in widths}, extraction(name))
+    log.info("sub-models %s (the fleet's profiles: %s)", submodels.describe(),
+             "; ".join(w.describe() for w in widths if w.profile in in_fleet))
+    return submodels
+
+
+def trained_widths(submodels: SubModels | None, fleet: Fleet) -> Mapping[str, float]:
+    """The widths the fleet's profiles train, by profile (what bundles and the run report are made for)."""
+    if submodels is None:
+        return {}
+    in_fleet = {profile for profile, _ in fleet.mix}
+    return {name: float(width) for name, width in submodels.widths.items() if width is not None and name in in_fleet}

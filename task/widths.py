@@ -1,0 +1,302 @@
+"""Width-scaled sub-models of a task's torch model (HeteroFL, FedRolex): which axes scale, the
+sub-model a device of width ``r`` trains, and the memory that training takes.
+
+The rule a model follows to be scaled (the built-in ``mlp``, ``cnn`` and ``images`` ResNet do):
+
+* its weights live in ``Linear``, ``Conv1d/2d/3d`` (``groups = 1``), ``Embedding``,
+  ``BatchNorm``, ``GroupNorm``, ``LayerNorm`` (over one axis) and ``InstanceNorm`` layers;
+* the layers that read the model's inputs keep their input size, and the last of the
+  ``Linear``/``Conv``/``Embedding`` layers to run is the output layer and keeps its output size;
+  every other channel and hidden-unit axis scales by ``r``;
+* hidden features are joined only by elementwise operations (residual sums), pooling or a
+  channel-major flatten, never concatenated; ``forward`` computes no size from constants that
+  a width changes.
+
+A model that breaks the rule is refused when the run starts, with the layer named. Which axes
+are the inputs' and the output's is found by running the model once: a layer whose inputs
+need no gradient reads the model's inputs (directly or reshaped). The sub-model is the same
+module tree with smaller weights (built on torch's ``meta`` device and then allocated at the
+sub-model's size, so a small device never allocates the full model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedge.errors import ConfigError
+from fedge.task.api import Task, seeded_model
+from fedge.widths import WidthPlan
+
+WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)  # layers with an input and an output axis
+NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm1d,
+         nn.InstanceNorm2d, nn.InstanceNorm3d)  # one channel axis, scaled as the layer before them
+SCALABLE = "Linear, Conv1d/2d/3d (groups = 1), Embedding, BatchNorm, GroupNorm, LayerNorm (one axis), InstanceNorm"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one run of the full model showed: the layers in the order they ran, those that read
+    the model's inputs, and the output layer."""
+
+    order: tuple[str, ...]
+    reads_inputs: frozenset[str]
+    output_layer: str
+    output_shape: tuple[int, ...]
+
+
+def probe_inputs(task: Task, batch: int = 2) -> tuple[torch.Tensor, ...]:
+    """``batch`` examples of the task's training data as tensors (repeated when it has fewer)."""
+    data = task.train_data()
+    index = np.arange(batch) % len(data)
+    return tuple(torch.as_tensor(np.asarray(array[index])) for array in data.inputs)
+
+
+def probe(task: Task, model: nn.Module, inputs: Sequence[torch.Tensor]) -> Probe:
+    """Run ``model`` once on ``inputs`` and note which weighted layers read them and which is last."""
+    order: list[str] = []
+    reads: set[str] = set()
+    handles = []
+    for name, module in _weighted_modules(model):
+        def hook(module: nn.Module, args: tuple[object, ...], output: object, name: str = name) -> None:
+            order.append(name)
+            tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+            if tensors and not any(tensor.requires_grad for tensor in tensors):
+                reads.add(name)
+        handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.enable_grad():
+            output = task.forward(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    layers = [name for name in order if isinstance(model.get_submodule(name), WEIGHTED)]
+    if not layers:
+        raise ConfigError(f"task '{task.name}': its model has no {SCALABLE.split(', Embedding')[0]} layer to scale; "
+                          "run it without sub-models")
+    return Probe(tuple(dict.fromkeys(order)), frozenset(reads), layers[-1], tuple(output.shape))
+
+
+def _weighted_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module holding weights or buffers of its own, refusing those fedge cannot scale (named)."""
+    found = []
+    for name, module in model.named_modules():
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        if not own:
+            continue
+        if not isinstance(module, WEIGHTED + NORMS) or _grouped(module) or _multi_axis_layer_norm(module):
+            kind = type(module).__name__
+            raise ConfigError(f"layer '{name or '<model>'}' ({kind}) cannot be width-scaled: fedge scales {SCALABLE} "
+                              "layers; set sub-models = \"off\" or build the model from those (docs/sub-models.md)")
+        found.append((name, module))
+    return found
+
+
+def _grouped(module: nn.Module) -> bool:
+    return isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d) and module.groups != 1
+
+
+def _multi_axis_layer_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1
+
+
+def width_plan(task: Task, model: nn.Module, inputs: Sequence[torch.Tensor] | None = None) -> WidthPlan:
+    """Which axes of each of ``model``'s arrays scale with the width.
+
+    Raises
+    ------
+    ConfigError
+        Naming a layer that cannot be scaled.
+    """
+    seen = probe(task, model, probe_inputs(task) if inputs is None else inputs)
+    state = model.state_dict()
+    hidden: dict[str, tuple[int, ...]] = {name: () for name in state}
+    for layer, module in _weighted_modules(model):
+        prefix = f"{layer}." if layer else ""
+        axes = _hidden_axes(module, fixed_in=layer in seen.reads_inputs, fixed_out=_after_output(layer, seen))
+        for array_name, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            hidden[prefix + array_name] = axes.get(array_name, ())
+    return WidthPlan({name: tuple(value.shape) for name, value in state.items()}, hidden)
+
+
+def _after_output(layer: str, seen: Probe) -> bool:
+    """Whether ``layer`` is the output layer or a norm run after it (their channels are the outputs)."""
+    if layer == seen.output_layer:
+        return True
+    order = seen.order
+    return layer in order and order.index(layer) > order.index(seen.output_layer)
+
+
+def _hidden_axes(module: nn.Module, *, fixed_in: bool, fixed_out: bool) -> dict[str, tuple[int, ...]]:
+    """The hidden axes of each of ``module``'s own arrays (weight, bias, running statistics)."""
+    if isinstance(module, NORMS):
+        channel = () if fixed_in or fixed_out else (0,)
+        return {"weight": channel, "bias": channel, "running_mean": channel, "running_var": channel}
+    if isinstance(module, nn.Embedding):  # (vocabulary, dim): the vocabulary is the input
+        return {"weight": () if fixed_out else (1,)}
+    out_axes = () if fixed_out else (0,)
+    in_axes = () if fixed_in else (1,)
+    return {"weight": out_axes + in_axes, "bias": out_axes}
+
+
+def sub_model(task: Task, shapes: Mapping[str, tuple[int, ...]]) -> nn.Module:
+    """The task's model with each array at ``shapes`` (a sub-model's: what a device of width ``r`` holds).
+
+    Built on the ``meta`` device, resized layer by layer, then allocated at its own size:
+    the weights are uninitialised, to be loaded (:func:`fedge.task.models.load_arrays`).
+
+    Raises
+    ------
+    ConfigError
+        When ``shapes`` are not a width-scaling of the task's model (names, ranks, a norm's
+        groups), naming the array.
+    """
+    with torch.device("meta"):
+        model = task.build_model()
+    full = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+    if set(full) != set(shapes):
+        raise ConfigError(f"sub-model arrays {sorted(set(shapes) ^ set(full))} are not the task's model's; "
+                          "run the task the coordinator runs")
+    for layer, module in _weighted_modules(model):
+        prefix = f"{layer}." if layer else ""
+        _resize(module, prefix, {name: shapes[prefix + name] for name, _ in
+                                 [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]},
+                full)
+    return model.to_empty(device="cpu")
+
+
+def _resize(module: nn.Module, prefix: str, shapes: dict[str, tuple[int, ...]],
+            full: Mapping[str, tuple[int, ...]]) -> None:
+    """Give ``module``'s own arrays ``shapes`` and its size attributes the sizes they imply."""
+    for name, shape in shapes.items():
+        if len(shape) != len(full[prefix + name]):
+            raise ConfigError(f"'{prefix}{name}' has rank {len(shape)}, the model's has {len(full[prefix + name])}")
+        if name in module._parameters:
+            module._parameters[name] = nn.Parameter(torch.empty(shape, device="meta"))
+        else:
+            module._buffers[name] = torch.empty(shape, device="meta", dtype=module._buffers[name].dtype)  # type: ignore[union-attr]
+    weight = shapes.get("weight") or shapes.get("running_mean")
+    if isinstance(module, nn.Linear) and weight:
+        module.out_features, module.in_features = weight
+    elif isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d) and weight:
+        module.out_channels, module.in_channels = weight[:2]
+    elif isinstance(module, nn.Embedding) and weight:
+        module.embedding_dim = weight[1]
+    elif isinstance(module, nn.GroupNorm) and weight:
+        _regroup(module, prefix, weight[0])
+    elif isinstance(module, nn.LayerNorm) and weight:
+        module.normalized_shape = (weight[0],)
+    elif weight:  # BatchNorm, InstanceNorm
+        module.num_features = weight[0]
+
+
+def _regroup(module: nn.GroupNorm, prefix: str, channels: int) -> None:
+    """Keep the channels a group holds (so a window of whole groups normalises as the full model does)."""
+    per_group = module.num_channels // module.num_groups
+    if channels % per_group:
+        raise ConfigError(f"GroupNorm '{prefix.rstrip('.')}' has {module.num_groups} groups of {per_group} channels; "
+                          f"{channels} channels are not whole groups: use a width that keeps whole groups")
+    module.num_channels, module.num_groups = channels, channels // per_group
+
+
+def check_widths(task: Task, model: nn.Module, plan: WidthPlan, widths: Sequence[float]) -> None:
+    """Build each width's sub-model and run it once; refuse (naming the width) one that does not run
+    or whose output is not the full model's shape."""
+    inputs = probe_inputs(task)
+    expected = tuple(task.forward(model, inputs).shape)
+    for width in sorted(set(widths)):
+        shapes = plan.sub_shapes(width)
+        try:
+            small = sub_model(task, shapes)
+            with torch.no_grad():
+                got = tuple(task.forward(small, inputs).shape)
+        except (RuntimeError, ValueError) as exc:
+            raise ConfigError(f"task '{task.name}': its model at width {width:g} does not run ({exc}); its "
+                              "forward must follow the scaling rule in docs/sub-models.md, or set sub-models = "
+                              "\"off\"") from None
+        if got != expected:
+            raise ConfigError(f"task '{task.name}': at width {width:g} the model's output has shape {got}, not "
+                              f"{expected}; its output layer must be the last Linear/Conv (docs/sub-models.md)")
+
+
+def training_memory_bytes(task: Task, model: nn.Module, batch_size: int, *, optimizer_copies: int = 3) -> int:
+    """An estimate of the memory that training ``model`` on batches of ``batch_size`` takes.
+
+    Parameters (weights, gradients and the optimiser's momentum and starting copy:
+    ``optimizer_copies + 1`` float copies) plus the activations a backward pass keeps: every
+    layer's output at this batch size, counted from one forward pass with hooks.
+    """
+    sizes: list[int] = []
+    handles = [module.register_forward_hook(lambda _m, _a, out: sizes.append(_tensor_bytes(out)))
+               for module in model.modules() if not list(module.children())]
+    inputs = probe_inputs(task, batch_size)
+    try:
+        with torch.no_grad():
+            task.forward(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    parameters = sum(value.numel() * value.element_size() for value in model.parameters())
+    return parameters * (optimizer_copies + 1) + sum(sizes) + sum(_tensor_bytes(tensor) for tensor in inputs)
+
+
+def _tensor_bytes(output: object) -> int:
+    if isinstance(output, torch.Tensor):
+        return output.numel() * output.element_size()
+    if isinstance(output, tuple | list):
+        return sum(_tensor_bytes(item) for item in output)
+    return 0
+
+
+WIDTH_LADDER = (1.0, 0.5, 0.25, 0.125, 0.0625)  # what fedge picks from when a profile declares memory only
+
+
+@lru_cache(maxsize=32)
+def memory_at(task: Task, width: float, batch_size: int, seed: int = 0) -> int:
+    """:func:`training_memory_bytes` of the task's sub-model at ``width`` (cached)."""
+    plan = full_plan(task, seed)
+    small = sub_model(task, plan.sub_shapes(width))  # uninitialised: values do not change the memory
+    return training_memory_bytes(task, small, batch_size)
+
+
+@lru_cache(maxsize=8)
+def full_plan(task: Task, seed: int) -> WidthPlan:
+    """The width plan of ``task``'s model (cached per task object)."""
+    return width_plan(task, seeded_model(task, seed))
+
+
+def widest_fitting(task: Task, memory_mb: float, batch_size: int, *, seed: int = 0,
+                   ladder: Sequence[float] = WIDTH_LADDER) -> float | None:
+    """The largest width of ``ladder`` whose training fits in ``memory_mb`` MiB; None when none does."""
+    plan = full_plan(task, seed)
+    for width in ladder:
+        try:
+            plan.check_width(width)
+        except ConfigError:
+            continue
+        if memory_at(task, width, batch_size, seed) <= memory_mb * 2**20:
+            return width
+    return None
+
+
+def model_for(task: Task, shapes: Mapping[str, tuple[int, ...]], *, seed: int) -> nn.Module:
+    """The task's model for arrays of ``shapes``: the whole model (seeded), or the sub-model they are a cut of.
+
+    What a device builds for the arrays an instruction carries: a device of width ``r`` never
+    allocates the whole model.
+    """
+    if dict(shapes) == full_shapes(task):
+        return seeded_model(task, seed)
+    return sub_model(task, shapes)
+
+
+def full_shapes(task: Task) -> dict[str, tuple[int, ...]]:
+    """The task's model's array shapes, from a model built on the ``meta`` device (no memory)."""
+    with torch.device("meta"):
+        model = task.build_model()
+    return {name: tuple(value.shape) for name, value in model.state_dict().items()}
