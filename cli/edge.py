@@ -72,6 +72,8 @@ def _add_pull_parser(sub: Any) -> None:
     pull.add_argument("--trust", action="append", required=True, type=Path, metavar="SIGNING_PUBLIC_KEY",
                       help="a trusted bundle signer's public key (repeatable)")
     pull.add_argument("--kind", choices=["inference", "training", "all"], default="all")
+    pull.add_argument("--width", type=float, default=None,
+                      help="a width-scaled sub-model's inference bundle (sub-models runs): e.g. 0.25")
     pull.add_argument("--dir", type=Path, help="where bundles are kept (default: $FEDGE_DEVICE_HOME/bundles, "
                                                "else ~/.fedge-device/bundles)")
     pull.add_argument("--state-dir", type=Path, metavar="DIR",
@@ -300,7 +302,7 @@ def _rows(outputs: list[Any]) -> list[str]:
 def _pull(args: argparse.Namespace) -> int:
     import os
 
-    from fedge.edge.delivery import KINDS, NotPublished, pull
+    from fedge.edge.delivery import KINDS, NotPublished, inference_kind, pull
 
     if not args.insecure and (args.key is None or args.ca is None):
         raise ConfigError("give --key (this device's key from `fedge keys add-device`) and --ca (the coordinator's "
@@ -310,7 +312,12 @@ def _pull(args: argparse.Namespace) -> int:
                           "use it with --kind inference or --kind training")
     home = Path(os.environ.get("FEDGE_DEVICE_HOME", Path.home() / ".fedge-device"))
     directory = args.dir or home / "bundles"
-    for kind in KINDS if args.kind == "all" else (args.kind,):
+    kinds = KINDS if args.kind == "all" else (args.kind,)
+    if args.width is not None:
+        if args.kind == "training":
+            raise ConfigError("--width picks an inference bundle; a training graph per width is not published")
+        kinds = (inference_kind(args.width),)
+    for kind in kinds:
         try:
             result = pull(url_or_address=args.coordinator, kind=kind, directory=directory, device_key=args.key,
                           ca=args.ca, trusted_keys=args.trust, freshness_dir=args.state_dir, timeout=args.timeout,

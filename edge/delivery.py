@@ -42,6 +42,7 @@ import http.client
 import importlib
 import json
 import os
+import re
 import secrets
 import ssl
 import sys
@@ -74,6 +75,19 @@ if sys.platform != "win32":
     pass
 
 KINDS = ("inference", "training")
+# A width-scaled sub-model's inference bundle (sub-models: one per width a fleet trains): "inference-w0.25"
+WIDTH_KIND = re.compile(r"inference-w0\.[0-9]{1,6}")
+KIND_WORDS = "inference, training or inference-w<width> (e.g. inference-w0.25)"
+
+
+def is_kind(kind: str) -> bool:
+    """Whether ``kind`` names a bundle kind: ``inference``, ``training`` or a width's ``inference-w0.25``."""
+    return kind in KINDS or WIDTH_KIND.fullmatch(kind) is not None
+
+
+def inference_kind(width: float) -> str:
+    """The inference bundle kind of a sub-model of ``width`` (``inference`` for the whole model)."""
+    return "inference" if width >= 1 else f"inference-w{width:g}"
 API_PREFIX = "/v1/bundles/"
 HEADER_DEVICE = "X-Fedge-Device"
 HEADER_TIMESTAMP = "X-Fedge-Timestamp"
@@ -234,8 +248,8 @@ def pull(
         The coordinator could not be reached, its certificate did not verify, it refused
         this device (401), or nothing is published (:class:`NotPublished`).
     """
-    if kind not in KINDS:
-        raise DeliveryError(f"bundle kind '{kind}' is not one of {', '.join(KINDS)}")
+    if not is_kind(kind):
+        raise DeliveryError(f"bundle kind '{kind}' is not {KIND_WORDS}")
     if not trusted_keys:
         raise BundleVerificationError("give at least one trusted signing key (the coordinator's signing.pub)")
     if not insecure and (device_key is None or ca is None):

@@ -31,7 +31,7 @@ from fedge.server.metering import MeteredGrid, reply_seconds
 from fedge.server.privacy import CLIENT_CLIPPING, build_privacy
 from fedge.server.recorder import RoundRecorder
 from fedge.server.report import config_summary, run_dir_for, write_json_atomic
-from fedge.server.submodels import build_sub_models
+from fedge.server.submodels import build_sub_models, trained_widths
 from fedge.strategies import FedAvg, strategy_spec
 from fedge.strategies.drivers.asynchronous import AsynchronousDriver
 from fedge.strategies.drivers.secure import MIN_DEVICES, SecureAggregation
@@ -358,7 +358,7 @@ def run_coordinator(
     metered = MeteredGrid(grid, fleet, poll_interval=poll if poll > 0 else None,
                           behaviour=behaviour_of(config, fleet) if simulated else None)
     recorder = RoundRecorder(run_dir, config, metered, strategy, task, model, progress=progress,
-                             history=history)
+                             history=history, widths=list(trained_widths(submodels, fleet).values()))
     train_config = ConfigRecord({**{key: config[key] for key in TRAIN_KEYS}, **codec_policy(config)})
     if strategy.privacy is not None and strategy.privacy.client_side:
         train_config[CLIENT_CLIPPING] = config.text("dp").removeprefix("client-")

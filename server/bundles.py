@@ -51,6 +51,7 @@ def export_global_model(
     private_key: Ed25519PrivateKey,
     make_zip: bool = False,
     valid_for: dt.timedelta | None = None,
+    variant: str = "",
 ) -> BuiltBundle:
     """Build and sign the bundle of ``model`` (the global model of ``task`` after ``server_round``).
 
@@ -63,18 +64,21 @@ def export_global_model(
     the run (the coordinator's and ``fedge export``'s alike), and its ``version`` is
     ``server_round``, so a device with a freshness store refuses an earlier round of the
     run once it has run a later one. ``valid_for`` sets ``expires_at`` (default: no expiry).
+    ``variant`` (a width-scaled sub-model's ``w0.25``) names the bundle ``<task>@<variant>``: its own
+    lineage, so a device of that width keeps to it.
     """
     refuse_non_finite(model, server_round)
     held_out = held_out_data(task, config)
+    name = f"{task.name}@{variant}" if variant else task.name
     spec = BundleSpec(
-        model_name=task.name,
+        model_name=name,
         source_run=source_run,
         server_round=server_round,
         preprocessing=dict(task.preprocessing),
         labels=bundle_labels(task, model, held_out),
         output_meaning=task.output,
         headline=task.headline,
-        model_id=default_model_id(source_run, task.name),
+        model_id=default_model_id(source_run, name),
         valid_for=valid_for,
     )
     built = build_bundle(exported_module(task, model), out_dir, spec=spec, private_key=private_key, inputs=task.inputs,

@@ -69,8 +69,10 @@ from fedge.edge.delivery import (
     HEADER_NONCE,
     HEADER_SIGNATURE,
     HEADER_TIMESTAMP,
+    KIND_WORDS,
     KINDS,
     canonical_request,
+    is_kind,
     key_fingerprint,
 )
 from fedge.errors import BundleVerificationError, ConfigError, FedgeError
@@ -105,8 +107,8 @@ def published_dir(state_dir: str | Path) -> Path:
 
 def published_file(published: Path, kind: str) -> Path:
     """``published/<kind>.zip``."""
-    if kind not in KINDS:
-        raise ConfigError(f"bundle kind '{kind}' is not one of {', '.join(KINDS)}")
+    if not is_kind(kind):
+        raise ConfigError(f"bundle kind '{kind}' is not {KIND_WORDS}")
     return published / f"{kind}.zip"
 
 
@@ -383,9 +385,8 @@ def create_app(published: Path, *, authenticator: DeviceAuthenticator | None) ->
                 return JSONResponse({"error": str(exc)}, status_code=exc.status,
                                     headers={"Retry-After": "60"} if exc.status == 429 else None)
         kind = request.path_params["kind"]
-        if kind not in KINDS:
-            return JSONResponse({"error": f"no bundle kind '{kind}'; ask for {' or '.join(KINDS)}"},
-                                status_code=404)
+        if not is_kind(kind):
+            return JSONResponse({"error": f"no bundle kind '{kind}'; ask for {KIND_WORDS}"}, status_code=404)
         found = await run_in_threadpool(cache.get, kind)
         if found is None:
             return JSONResponse({"error": f"no {kind} bundle is published yet; the coordinator publishes one "
@@ -501,7 +502,8 @@ class BundleService:
 def describe(published: Path) -> list[str]:
     """One line per published bundle: kind, lineage, version, size, when (for status output)."""
     lines = []
-    for kind in KINDS:
+    widths = sorted(path.stem for path in published.glob("inference-w*.zip") if is_kind(path.stem))
+    for kind in (*KINDS, *widths):
         path = published_file(published, kind)
         if not path.exists():
             continue

@@ -9,7 +9,7 @@ import os
 import shutil
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,8 +43,10 @@ class RoundRecorder:
 
     def __init__(self, run_dir: Path, config: RunConfig, grid: MeteredGrid,
                  strategy: FedAvg, task: Task, model: torch.nn.Module,
-                 *, progress: bool, history: list[dict[str, Any]] | None = None) -> None:
+                 *, progress: bool, history: list[dict[str, Any]] | None = None,
+                 widths: Sequence[float] = ()) -> None:
         self.run_dir, self.config, self.grid, self.strategy = run_dir, config, grid, strategy
+        self.widths = sorted({float(width) for width in widths if width < 1})  # sub-models: evaluated, bundled
         self.model, self.task = model, task
         self.test_set = task.central_data()  # None: the devices' federated evaluation is recorded instead
         self.device = pick_device(config.text("device"))
@@ -55,6 +57,7 @@ class RoundRecorder:
         self.progress = RoundProgress(config.integer("num-rounds"), task.headline, enabled=progress)
         self.progress.advance(int(done["round"]), done.get("headline"), grid.sim_time)
         self.bundles: list[BuiltBundle] = []
+        self.width_bundles: list[BuiltBundle] = []  # sub-models: one per trained width and exported round
         rows = "".join(json.dumps(row, sort_keys=True) + "\n" for row in self.rows)
         (run_dir / "metrics.jsonl").write_text(rows)
         if not self.rows:
@@ -65,6 +68,7 @@ class RoundRecorder:
         """Evaluate ``arrays`` on the central data (or take the devices' evaluation) and record the round."""
         load_arrays(self.model, arrays)
         metrics = self._metrics(server_round)
+        by_width = self._headline_by_width(metrics)
         traffic = self.grid.take_round()
         report = self.strategy.reports[-1] if server_round and self.strategy.reports else None
         row = {
@@ -92,6 +96,8 @@ class RoundRecorder:
             "train_loss": report.train_loss if report else None,
             "aggregated": report.aggregated if report else False,
         }
+        if by_width:
+            row["headline_by_width"] = by_width
         if self.strategy.privacy is not None:  # cumulative ε after this round, at the run's δ
             row["dp_epsilon"] = self.strategy.privacy.epsilon  # type: ignore[attr-defined]
             row["dp_delta"] = self.strategy.privacy.delta  # type: ignore[attr-defined]
@@ -125,6 +131,18 @@ class RoundRecorder:
         means = {key.removeprefix(EVAL_PREFIX): float(value) for key, value in record.items()  # type: ignore[arg-type]
                  if key.startswith(EVAL_PREFIX)}
         return self.task.summarize(means)  # devices send unsummarised means: derived metrics stay exact
+
+    def _headline_by_width(self, metrics: dict[str, float]) -> dict[str, float | None]:
+        """Each trained width's model's headline on the central data (sub-models; empty otherwise)."""
+        if not self.widths or self.test_set is None or self.strategy.submodels is None:
+            return {}
+        from fedge.server.submodels import width_model  # noqa: PLC0415
+
+        plan = self.strategy.submodels.plan
+        found = {f"{width:g}": headline_of(evaluate(self.task, width_model(self.task, self.model, plan, width),
+                                                    self.test_set, device=self.device), self.task)
+                 for width in self.widths}
+        return {**found, "1": headline_of(metrics, self.task)}
 
     def _log_devices(self, server_round: int, replies: list[dict[str, Any]], report: Any,
                      row: dict[str, Any]) -> None:
@@ -217,11 +235,34 @@ class RoundRecorder:
             task=self.task, server_round=server_round, source_run=self.run_dir.name,
             private_key=run_signing_key(self.config, self.run_dir))
         self.bundles.append(built)
+        self._export_width_bundles(server_round)
         if self.config["deployment"]:  # under `fedge coordinator start`: hand it to the devices' bundle service
             from fedge.server.publish import publish_from_environment
 
             publish_from_environment("inference", built.path)
         return built
+
+    def _export_width_bundles(self, server_round: int) -> None:
+        """A signed bundle of each trained width's model beside the whole model's (``round-N-w0.25``): the
+        model a device of that width can run, in its own lineage (``model_id`` ``<run>/<task>@w0.25``)."""
+        if not self.widths or self.strategy.submodels is None:
+            return
+        from fedge.server.bundles import export_global_model, run_signing_key  # noqa: PLC0415
+        from fedge.server.submodels import width_label, width_model  # noqa: PLC0415
+
+        plan = self.strategy.submodels.plan
+        for width in self.widths:
+            built = export_global_model(
+                width_model(self.task, self.model, plan, width),
+                self.run_dir / "bundles" / f"round-{server_round:04d}-{width_label(width)}", config=self.config,
+                task=self.task, server_round=server_round, source_run=self.run_dir.name,
+                private_key=run_signing_key(self.config, self.run_dir), variant=width_label(width))
+            self.width_bundles.append(built)
+            if self.config["deployment"]:  # devices of that width pull it (`fedge pull --width 0.25`)
+                from fedge.edge.delivery import inference_kind  # noqa: PLC0415
+                from fedge.server.publish import publish_from_environment  # noqa: PLC0415
+
+                publish_from_environment(inference_kind(width), built.path)
 
     def _final_export(self, final_round: int) -> dict[str, Any]:
         """The final bundle (unless just made), ``model.onnx`` beside it, and summary fields."""
@@ -242,7 +283,16 @@ class RoundRecorder:
             "latest_bundle": str(latest.path.relative_to(self.run_dir)),
             "bundles": [str(b.path.relative_to(self.run_dir)) for b in self.bundles],
             "edge": {**metrics, "int8_quantization": latest.manifest["variants"]["int8"]["quantization"]},
+            **self._width_summary(final_round),
         }
+
+    def _width_summary(self, final_round: int) -> dict[str, Any]:
+        """The final round's bundle of each width and its fp32/int8 scores (sub-models; empty otherwise)."""
+        latest = [b for b in self.width_bundles if b.manifest["round"] == final_round]
+        if not latest:
+            return {}
+        return {"width_bundles": {b.manifest["model_name"].rsplit("@", 1)[1]: {
+            "path": str(b.path.relative_to(self.run_dir)), **b.manifest["metrics"]} for b in latest}}
 
 
 def _summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:

@@ -12,6 +12,8 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+from flwr.app import Array, ArrayRecord
 from torch import nn
 
 from fedge.config import RunConfig
@@ -19,7 +21,8 @@ from fedge.errors import ConfigError
 from fedge.profiles import Fleet
 from fedge.strategies.submodels import SubModels, extraction
 from fedge.task.api import Task
-from fedge.task.widths import check_widths, memory_at, width_plan, widest_fitting
+from fedge.task.models import load_arrays
+from fedge.task.widths import check_widths, memory_at, sub_model, widest_fitting, width_plan
 from fedge.widths import WidthPlan
 
 log = logging.getLogger("fedge.server")
@@ -115,3 +118,19 @@ def trained_widths(submodels: SubModels | None, fleet: Fleet) -> Mapping[str, fl
         return {}
     in_fleet = {profile for profile, _ in fleet.mix}
     return {name: float(width) for name, width in submodels.widths.items() if width is not None and name in in_fleet}
+
+
+def width_model(task: Task, model: nn.Module, plan: WidthPlan, width: float) -> nn.Module:
+    """The global ``model``'s sub-model at ``width``: its leading window (HeteroFL's; under FedRolex every
+    window is trained in turn and the leading one is the deliverable), loaded into the task's sub-model."""
+    state = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
+    arrays = plan.window(width).take(state)
+    small = sub_model(task, plan.sub_shapes(width))
+    load_arrays(small, ArrayRecord({name: Array(np.ascontiguousarray(value)) for name, value in arrays.items()}),
+                source=f"the global model at width {width:g}")
+    return small
+
+
+def width_label(width: float) -> str:
+    """``w0.25``: how bundles and reports name a width."""
+    return f"w{width:g}"

@@ -84,7 +84,7 @@ def probe(task: Task, model: nn.Module, inputs: Sequence[torch.Tensor]) -> Probe
 
 def _weighted_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every module holding weights or buffers of its own, refusing those fedge cannot scale (named)."""
-    found = []
+    found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
         if not own:
@@ -192,7 +192,7 @@ def _resize(module: nn.Module, prefix: str, shapes: dict[str, tuple[int, ...]],
     elif isinstance(module, nn.LayerNorm) and weight:
         module.normalized_shape = (weight[0],)
     elif weight:  # BatchNorm, InstanceNorm
-        module.num_features = weight[0]
+        setattr(module, "num_features", weight[0])  # noqa: B010 - _BatchNorm/_InstanceNorm, not a Module attribute
 
 
 def _regroup(module: nn.GroupNorm, prefix: str, channels: int) -> None:
