@@ -38,14 +38,15 @@ class ProfileWidth:
     width: float | None
     declared: bool
     memory_mb: int
-    estimate_mb: float | None
+    memory: TrainingMemory | None
 
     def describe(self) -> str:
-        """``phone 0.25 (fits 64 MiB: 14.8 MiB)``."""
+        """``phone 0.25 (fits 64 MiB: training takes 14.8 MiB estimated, 40.1 measured)``."""
         shown = "sits out" if self.width is None else f"{self.width:g}"
         why = "declared" if self.declared else f"fits {self.memory_mb} MiB"
-        estimate = "" if self.estimate_mb is None else f": {self.estimate_mb:.1f} MiB"
-        return f"{self.profile} {shown} ({why}{estimate})"
+        used = "" if self.memory is None else (f": training takes {self.memory.estimate / 2**20:.1f} MiB estimated, "
+                                               f"{self.memory.measured / 2**20:.1f} measured")
+        return f"{self.profile} {shown} ({why}{used})"
 
 
 def check_sub_models(config: RunConfig, fleet: Fleet) -> None:
@@ -77,12 +78,11 @@ def profile_widths(config: RunConfig, task: Task, fleet: Fleet, plan: WidthPlan)
     for name, profile in fleet.profiles.items():
         if profile.model_width is not None:
             plan.check_width(profile.model_width)
-            found.append(ProfileWidth(name, profile.model_width, True, profile.memory_mb,
-                                      memory_at(task, profile.model_width, batch, seed) / 2**20))
+            found.append(ProfileWidth(name, profile.model_width, True, profile.memory_mb, None))
             continue
         width = widest_fitting(task, profile.memory_mb, batch, seed=seed)
-        estimate = None if width is None else memory_at(task, width, batch, seed) / 2**20
-        found.append(ProfileWidth(name, width, False, profile.memory_mb, estimate))
+        found.append(ProfileWidth(name, width, False, profile.memory_mb,
+                                  None if width is None else memory_at(task, width, batch, seed)))
     return found
 
 

@@ -225,43 +225,86 @@ def check_widths(task: Task, model: nn.Module, plan: WidthPlan, widths: Sequence
 
 
 def training_memory_bytes(task: Task, model: nn.Module, batch_size: int, *, optimizer_copies: int = 3) -> int:
-    """An estimate of the memory that training ``model`` on batches of ``batch_size`` takes.
+    """An estimate of the memory that training ``model`` on batches of ``batch_size`` takes, in bytes.
 
-    Parameters (weights, gradients and the optimiser's momentum and starting copy:
-    ``optimizer_copies + 1`` float copies) plus the activations a backward pass keeps: every
-    layer's output at this batch size, counted from one forward pass with hooks.
+    ``(1 + optimizer_copies)`` float copies of the parameters (weights, gradients, the
+    optimiser's momentum and the starting copy FedProx and the reply keep) plus twice the
+    activations autograd keeps for the backward pass (counted from one forward pass: each
+    saved tensor's storage once, parameters not again), once for themselves and once for their
+    gradients. What torch's kernels take on top (workspaces, reordered copies) is not in it:
+    :func:`measured_training_bytes` measures that, and fedge takes the larger of the two.
     """
-    sizes: list[int] = []
-    handles = [module.register_forward_hook(lambda _m, _a, out: sizes.append(_tensor_bytes(out)))
-               for module in model.modules() if not list(module.children())]
+    parameters = {value.untyped_storage().data_ptr() for value in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
     inputs = probe_inputs(task, batch_size)
-    try:
-        with torch.no_grad():
-            task.forward(model, inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    parameters = sum(value.numel() * value.element_size() for value in model.parameters())
-    return parameters * (optimizer_copies + 1) + sum(sizes) + sum(_tensor_bytes(tensor) for tensor in inputs)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        task.forward(model, inputs)
+    weights = sum(value.numel() * value.element_size() for value in model.parameters())
+    return weights * (1 + optimizer_copies) + 2 * sum(saved.values())
 
 
-def _tensor_bytes(output: object) -> int:
-    if isinstance(output, torch.Tensor):
-        return output.numel() * output.element_size()
-    if isinstance(output, tuple | list):
-        return sum(_tensor_bytes(item) for item in output)
-    return 0
+def measured_training_bytes(task: Task, model: nn.Module, batch_size: int, *, optimizer_copies: int = 3) -> int:
+    """The memory one training step of ``model`` at ``batch_size`` takes on this machine's CPU kernels, in bytes.
+
+    The peak of torch's CPU allocator during a forward pass, the loss, a backward pass and a
+    momentum step (torch's profiler counts each allocation and free), plus the parameters'
+    copies that exist before the step. The model's gradients are cleared afterwards.
+    """
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415 - loads the profiler only when asked
+
+    data = task.train_data()
+    index = np.arange(batch_size) % len(data)
+    inputs = tuple(torch.as_tensor(np.asarray(array[index])) for array in data.inputs)
+    targets = torch.as_tensor(np.asarray(data.targets[index]))
+    optimizer = task.optimizer(list(model.parameters()), lr=0.0, momentum=0.9)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
+        task.loss(task.forward(model, inputs), targets).backward()
+        optimizer.step()
+    model.zero_grad(set_to_none=True)
+    events = sorted((event for event in recorded.events() if event.cpu_memory_usage),
+                    key=lambda event: event.time_range.start)
+    current = peak = 0
+    for event in events:
+        current += event.cpu_memory_usage
+        peak = max(peak, current)
+    weights = sum(value.numel() * value.element_size() for value in model.parameters())
+    return peak + weights * (optimizer_copies - 1)  # the weights and the starting copy exist before the step
+
+
+@dataclass(frozen=True)
+class TrainingMemory:
+    """A sub-model's training memory: the estimate, the measured peak, and what fedge goes by (the larger)."""
+
+    estimate: int
+    measured: int
+
+    @property
+    def needed(self) -> int:
+        """The larger of the two, in bytes."""
+        return max(self.estimate, self.measured)
 
 
 WIDTH_LADDER = (1.0, 0.5, 0.25, 0.125, 0.0625)  # what fedge picks from when a profile declares memory only
 
 
 @lru_cache(maxsize=32)
-def memory_at(task: Task, width: float, batch_size: int, seed: int = 0) -> int:
-    """:func:`training_memory_bytes` of the task's sub-model at ``width`` (cached)."""
+def memory_at(task: Task, width: float, batch_size: int, seed: int = 0) -> TrainingMemory:
+    """The training memory of the task's sub-model at ``width`` (cached per task, width and batch size)."""
     plan = full_plan(task, seed)
-    small = sub_model(task, plan.sub_shapes(width))  # uninitialised: values do not change the memory
-    return training_memory_bytes(task, small, batch_size)
+    small = sub_model(task, plan.sub_shapes(width))
+    for value in small.parameters():  # allocated, not initialised: give the step finite numbers
+        nn.init.normal_(value, std=0.01)
+    for name, value in small.named_buffers():
+        value.copy_(torch.ones_like(value) if name.endswith("running_var") else torch.zeros_like(value))
+    return TrainingMemory(training_memory_bytes(task, small, batch_size),
+                          measured_training_bytes(task, small, batch_size))
 
 
 @lru_cache(maxsize=8)
@@ -279,7 +322,7 @@ def widest_fitting(task: Task, memory_mb: float, batch_size: int, *, seed: int =
             plan.check_width(width)
         except ConfigError:
             continue
-        if memory_at(task, width, batch_size, seed) <= memory_mb * 2**20:
+        if memory_at(task, width, batch_size, seed).needed <= memory_mb * 2**20:
             return width
     return None
 
