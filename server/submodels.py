@@ -22,7 +22,7 @@ from fedge.profiles import Fleet
 from fedge.strategies.submodels import SubModels, extraction
 from fedge.task.api import Task
 from fedge.task.models import load_arrays
-from fedge.task.widths import check_widths, memory_at, sub_model, widest_fitting, width_plan
+from fedge.task.widths import TrainingMemory, check_widths, memory_at, sub_model, widest_fitting, width_plan
 from fedge.widths import WidthPlan
 
 log = logging.getLogger("fedge.server")

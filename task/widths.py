@@ -299,10 +299,10 @@ def memory_at(task: Task, width: float, batch_size: int, seed: int = 0) -> Train
     """The training memory of the task's sub-model at ``width`` (cached per task, width and batch size)."""
     plan = full_plan(task, seed)
     small = sub_model(task, plan.sub_shapes(width))
-    for value in small.parameters():  # allocated, not initialised: give the step finite numbers
-        nn.init.normal_(value, std=0.01)
-    for name, value in small.named_buffers():
-        value.copy_(torch.ones_like(value) if name.endswith("running_var") else torch.zeros_like(value))
+    for weight in small.parameters():  # allocated, not initialised: give the step finite numbers
+        nn.init.normal_(weight, std=0.01)
+    for name, buffer in small.named_buffers():
+        buffer.copy_(torch.ones_like(buffer) if name.endswith("running_var") else torch.zeros_like(buffer))
     return TrainingMemory(training_memory_bytes(task, small, batch_size),
                           measured_training_bytes(task, small, batch_size))
 
