@@ -1,0 +1,366 @@
+"""Width-scaled sub-models end to end: the models' plans, the sub-models, the strategy's rounds, the run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord
+from torch import nn
+
+from fedge import wire
+from fedge.config import resolve_run_config
+from fedge.errors import ConfigError
+from fedge.profiles import parse_fleet
+from fedge.server.submodels import build_sub_models
+from fedge.strategies import FedAvg
+from fedge.strategies.median import Median
+from fedge.strategies.submodels import MODEL_WIDTH, SubModels, extraction
+from fedge.task.api import Task, TaskData, seeded_model
+from fedge.task.models import load_arrays
+from fedge.task.widths import (
+    check_widths,
+    measured_training_bytes,
+    sub_model,
+    training_memory_bytes,
+    widest_fitting,
+    width_plan,
+)
+from fedge.tasks import load_task
+from fedge.widths import WidthPlan
+from tests.replies import train_reply
+
+FLEET = """
+[profiles.small]
+compute-rate = 200
+uplink-mbps = 2
+downlink-mbps = 10
+memory-mb = 64
+model-width = 0.25
+
+[profiles.big]
+compute-rate = 2000
+uplink-mbps = 20
+downlink-mbps = 50
+memory-mb = 4096
+
+[fleet]
+small = 4
+big = 2
+"""
+
+
+def digits(model: str = "mlp", **extra: Any) -> Task:
+    return load_task(resolve_run_config({"dataset": "digits", "model": model, **extra}))
+
+
+# ------------------------------------------------------------------ the models
+
+
+def test_the_built_in_models_scale_every_axis_but_the_inputs_and_the_classes() -> None:
+    # Prepare
+    mlp, cnn = digits("mlp"), digits("cnn")
+    # Execute
+    mlp_plan = width_plan(mlp, seeded_model(mlp, 0))
+    cnn_plan = width_plan(cnn, seeded_model(cnn, 0))
+    # Assert
+    assert mlp_plan.hidden == {"net.0.weight": (0,), "net.0.bias": (0,), "net.2.weight": (1,), "net.2.bias": ()}
+    assert cnn_plan.hidden["features.0.weight"] == (0,)  # 1 input channel stays
+    assert cnn_plan.hidden["head.1.weight"] == (0, 1)  # the flattened features scale with the channels
+    assert cnn_plan.hidden["head.3.weight"] == (1,) and cnn_plan.hidden["head.3.bias"] == ()
+
+
+def test_a_half_width_mlp_computes_what_its_leading_window_of_the_global_model_computes() -> None:
+    # Prepare
+    task = digits("mlp")
+    model = seeded_model(task, 3)
+    plan = width_plan(task, model)
+    state = {name: value.numpy() for name, value in model.state_dict().items()}
+    cut = plan.window(0.5).take(state)
+    small = sub_model(task, plan.sub_shapes(0.5))
+    load_arrays(small, ArrayRecord({name: Array(value) for name, value in cut.items()}))
+    x = torch.as_tensor(task.train_data().inputs[0][:5])
+    # Execute
+    out = small(x).detach().numpy()
+    # Assert: relu(x W1[:32]^T + b1[:32]) W2[:, :32]^T + b2, by hand
+    hidden = np.maximum(x.numpy() @ state["net.0.weight"][:32].T + state["net.0.bias"][:32], 0)
+    np.testing.assert_allclose(out, hidden @ state["net.2.weight"][:, :32].T + state["net.2.bias"], rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_the_resnet_at_a_quarter_keeps_its_groups_of_channels() -> None:
+    # Prepare
+    task = load_task(resolve_run_config({"task": "images"}))
+    model = seeded_model(task, 0)
+    plan = width_plan(task, model)
+    # Execute
+    small = sub_model(task, plan.sub_shapes(0.25))
+    check_widths(task, model, plan, [0.5, 0.25])
+    # Assert: 32 -> 8 channels in 8 groups of 1; 256 -> 64 in 8 groups of 8 (the full model's 32 groups of 8)
+    assert (small.stem[1].num_channels, small.stem[1].num_groups) == (8, 8)
+    assert (small.blocks[3].norm2.num_channels, small.blocks[3].norm2.num_groups) == (64, 8)
+    assert plan.parameters_at(0.25) < plan.parameters_at(1) / 15
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(64, 16, batch_first=True)
+        self.out = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(x[:, None])[0][:, -1])  # type: ignore[no-any-return]
+
+
+class Grouped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(1, 8, 3, padding=1)
+        self.depthwise = nn.Conv1d(8, 8, 3, padding=1, groups=8)
+        self.out = nn.Linear(8 * 64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.depthwise(self.conv(x[:, None])).flatten(1))  # type: ignore[no-any-return]
+
+
+class FixedView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(64, 32)
+        self.out = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.hidden(x).view(-1, 32))  # type: ignore[no-any-return]  # 32: breaks at any width
+
+
+class UserTask(Task):
+    name = "user"
+
+    def __init__(self, model: type[nn.Module]) -> None:
+        self.model = model
+
+    def build_model(self) -> nn.Module:
+        return self.model()
+
+    def train_data(self) -> TaskData:
+        return TaskData.from_xy(np.zeros((4, 64), np.float32), np.zeros(4, np.int64))
+
+
+@pytest.mark.parametrize(("model", "problem"), [
+    (Recurrent, "layer 'rnn' \\(LSTM\\) cannot be width-scaled"),
+    (Grouped, "layer 'depthwise' \\(Conv1d\\) cannot be width-scaled"),
+    (FixedView, "at width 0.5 does not run"),
+])
+def test_a_model_that_cannot_be_scaled_is_refused_naming_the_layer_or_width(model: type[nn.Module],
+                                                                            problem: str) -> None:
+    # Prepare
+    task = UserTask(model)
+    built = seeded_model(task, 0)
+    # Execute / Assert
+    with pytest.raises(ConfigError, match=problem):
+        check_widths(task, built, width_plan(task, built), [0.5])
+
+
+def test_a_model_without_a_hidden_layer_is_refused_at_start() -> None:
+    # Prepare
+    config = resolve_run_config({"dataset": "digits", "model": "logreg", "sub-models": "heterofl"})
+    task = load_task(config)
+    # Execute / Assert
+    with pytest.raises(ConfigError, match="no hidden layer to scale"):
+        build_sub_models(config, task, seeded_model(task, 0), parse_fleet("phone=2"))
+
+
+# ------------------------------------------------------------------ memory
+
+
+def test_the_memory_estimate_counts_parameter_copies_and_saved_activations_twice() -> None:
+    # Prepare: Linear(4, 8) -> ReLU -> Linear(8, 2) on batches of 5
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)  # type: ignore[no-any-return]
+
+    class TinyTask(UserTask):
+        def train_data(self) -> TaskData:
+            return TaskData.from_xy(np.ones((5, 4), np.float32), np.zeros(5, np.int64))
+
+    task = TinyTask(Tiny)
+    # Execute
+    estimate = training_memory_bytes(task, Tiny(), 5)
+    # Assert: 58 parameters x 4 bytes x 4 copies + 2 x (input 5x4 + ReLU output 5x8) x 4 bytes
+    assert estimate == 58 * 4 * 4 + 2 * (5 * 4 + 5 * 8) * 4
+
+
+def test_the_width_picker_goes_by_the_measured_peak_when_it_is_larger_than_the_estimate() -> None:
+    # Prepare
+    task = digits("cnn")
+    plan = width_plan(task, seeded_model(task, 0))
+    full = sub_model(task, plan.sub_shapes(1))
+    for value in full.parameters():
+        nn.init.normal_(value, std=0.01)
+    estimate, measured = training_memory_bytes(task, full, 32), measured_training_bytes(task, full, 32)
+    assert measured > estimate  # torch's CPU kernels take workspaces the estimate does not count
+    between = (estimate + measured) / 2 / 2**20
+    # Execute
+    picked = widest_fitting(task, between, 32)
+    # Assert: the whole model's estimate fits, its measured peak does not: a narrower width is picked
+    assert picked is not None and picked < 1
+
+
+# ------------------------------------------------------------------ the strategy's rounds
+
+
+class ProfiledGrid:
+    """The part of a Grid a strategy reads to select and to send: nodes and their profiles."""
+
+    def __init__(self, profiles: dict[int, str]) -> None:
+        self.profiles = profiles
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.profiles)
+
+    def node_profile(self, node: int) -> str:
+        return self.profiles[node]
+
+
+PLAN = WidthPlan({"w": (4, 2), "v": (3, 4)}, {"w": (0,), "v": (1,)})
+
+
+def global_model() -> ArrayRecord:
+    return ArrayRecord({"w": Array(np.zeros((4, 2), np.float32)), "v": Array(np.zeros((3, 4), np.float32))})
+
+
+def strategy(name: str = "heterofl", **kwargs: Any) -> FedAvg:
+    submodels = SubModels(PLAN, {"big": 1.0, "small": 0.5}, extraction(name))
+    return FedAvg(clients_per_round=3, submodels=submodels, flower_lines=False, **kwargs)
+
+
+def test_each_device_is_sent_the_window_its_profile_holds() -> None:
+    # Prepare
+    fedavg, grid = strategy(), ProfiledGrid({1: "big", 2: "small", 3: "small"})
+    # Execute
+    messages = {m.metadata.dst_node_id: m for m in fedavg.configure_train(1, global_model(), ConfigRecord(), grid)}
+    # Assert
+    small = messages[2].content.array_records[wire.ARRAYS]
+    assert small["w"].shape == (2, 2) and small["v"].shape == (3, 2)
+    assert messages[2].content.config_records[wire.CONFIG][MODEL_WIDTH] == 0.5
+    assert messages[1].content.array_records[wire.ARRAYS]["w"].shape == (4, 2)
+
+
+def test_each_entry_is_averaged_over_the_devices_whose_window_held_it() -> None:
+    # Prepare: the big device (10 examples) sends ones, a small one (30 examples) fours, another small one
+    # the whole model's shapes (refused: its instruction was the half model)
+    fedavg, grid = strategy(), ProfiledGrid({1: "big", 2: "small", 3: "small"})
+    list(fedavg.configure_train(1, global_model(), ConfigRecord(), grid))
+    replies = [train_reply(1, {"w": np.ones((4, 2), np.float32), "v": np.ones((3, 4), np.float32)}, 10),
+               train_reply(2, {"w": np.full((2, 2), 4, np.float32), "v": np.full((3, 2), 4, np.float32)}, 30),
+               train_reply(3, {"w": np.ones((4, 2), np.float32), "v": np.ones((3, 4), np.float32)}, 30)]
+    # Execute
+    arrays, _ = fedavg.aggregate_train(1, replies)
+    # Assert: held by both: (10 * 1 + 30 * 4) / 40 = 3.25; by the big device only: 1
+    assert arrays is not None
+    np.testing.assert_allclose(arrays["w"].numpy(), [[3.25, 3.25]] * 2 + [[1, 1]] * 2)
+    np.testing.assert_allclose(arrays["v"].numpy(), [[3.25, 3.25, 1, 1]] * 3)
+    report = fedavg.reports[-1]
+    assert report.accepted == 2 and "shape" in report.rejected[0].reason
+
+
+def test_fedrolex_sends_the_next_window_each_round() -> None:
+    # Prepare
+    fedavg, grid = strategy("fedrolex"), ProfiledGrid({1: "big", 2: "small", 3: "small"})
+    model = ArrayRecord({"w": Array(np.arange(8, dtype=np.float32).reshape(4, 2)),
+                         "v": Array(np.zeros((3, 4), np.float32))})
+    # Execute
+    sent = [{m.metadata.dst_node_id: m for m in fedavg.configure_train(r, model, ConfigRecord(), grid)}[2]
+            for r in (1, 2, 3)]
+    # Assert: rows 0-1, then 2-3, then 0-1 again
+    rows = [m.content.array_records[wire.ARRAYS]["w"].numpy()[:, 0].tolist() for m in sent]
+    assert rows == [[0.0, 2.0], [4.0, 6.0], [0.0, 2.0]]
+
+
+def test_exclude_leaves_the_small_devices_out_of_selection() -> None:
+    # Prepare
+    fedavg, grid = strategy("exclude"), ProfiledGrid({1: "big", 2: "small", 3: "small", 4: "big"})
+    # Execute
+    selected = {m.metadata.dst_node_id for m in fedavg.configure_train(1, global_model(), ConfigRecord(), grid)}
+    # Assert
+    assert selected == {1, 4}
+
+
+def test_a_rule_that_needs_whole_updates_is_refused_with_the_reason() -> None:
+    # Execute / Assert
+    with pytest.raises(ConfigError, match="needs every update whole"):
+        Median(submodels=SubModels(PLAN, {"big": 1.0}, extraction("heterofl")))
+
+
+@pytest.mark.parametrize(("setting", "problem"), [
+    ({"secure-aggregation": True}, "secure-aggregation"),
+    ({"asynchronous": True}, "asynchronous"),
+    ({"dp": "server-fixed"}, "dp"),
+    ({"gateways": True}, "gateways"),
+])
+def test_what_sub_models_cannot_run_with_is_refused_at_start(setting: dict[str, Any], problem: str) -> None:
+    # Prepare
+    config = resolve_run_config({"dataset": "digits", "model": "mlp", "sub-models": "heterofl", **setting})
+    task = load_task(config)
+    # Execute / Assert
+    with pytest.raises(ConfigError, match=f"cannot run with {problem}"):
+        build_sub_models(config, task, seeded_model(task, 0), parse_fleet("phone=3"))
+
+
+# ------------------------------------------------------------------ a run
+
+
+@pytest.fixture(scope="module")
+def heterofl_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    from fedge.simulation.runner import simulate
+
+    where = tmp_path_factory.mktemp("heterofl")
+    (where / "fleet.toml").write_text(FLEET)
+    return simulate({"dataset": "digits", "model": "cnn", "fleet-file": str(where / "fleet.toml"),
+                     "sub-models": "heterofl", "num-rounds": 3, "clients-per-round": 6,
+                     "run-dir": str(where / "run")}, progress=False)
+
+
+def test_a_heterogeneous_fleet_trains_one_model_and_each_width_gets_its_signed_bundle(
+        heterofl_run: tuple[Path, dict[str, Any]]) -> None:
+    # Prepare
+    from fedge.edge.runtime import EdgeModel
+
+    run_dir, summary = heterofl_run
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    bundle = run_dir / summary["width_bundles"]["w0.25"]["path"]
+    x = digits("cnn").central_data().inputs[0][:4]
+    # Execute: a phone verifies and runs its width's bundle, fp32 and int8, with onnxruntime
+    models = [EdgeModel.load(bundle, trusted_keys=[run_dir / "keys" / "signing.pub"], variant=variant)
+              for variant in ("fp32", "int8")]
+    predictions = [model.predict(x) for model in models]
+    # Assert: the whole model learnt; the quarter model is scored and signed in its own lineage
+    assert summary["final_accuracy"] > 0.5
+    assert set(rows[-1]["headline_by_width"]) == {"0.25", "1"}
+    assert models[0].manifest["model_id"].endswith("@w0.25")
+    assert all(len(prediction.labels) == 4 for prediction in predictions)
+    assert summary["width_bundles"]["w0.25"]["fp32_accuracy"] == pytest.approx(rows[-1]["headline_by_width"]["0.25"])
+
+
+def test_a_small_device_is_charged_for_its_slice_on_the_virtual_clock(
+        heterofl_run: tuple[Path, dict[str, Any]]) -> None:
+    # Prepare
+    run_dir, summary = heterofl_run
+    task = digits("cnn")
+    plan = width_plan(task, seeded_model(task, 0))
+    # Execute: bytes a round per device of each profile (every device trains each round: 6 of 6)
+    per_small = summary["bytes_down_by_profile"]["small"] / (4 * 3)
+    per_big = summary["bytes_down_by_profile"]["big"] / (2 * 3)
+    # Assert: the quarter model's float32 parameters, not the whole model's; what else a message holds (array
+    # headers, the instruction) is the same few hundred bytes for both
+    small_rest, big_rest = per_small - 4 * plan.parameters_at(0.25), per_big - 4 * plan.parameters_at(1)
+    assert per_small < per_big / 10
+    assert 0 < small_rest < 2000 and abs(small_rest - big_rest) < 100
