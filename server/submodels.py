@@ -106,6 +106,11 @@ def build_sub_models(config: RunConfig, task: Task, model: nn.Module, fleet: Fle
     widths = profile_widths(config, task, fleet, plan)
     in_fleet = {profile for profile, _ in fleet.mix}
     check_widths(task, model, plan, [w.width for w in widths if w.width is not None and w.profile in in_fleet])
+    for found in widths:
+        if found.width is None and found.profile in in_fleet:
+            log.warning("sub-models: profile '%s' (memory-mb = %d) fits no width of the model at batch-size %d: its "
+                        "devices sit out; give it more memory-mb or a model-width", found.profile, found.memory_mb,
+                        config.integer("batch-size"))
     submodels = SubModels(plan, {w.profile: w.width for w in widths}, extraction(name))
     log.info("sub-models %s (the fleet's profiles: %s)", submodels.describe(),
              "; ".join(w.describe() for w in widths if w.profile in in_fleet))

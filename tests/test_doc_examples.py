@@ -77,6 +77,7 @@ def test_every_python_example_is_run_or_covered() -> None:
         ("docs/edge-bundles.md", "import base64, hashlib, json, pathlib"),
         ("docs/strategies.md", "from typing import Any"),
         ("docs/strategies.md", "from fedge.strategies import AsynchronousDriver, FedAdam, FedAvg, SecureAggregation"),
+        ("docs/sub-models.md", "import numpy as np, torch"),
     }
     # Execute
     unaccounted = [(page, _first_line(code)) for page, code in python_examples()
@@ -195,3 +196,16 @@ def test_the_composition_example_builds_what_it_says() -> None:
     assert type(secure.driver).__name__ == "SecureAggregation" and type(secure.rule).__name__ == "Mean"
     assert type(asynchronous.driver).__name__ == "AsynchronousDriver"
     assert type(asynchronous.rule).__name__ == "Adaptive"
+
+
+def test_the_sub_model_example_prints_the_shapes_it_shows(capsys: pytest.CaptureFixture[str]) -> None:
+    # Prepare
+    code = _example("docs/sub-models.md", "import numpy as np, torch")
+    shown = re.search(r"print\(plan.sub_shapes\(0.25\)\)\s+# (.*)", code)
+    assert shown is not None
+    # Execute
+    exec(compile(code, "docs/sub-models.md", "exec"), {})
+    # Assert: the page's comment is what the code prints; the sub-model has the quarter's layers
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == shown.group(1)
+    assert "Linear(in_features=8, out_features=16" in "\n".join(printed[1:])
