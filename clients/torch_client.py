@@ -11,7 +11,7 @@ from fedge.config import RunConfig
 from fedge.task.api import Task, TaskData
 from fedge.task.models import load_arrays, model_arrays
 from fedge.task.training import evaluate, pick_device, train_local
-from fedge.task.widths import model_for
+from fedge.task.widths import add_scaler, model_for
 
 
 def torch_local_work(msg: Message, config: RunConfig, order: TrainOrder, task: Task,
@@ -20,13 +20,22 @@ def torch_local_work(msg: Message, config: RunConfig, order: TrainOrder, task: T
     base = received_weights(msg.content.array_records[wire.ARRAYS])
     model = model_for(task, {name: value.shape for name, value in base.items()}, seed=config.integer("seed"))
     load_arrays(model, ArrayRecord({k: Array(v) for k, v in base.items()}), source="global arrays")
+    scaler = add_scaler(model, task, instructed_width(msg))  # a sub-model trains with HeteroFL's scaler
     stats = train_local(
         task, model, data, epochs=order.epochs, batch_size=order.batch_size,
         learning_rate=order.learning_rate, momentum=order.momentum,
         device=pick_device(config.text("device")), seed=order.seed,
         proximal_mu=order.proximal_mu, max_steps=order.max_steps,
     )
+    for hook in scaler:
+        hook.remove()
     return model_arrays(model), base, stats
+
+
+def instructed_width(msg: Message) -> float:
+    """The sub-model width the instruction names (1: the whole model; a value out of (0, 1] counts as 1)."""
+    width = msg.content.config_records[wire.CONFIG].get(wire.MODEL_WIDTH, 1.0)
+    return float(width) if isinstance(width, int | float) and 0 < width <= 1 else 1.0
 
 
 def torch_scores(msg: Message, config: RunConfig, task: Task, data: TaskData) -> dict[str, float]:
@@ -34,6 +43,7 @@ def torch_scores(msg: Message, config: RunConfig, task: Task, data: TaskData) ->
     arrays = msg.content.array_records[wire.ARRAYS]
     model = model_for(task, {name: tuple(array.shape) for name, array in arrays.items()}, seed=config.integer("seed"))
     load_arrays(model, arrays, source="global arrays")
+    add_scaler(model, task, instructed_width(msg))  # evaluated as it trains
     return evaluate(task, model, data, device=pick_device(config.text("device")), summarize=False)
 
 

@@ -22,7 +22,15 @@ from fedge.profiles import Fleet
 from fedge.strategies.submodels import SubModels, extraction
 from fedge.task.api import Task
 from fedge.task.models import load_arrays
-from fedge.task.widths import TrainingMemory, check_widths, memory_at, sub_model, widest_fitting, width_plan
+from fedge.task.widths import (
+    TrainingMemory,
+    check_widths,
+    fold_scaler,
+    memory_at,
+    sub_model,
+    widest_fitting,
+    width_plan,
+)
 from fedge.widths import WidthPlan
 
 log = logging.getLogger("fedge.server")
@@ -127,13 +135,14 @@ def trained_widths(submodels: SubModels | None, fleet: Fleet) -> Mapping[str, fl
 
 def width_model(task: Task, model: nn.Module, plan: WidthPlan, width: float) -> nn.Module:
     """The global ``model``'s sub-model at ``width``: its leading window (HeteroFL's; under FedRolex every
-    window is trained in turn and the leading one is the deliverable), loaded into the task's sub-model."""
+    window is trained in turn and the leading one is the deliverable), loaded into the task's sub-model,
+    with HeteroFL's scaler folded into its weights (what devices of that width train and run)."""
     state = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
     arrays = plan.window(width).take(state)
     small = sub_model(task, plan.sub_shapes(width))
     load_arrays(small, ArrayRecord({name: Array(np.ascontiguousarray(value)) for name, value in arrays.items()}),
                 source=f"the global model at width {width:g}")
-    return small
+    return fold_scaler(small, task, width)
 
 
 def width_label(width: float) -> str:

@@ -31,7 +31,7 @@ from fedge.widths import WidthPlan, Window, rolling_offset
 
 log = logging.getLogger("fedge.strategies.submodels")
 
-MODEL_WIDTH = "model-width"  # the width of the sub-model an instruction carries (the arrays' shapes say it too)
+MODEL_WIDTH = wire.MODEL_WIDTH  # the width of the sub-model an instruction carries (the arrays' shapes say it too)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,9 @@ from fedge.strategies.submodels import MODEL_WIDTH, SubModels, extraction
 from fedge.task.api import Task, TaskData, seeded_model
 from fedge.task.models import load_arrays
 from fedge.task.widths import (
+    add_scaler,
     check_widths,
+    fold_scaler,
     measured_training_bytes,
     sub_model,
     training_memory_bytes,
@@ -364,3 +366,24 @@ def test_a_small_device_is_charged_for_its_slice_on_the_virtual_clock(
     small_rest, big_rest = per_small - 4 * plan.parameters_at(0.25), per_big - 4 * plan.parameters_at(1)
     assert per_small < per_big / 10
     assert 0 < small_rest < 2000 and abs(small_rest - big_rest) < 100
+
+
+def test_heterofls_scaler_divides_each_scaled_hidden_layer_and_folds_into_the_weights() -> None:
+    # Prepare: a half-width mlp (hidden 32 of 64) and a batch
+    task = digits("mlp")
+    plan = width_plan(task, seeded_model(task, 0))
+    small = sub_model(task, plan.sub_shapes(0.5))
+    for weight in small.parameters():
+        nn.init.normal_(weight, std=0.1)
+    x = torch.as_tensor(task.train_data().inputs[0][:3])
+    w1, b1, w2, b2 = (value.detach().clone() for value in small.state_dict().values())
+    # Execute
+    hooks = add_scaler(small, task, 0.5)
+    hooked = small(x).detach()
+    for hook in hooks:
+        hook.remove()
+    folded = fold_scaler(small, task, 0.5)(x).detach()
+    # Assert: relu((x W1^T + b1) / 0.5) W2^T + b2: the output layer is not scaled
+    expected = torch.relu((x @ w1.T + b1) / 0.5) @ w2.T + b2
+    torch.testing.assert_close(hooked, expected)
+    torch.testing.assert_close(folded, expected)
