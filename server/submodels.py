@@ -62,8 +62,6 @@ def check_sub_models(config: RunConfig, fleet: Fleet) -> None:
     if config.text("sub-models") == "off":
         return
     refusals = {
-        "secure-aggregation": (config["secure-aggregation"], "masks per width group (one SecAgg+ instance each) are "
-                               "not built yet"),
         "asynchronous": (config["asynchronous"], "stale updates of another round's window are not rebased per entry"),
         "dp": (config.text("dp") != "off", "DP clips and noises the whole model's update, not a window's"),
         "gateways": (config["gateways"], "a gateway averages its pool into one whole-model update"),

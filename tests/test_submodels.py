@@ -303,7 +303,6 @@ def test_a_rule_that_needs_whole_updates_is_refused_with_the_reason() -> None:
 
 
 @pytest.mark.parametrize(("setting", "problem"), [
-    ({"secure-aggregation": True}, "secure-aggregation"),
     ({"asynchronous": True}, "asynchronous"),
     ({"dp": "server-fixed"}, "dp"),
     ({"gateways": True}, "gateways"),
@@ -387,3 +386,61 @@ def test_heterofls_scaler_divides_each_scaled_hidden_layer_and_folds_into_the_we
     expected = torch.relu((x @ w1.T + b1) / 0.5) @ w2.T + b2
     torch.testing.assert_close(hooked, expected)
     torch.testing.assert_close(folded, expected)
+
+
+SECURE_FLEET = """
+[profiles.small]
+compute-rate = 200
+uplink-mbps = 2
+downlink-mbps = 10
+memory-mb = 64
+model-width = 0.5
+
+[profiles.big]
+compute-rate = 2000
+uplink-mbps = 20
+downlink-mbps = 50
+memory-mb = 4096
+
+[fleet]
+small = {small}
+big = 3
+"""
+
+
+def secure_base(tmp_path: Path, small: int, mode: str = "fedrolex") -> dict[str, Any]:
+    (tmp_path / "fleet.toml").write_text(SECURE_FLEET.format(small=small))
+    return {"dataset": "digits", "model": "mlp", "fleet-file": str(tmp_path / "fleet.toml"), "sub-models": mode,
+            "num-rounds": 2, "clients-per-round": small + 3, "local-epochs": 2, "export-onnx": False}
+
+
+def test_secure_rounds_over_width_groups_give_the_plaintext_sub_model_average(tmp_path: Path) -> None:
+    # Prepare
+    from fedge.server.checkpoint import load_checkpoint
+    from fedge.server.report import read_jsonl
+    from fedge.simulation.runner import simulate
+
+    base = secure_base(tmp_path, small=4)
+    # Execute: the same FedRolex run in the clear and under secure aggregation (one instance per width group)
+    plain, _ = simulate({**base, "run-dir": str(tmp_path / "plain")}, progress=False)
+    secure, _ = simulate({**base, "secure-aggregation": True, "run-dir": str(tmp_path / "secure")}, progress=False)
+    # Assert: equal up to fixed-point rounding; every device of both groups counted each round
+    clear, masked = (load_checkpoint(run / "checkpoint.npz").arrays for run in (plain, secure))
+    for name, value in clear.items():
+        np.testing.assert_allclose(masked[name], value, atol=1e-4)
+    assert all(row["participants"] == 7 and row["aggregated"] for row in read_jsonl(secure / "metrics.jsonl")[1:])
+
+
+def test_a_width_group_too_small_to_hide_its_devices_is_left_out_and_the_round_goes_on(tmp_path: Path) -> None:
+    # Prepare
+    from fedge.server.report import read_jsonl
+    from fedge.simulation.runner import simulate
+
+    base = secure_base(tmp_path, small=2, mode="heterofl")
+    # Execute
+    run, _ = simulate({**base, "secure-aggregation": True, "run-dir": str(tmp_path / "secure")}, progress=False)
+    # Assert: the two half-width devices are named and left out; the three whole-model devices aggregate
+    rows = read_jsonl(run / "metrics.jsonl")[1:]
+    assert all(row["aggregated"] and row["participants"] == 3 for row in rows)
+    reasons = {rejection["reason"] for row in rows for rejection in row["rejections"]}
+    assert reasons == {"its width group (width 1/2 at offset 0) had 2 devices this round; secure aggregation needs 3"}

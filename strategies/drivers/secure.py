@@ -71,6 +71,7 @@ from fedge.strategies.drivers.base import RoundReport
 from fedge.strategies.drivers.sync import SyncDriver
 from fedge.strategies.policies import let_go
 from fedge.strategies.validation import Rejection, decode_arrays
+from fedge.widths import CoverageMean
 
 if TYPE_CHECKING:
     from fedge.strategies.fedavg import FedAvg
@@ -154,16 +155,23 @@ class SecureAggregation(SyncDriver):
 
     def train_round(self, strategy: FedAvg, grid: Grid, server_round: int, arrays: ArrayRecord,
                     config: ConfigRecord, timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The five protocol steps; the model changes only if enough devices finish them."""
+        """The five protocol steps; the model changes only if enough devices finish them.
+
+        Under width-scaled sub-models (``strategy.submodels``) the devices of one window (width and
+        offset) form a group, and each group runs its own protocol instance over its sub-model's
+        vector: the coordinator learns each group's sum and nothing finer, then averages each
+        entry over the groups that held it (:class:`fedge.widths.CoverageMean`).
+        """
         if strategy is not self.strategy:
             self.bind(strategy)
         instructions = {m.metadata.dst_node_id: m.content
                         for m in strategy.configure_train(server_round, arrays, config, grid)}
         report = strategy.reports[-1]
-        codecs = self._codecs(len(instructions))
+        if strategy.submodels is not None:
+            return self._grouped_round(strategy, grid, server_round, arrays, instructions, timeout, report)
         try:
-            total, survivors = self._attempts(grid, server_round, instructions, codecs, timeout, report)
-            summed, weight, weighted_work = self._decoded(total, codecs, len(survivors))
+            summed, weight, weighted_work, survivors = self._group_sum(grid, server_round, instructions, arrays,
+                                                                       timeout, report)
         except SecureRoundFailed as exc:  # malformed messages were handled where they were read
             log.warning("round %d: secure aggregation failed (%s); global model kept", server_round, exc)
             return None, MetricRecord({"accepted": 0, "failed": len(report.failed), "late": report.late})
@@ -174,6 +182,60 @@ class SecureAggregation(SyncDriver):
         return ArrayRecord({name: Array(c_contiguous(new[name])) for name in arrays}), MetricRecord(
             {"accepted": len(survivors), "failed": len(report.failed), "late": report.late, "weight": weight})
 
+    def _group_sum(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict], sent: ArrayRecord,
+                   timeout: float, report: RoundReport) -> tuple[Any, float, float, list[int]]:
+        """One protocol instance over ``instructions``' devices, who were all sent ``sent`` (the model or one
+        width's sub-model, before any downlink codec): the unmasked sums and the survivors."""
+        codecs = self._codecs(len(instructions))
+        length = sum(int(np.prod(array.shape)) for array in sent.values()) + 2  # update, w, w * a
+        total, survivors = self._attempts(grid, server_round, instructions, codecs, timeout, report, length)
+        summed, weight, weighted_work = self._decoded(total, codecs, len(survivors))
+        return summed, weight, weighted_work, survivors
+
+    def _grouped_round(self, strategy: FedAvg, grid: Grid, server_round: int, arrays: ArrayRecord,
+                       instructions: dict[int, RecordDict], timeout: float,
+                       report: RoundReport) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """One protocol instance per window group; each entry averaged over the groups that held it.
+
+        A group of fewer than :data:`MIN_DEVICES` devices is not run (the sum of two would tell
+        each its partner's update): its devices are left out of the round, with the reason.
+        """
+        assert strategy.submodels is not None
+        windows = strategy.submodels.windows
+        groups: dict[tuple[Any, Any], dict[int, RecordDict]] = {}
+        for node, content in instructions.items():
+            groups.setdefault((windows[node].width, windows[node].offset), {})[node] = content
+        strategy.rule.begin(strategy.round_context())
+        entries = CoverageMean({name: tuple(array.shape) for name, array in arrays.items()})
+        accepted, weight_total = 0, 0.0
+        for _, group in sorted(groups.items(), key=lambda item: item[0]):
+            window = windows[next(iter(group))]
+            if len(group) < MIN_DEVICES:
+                reason = (f"its width group ({window.describe()}) had {len(group)} devices this round; secure "
+                          f"aggregation needs {MIN_DEVICES}")
+                report.rejected.extend(Rejection(node, reason) for node in group)
+                log.warning("round %d: width group %s has %d devices (< %d): left out", server_round,
+                            window.describe(), len(group), MIN_DEVICES)
+                continue
+            sent = strategy.submodels.reference_of(next(iter(group))) or arrays
+            try:
+                summed, weight, weighted_work, survivors = self._group_sum(grid, server_round, group, sent, timeout,
+                                                                           report)
+            except SecureRoundFailed as exc:
+                log.warning("round %d: secure aggregation of width group %s failed (%s); its devices are left out",
+                            server_round, window.describe(), exc)
+                continue
+            entries.add(self._apply(sent, summed / weight * (weighted_work / weight)), window, weight)
+            accepted, weight_total = accepted + len(survivors), weight_total + weight
+        metrics = {"accepted": accepted, "failed": len(report.failed), "late": report.late, "weight": weight_total}
+        if not entries.count:
+            log.warning("round %d: no width group was aggregated; global model kept", server_round)
+            return None, MetricRecord(metrics)
+        report.accepted, report.aggregated = accepted, True
+        global_numpy = {name: array.numpy() for name, array in arrays.items()}
+        new = strategy.rule.step(entries.result(global_numpy))  # type: ignore[attr-defined]
+        return ArrayRecord({name: Array(c_contiguous(new[name])) for name in arrays}), MetricRecord(metrics)
+
     @property
     def _strategy(self) -> FedAvg:
         if self.strategy is None:
@@ -182,7 +244,7 @@ class SecureAggregation(SyncDriver):
 
     def _attempts(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
                   codecs: tuple[FixedPoint, FixedPoint, FixedPoint], timeout: float,
-                  report: RoundReport) -> tuple[Any, list[int]]:
+                  report: RoundReport, length: int) -> tuple[Any, list[int]]:
         """:meth:`_protocol`, run again without the devices whose sealed shares did not open.
 
         A device that gets a share that does not open or is malformed names its sender at the
@@ -193,7 +255,7 @@ class SecureAggregation(SyncDriver):
         """
         for _ in range(RERUNS + 1):
             try:
-                return self._protocol(grid, server_round, instructions, codecs, timeout, report)
+                return self._protocol(grid, server_round, instructions, codecs, timeout, report, length)
             except _BadShares as exc:
                 for node, reason in sorted(exc.blamed.items()):
                     report.rejected.append(Rejection(node, reason))
@@ -228,8 +290,8 @@ class SecureAggregation(SyncDriver):
 
     def _protocol(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
                   codecs: tuple[FixedPoint, FixedPoint, FixedPoint], timeout: float,
-                  report: RoundReport) -> tuple[Any, list[int]]:
-        """Run the five steps; the masked vectors' sum without masks, and who is in it.
+                  report: RoundReport, length: int) -> tuple[Any, list[int]]:
+        """Run the five steps; the masked vectors' sum without masks (``length`` entries), and who is in it.
 
         Sets, as in Bonawitz et al. §4: ``alive`` (valid keys, U1), ``shared`` (sent
         shares, U2), ``survivors`` (sent masked inputs, U3: the sum is over them),
@@ -255,7 +317,6 @@ class SecureAggregation(SyncDriver):
                         few, threshold)
         maskers = {n: inbox for n, inbox in inboxes.items() if n not in few}
         masked, expected = self._masked_step(grid, server_round, instructions, maskers, codecs, timeout, report)
-        length = sum(int(np.prod(a.shape)) for a in self._strategy.global_numpy().values()) + 2  # update, w, w * a
         checks = _Expected(set(maskers), expected, keys, graph, server_round)
         folded = self._sum_masked(masked, checks, length, server_round, report)
         total, summed = folded.total, folded.received
