@@ -346,40 +346,40 @@ def full_shapes(task: Task) -> dict[str, tuple[int, ...]]:
 
 
 def scaled_layers(model: nn.Module, task: Task) -> list[nn.Module]:
-    """The layers of a sub-model whose outputs are scaled (hidden: fewer than the whole model's)."""
+    """The layers of a sub-model that read scaled (hidden) inputs: fewer than the whole model's."""
     full = full_shapes(task)
     return [module for name, module in model.named_modules()
             if isinstance(module, WEIGHTED) and not isinstance(module, nn.Embedding)
-            and module.weight.shape[0] < full[f"{name}.weight" if name else "weight"][0]]
+            and module.weight.shape[1] < full[f"{name}.weight" if name else "weight"][1]]
 
 
 def add_scaler(model: nn.Module, task: Task, width: float) -> list[torch.utils.hooks.RemovableHandle]:
-    """HeteroFL's scaler on a sub-model of ``width``: each scaled hidden layer's output is divided by
-    ``width`` (Diao et al., ICLR 2021, sec. 3.2), so a sub-model's activations have the whole model's
-    magnitude and its trained weights fit back into the whole model. Returns the hooks (remove them
-    to take it off).
+    """HeteroFL's scaler on a sub-model of ``width`` (Diao et al., ICLR 2021, sec. 3.2): each layer that
+    reads a scaled hidden input divides that input by ``width``, so its output estimates the whole
+    model's (as inverted dropout does), and weights a sub-model trained fit back into the whole model.
+    Returns the hooks (remove them to take it off).
 
-    HeteroFL turns it off in evaluation, where its static BatchNorm after every scaled layer undoes
-    the scale anyway; fedge keeps it on (and :func:`fold_scaler` puts it into the weights of a
-    width's deliverable model) because its models have scaled layers with no norm after them,
-    where evaluating without the scale the sub-model trained with would change its outputs.
+    The paper divides each scaled layer's *output* (before its static BatchNorm, which undoes the
+    scale) and turns the scaler off in evaluation. fedge's models have layers with no norm after
+    them, where dividing every output would compound (``1 / r`` per layer: a quarter-width CNN's
+    logits 64 times too large, and its training diverged); dividing each layer's input once is the
+    same where a norm follows and the intended compensation where none does. It stays on in
+    evaluation, and :func:`fold_scaler` puts it into the weights of a width's deliverable model.
     """
     if width >= 1:
         return []
 
-    def scale(module: nn.Module, args: tuple[object, ...], output: torch.Tensor) -> torch.Tensor:
-        return output / width
+    def scale(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return (args[0] / width, *args[1:])
 
-    return [module.register_forward_hook(scale) for module in scaled_layers(model, task)]
+    return [module.register_forward_pre_hook(scale) for module in scaled_layers(model, task)]
 
 
 def fold_scaler(model: nn.Module, task: Task, width: float) -> nn.Module:
-    """``model`` (a sub-model of ``width``) with the scaler in its weights: each scaled layer's weight
-    and bias divided by ``width``, which is what :func:`add_scaler`'s hooks compute."""
+    """``model`` (a sub-model of ``width``) with the scaler in its weights: each layer reading a scaled
+    input has its weight (not its bias) divided by ``width``, which is what :func:`add_scaler` computes."""
     if width < 1:
         with torch.no_grad():
             for module in scaled_layers(model, task):
-                for weight in (module.weight, getattr(module, "bias", None)):
-                    if isinstance(weight, torch.Tensor):
-                        weight.div_(width)
+                module.weight.div_(width)  # type: ignore[operator]
     return model

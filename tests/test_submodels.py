@@ -367,7 +367,7 @@ def test_a_small_device_is_charged_for_its_slice_on_the_virtual_clock(
     assert 0 < small_rest < 2000 and abs(small_rest - big_rest) < 100
 
 
-def test_heterofls_scaler_divides_each_scaled_hidden_layer_and_folds_into_the_weights() -> None:
+def test_heterofls_scaler_divides_each_scaled_input_once_and_folds_into_the_weights() -> None:
     # Prepare: a half-width mlp (hidden 32 of 64) and a batch
     task = digits("mlp")
     plan = width_plan(task, seeded_model(task, 0))
@@ -382,8 +382,9 @@ def test_heterofls_scaler_divides_each_scaled_hidden_layer_and_folds_into_the_we
     for hook in hooks:
         hook.remove()
     folded = fold_scaler(small, task, 0.5)(x).detach()
-    # Assert: relu((x W1^T + b1) / 0.5) W2^T + b2: the output layer is not scaled
-    expected = torch.relu((x @ w1.T + b1) / 0.5) @ w2.T + b2
+    # Assert: relu(x W1^T + b1) / 0.5 W2^T + b2: the layer reading the 32 hidden units of 64 compensates
+    # for the 32 it lacks (inverted dropout's scale); the first layer reads the whole input and is not scaled
+    expected = (torch.relu(x @ w1.T + b1) / 0.5) @ w2.T + b2
     torch.testing.assert_close(hooked, expected)
     torch.testing.assert_close(folded, expected)
 
