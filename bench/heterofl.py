@@ -9,7 +9,8 @@ epoch). In one run, on ``digits`` (the demo's CNN) and on ``images`` (the GroupN
 (a) ``exclude``: the phones sit out (and their data with them);
 (b) ``smallest``: the whole fleet trains the quarter-width model (what it delivers is that model);
 (c) ``heterofl``: each class trains its width, leading channels (HeteroFL, ICLR 2021);
-(d) ``fedrolex``: each class trains its width, a rolling window (FedRolex, NeurIPS 2022).
+(d) ``fedrolex``: each class trains its width, a rolling window (FedRolex, NeurIPS 2022);
+(c') ``heterofl`` with HeteroFL's scaler (``sub-model-scaler = true``), to measure what it does here.
 
 Reports the central test accuracy of the whole model and of each width's model, bytes up and
 down, and simulated time; and each width's training memory (estimate and a measured one-step
@@ -68,8 +69,13 @@ gpu-box = 4
 WIDTHS = {"phone": 0.25, "laptop": 0.5, "gpu-box": 1.0}
 PHONE_CLASSES = range(5)  # the classes whose examples the phones hold most of
 PHONE_SHARE = 0.9
-CONFIGS = {"(a) exclude": "exclude", "(b) smallest": "smallest", "(c) heterofl": "heterofl",
-           "(d) fedrolex": "fedrolex"}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "(a) exclude": {"sub-models": "exclude"},
+    "(b) smallest": {"sub-models": "smallest"},
+    "(c) heterofl": {"sub-models": "heterofl"},
+    "(d) fedrolex": {"sub-models": "fedrolex"},
+    "(c') heterofl + scaler": {"sub-models": "heterofl", "sub-model-scaler": True},  # the paper's scaler, measured
+}
 TASKS = {  # digits: the demo's local work (5 epochs of batches of 16); images: as bench/tasks.py, 1 epoch
     "digits": {"dataset": "digits", "model": "cnn", "learning-rate": 0.05, "local-epochs": 5, "batch-size": 16},
     "images": {"task": "images", "learning-rate": 0.05, "local-epochs": 1, "batch-size": 32},
@@ -145,9 +151,10 @@ def memory_table(task: Task, batch: int) -> list[dict[str, Any]]:
     return rows
 
 
-def run_one(task: Task, overrides: dict[str, Any], mode: str, rounds: int, where: Path) -> dict[str, Any]:
+def run_one(task: Task, overrides: dict[str, Any], chosen: dict[str, Any], rounds: int, run_dir: Path) -> dict[str, Any]:
     """One simulated run; its rows and summary."""
-    run_dir, summary = simulate({**overrides, "sub-models": mode, "num-rounds": rounds, "run-dir": str(where / mode)},
+    mode = chosen["sub-models"]
+    run_dir, summary = simulate({**overrides, **chosen, "num-rounds": rounds, "run-dir": str(run_dir)},
                                 progress=True, task=task)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     last = rows[-1]
@@ -179,7 +186,8 @@ def main() -> None:
                          "momentum": 0.9, "seed": args.seed}
             config = resolve_run_config(overrides)
             task = PhonesHoldSomeClasses(load_task(config))
-            runs = {label: run_one(task, overrides, mode, rounds, where / name) for label, mode in CONFIGS.items()}
+            runs = {label: run_one(task, overrides, chosen, rounds, where / name / str(index))
+                    for index, (label, chosen) in enumerate(CONFIGS.items())}
             memory = memory_table(task, int(overrides["batch-size"]))
             results["tasks"][name] = {"rounds": rounds, "memory": memory, "runs": runs}
             print_task(name, results["tasks"][name])

@@ -73,7 +73,7 @@ def _add_pull_parser(sub: Any) -> None:
                       help="a trusted bundle signer's public key (repeatable)")
     pull.add_argument("--kind", choices=["inference", "training", "all"], default="all")
     pull.add_argument("--width", type=float, default=None,
-                      help="a width-scaled sub-model's inference bundle (sub-models runs): e.g. 0.25")
+                      help="a width-scaled sub-model's bundles (sub-models runs): e.g. 0.25")
     pull.add_argument("--dir", type=Path, help="where bundles are kept (default: $FEDGE_DEVICE_HOME/bundles, "
                                                "else ~/.fedge-device/bundles)")
     pull.add_argument("--state-dir", type=Path, metavar="DIR",
@@ -314,9 +314,7 @@ def _pull(args: argparse.Namespace) -> int:
     directory = args.dir or home / "bundles"
     kinds = KINDS if args.kind == "all" else (args.kind,)
     if args.width is not None:
-        if args.kind == "training":
-            raise ConfigError("--width picks an inference bundle; a training graph per width is not published")
-        kinds = (inference_kind(args.width),)
+        kinds = tuple(inference_kind(args.width, kind) for kind in kinds)
     for kind in kinds:
         try:
             result = pull(url_or_address=args.coordinator, kind=kind, directory=directory, device_key=args.key,

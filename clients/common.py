@@ -143,6 +143,19 @@ def evaluation_content(scores: Mapping[str, float], num_examples: int) -> Record
     return RecordDict({wire.METRICS: metrics})
 
 
+def instructed_width(msg: Message) -> float:
+    """The sub-model width an instruction names (1: the whole model; a value out of (0, 1] counts as 1)."""
+    record = msg.content.config_records.get(wire.CONFIG)
+    width = record.get(wire.MODEL_WIDTH, 1.0) if record is not None else 1.0
+    return float(width) if isinstance(width, int | float) and 0 < width <= 1 else 1.0
+
+
+def instructed_scale(msg: Message) -> float:
+    """The width HeteroFL's scaler divides by (the instruction's width if it asks for the scaler; 1: none)."""
+    record = msg.content.config_records.get(wire.CONFIG)
+    return instructed_width(msg) if record is not None and record.get(wire.MODEL_SCALER) is True else 1.0
+
+
 def received_weights(record: ArrayRecord) -> dict[str, np.ndarray]:
     """The global weights in a train instruction (decoded if the downlink was compressed)."""
     if is_encoded(record):

@@ -35,12 +35,19 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 
 from fedge import wire
-from fedge.clients.common import LocalWork, TrainOrder, evaluation_content, received_weights, reply_content
+from fedge.clients.common import (
+    LocalWork,
+    TrainOrder,
+    evaluation_content,
+    instructed_width,
+    received_weights,
+    reply_content,
+)
 from fedge.clients.device_data import DeviceArrays as DeviceArrays
 from fedge.clients.device_data import device_arrays as device_arrays
 from fedge.config import RunConfig
 from fedge.edge.trainer import OnnxTrainer
-from fedge.edge.training_bundle import SIGNING_PUBLIC_KEY, TRAINING_BUNDLE, TrainingBundle, read_training_bundle
+from fedge.edge.training_bundle import SIGNING_PUBLIC_KEY, TrainingBundle, read_training_bundle, training_bundle_for
 from fedge.errors import ConfigError
 
 log = logging.getLogger("fedge.clients")
@@ -49,16 +56,20 @@ _loaded: dict[tuple[str, int, int, str], tuple[TrainingBundle, OnnxTrainer]] = {
 _lock = threading.Lock()
 
 
-def bundle_location(context: Context, config: RunConfig) -> tuple[Path, Path]:
-    """The training bundle this device uses and the public key it trusts for it."""
+def bundle_location(context: Context, config: RunConfig, width: float = 1.0) -> tuple[Path, Path]:
+    """The training bundle this device uses (for a sub-model of ``width``: that width's, beside the
+    whole model's) and the public key it trusts for it."""
     node = context.node_config
     if "training-bundle" in node or "data-path" in node:  # deployed: its own files only, never the run's
-        return Path(str(node.get("training-bundle", ""))), Path(str(node.get("trusted-key", "")))
+        own = Path(str(node.get("training-bundle", "")))
+        return (own if width >= 1 else own.with_name(training_bundle_for(width).name),
+                Path(str(node.get("trusted-key", ""))))
     run_dir = Path(config.text("run-dir"))
-    return run_dir / TRAINING_BUNDLE, run_dir / SIGNING_PUBLIC_KEY
+    return run_dir / training_bundle_for(width), run_dir / SIGNING_PUBLIC_KEY
 
 
-def load_trainer(context: Context, config: RunConfig, expected: str | None) -> tuple[TrainingBundle, OnnxTrainer]:
+def load_trainer(context: Context, config: RunConfig, expected: str | None,
+                 width: float = 1.0) -> tuple[TrainingBundle, OnnxTrainer]:
     """The verified training bundle and its trainer (verified once per file version and process).
 
     Raises
@@ -68,7 +79,7 @@ def load_trainer(context: Context, config: RunConfig, expected: str | None) -> t
     BundleVerificationError
         The bundle is not signed by the trusted key or was altered.
     """
-    path, key = bundle_location(context, config)
+    path, key = bundle_location(context, config, width)
     if not path.is_file():
         raise ConfigError(f"this device trains with onnx (runtime = onnx) but has no training graph at '{path}'; "
                           "fetch it with `fedge pull --kind training` (or run torch devices)")
@@ -82,15 +93,15 @@ def load_trainer(context: Context, config: RunConfig, expected: str | None) -> t
             bundle = read_training_bundle(path, trusted_keys=[key])
             _loaded[cache_key] = (bundle, OnnxTrainer(bundle.train_onnx, bundle.eval_onnx, bundle.manifest))
         bundle, trainer = _loaded[cache_key]
-    if expected and bundle.architecture != expected and refresh_training_bundle(context, path, key):
-        return load_trainer(context, config, expected)  # the new one; refused below if it is not the run's either
+    if expected and bundle.architecture != expected and refresh_training_bundle(context, path, key, width):
+        return load_trainer(context, config, expected, width)  # the new one; refused below if not the run's either
     if expected and bundle.architecture != expected:
         raise ConfigError(f"this device's training graph '{path}' is architecture {bundle.architecture[:12]}, the "
                           f"run trains {expected[:12]}; fetch the current one with `fedge pull --kind training`")
     return bundle, trainer
 
 
-def refresh_training_bundle(context: Context, path: Path, key: Path) -> bool:
+def refresh_training_bundle(context: Context, path: Path, key: Path, width: float = 1.0) -> bool:
     """Fetch the coordinator's current training graph into ``path`` (a run that trains another
     architecture); whether a new one came.
 
@@ -99,14 +110,15 @@ def refresh_training_bundle(context: Context, path: Path, key: Path) -> bool:
     bundle is verified (signature, hashes, not older than one accepted) before it replaces the old.
     A device started without them (``fedge device`` of an older fedge) keeps the old refusal.
     """
-    from fedge.edge.delivery import DeliveryError, pull  # noqa: PLC0415 - numpy, cryptography, http only
+    from fedge.edge.delivery import DeliveryError, inference_kind, pull  # noqa: PLC0415 - numpy, cryptography, http
 
     node = context.node_config
-    if "bundle-service" not in node or path.name != TRAINING_BUNDLE.name:
+    if "bundle-service" not in node or path.name != training_bundle_for(width).name:
         return False
     insecure = str(node.get("bundles-insecure", "")) == "yes"
     try:
-        result = pull(url_or_address=str(node["bundle-service"]), kind="training", directory=path.parent,
+        result = pull(url_or_address=str(node["bundle-service"]), kind=inference_kind(width, "training"),
+                      directory=path.parent,
                       device_key=None if insecure else str(node.get("device-key", "")),
                       ca=None if insecure else str(node.get("ca", "")), trusted_keys=[key],
                       freshness_dir=str(node.get("freshness-dir", "")) or None, insecure=insecure)
@@ -128,9 +140,9 @@ def expected_graph(msg: Message) -> str | None:
 
 
 def current_trainer(msg: Message, context: Context, config: RunConfig) -> tuple[TrainingBundle, OnnxTrainer]:
-    """The trainer of the graph ``msg`` names, fetched first if this device holds another (before
-    its data is read: the new graph's inputs and preprocessing are what the data must meet)."""
-    return load_trainer(context, config, expected_graph(msg))
+    """The trainer of the graph ``msg`` names (its sub-model's width's), fetched first if this device holds
+    another (before its data is read: the new graph's inputs and preprocessing are what the data must meet)."""
+    return load_trainer(context, config, expected_graph(msg), instructed_width(msg))
 
 
 def onnx_local_work(msg: Message, context: Context, config: RunConfig, order: TrainOrder,

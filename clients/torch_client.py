@@ -6,7 +6,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Message
 
 from fedge import wire
-from fedge.clients.common import LocalWork, TrainOrder, received_weights
+from fedge.clients.common import LocalWork, TrainOrder, instructed_scale, received_weights
 from fedge.config import RunConfig
 from fedge.task.api import Task, TaskData
 from fedge.task.models import load_arrays, model_arrays
@@ -20,7 +20,7 @@ def torch_local_work(msg: Message, config: RunConfig, order: TrainOrder, task: T
     base = received_weights(msg.content.array_records[wire.ARRAYS])
     model = model_for(task, {name: value.shape for name, value in base.items()}, seed=config.integer("seed"))
     load_arrays(model, ArrayRecord({k: Array(v) for k, v in base.items()}), source="global arrays")
-    scaler = add_scaler(model, task, instructed_width(msg))  # a sub-model trains with HeteroFL's scaler
+    scaler = add_scaler(model, task, instructed_scale(msg))  # HeteroFL's scaler, if the run asks
     stats = train_local(
         task, model, data, epochs=order.epochs, batch_size=order.batch_size,
         learning_rate=order.learning_rate, momentum=order.momentum,
@@ -32,18 +32,12 @@ def torch_local_work(msg: Message, config: RunConfig, order: TrainOrder, task: T
     return model_arrays(model), base, stats
 
 
-def instructed_width(msg: Message) -> float:
-    """The sub-model width the instruction names (1: the whole model; a value out of (0, 1] counts as 1)."""
-    width = msg.content.config_records[wire.CONFIG].get(wire.MODEL_WIDTH, 1.0)
-    return float(width) if isinstance(width, int | float) and 0 < width <= 1 else 1.0
-
-
 def torch_scores(msg: Message, config: RunConfig, task: Task, data: TaskData) -> dict[str, float]:
     """The task's metrics of the instruction's weights on ``data`` (unsummarised means)."""
     arrays = msg.content.array_records[wire.ARRAYS]
     model = model_for(task, {name: tuple(array.shape) for name, array in arrays.items()}, seed=config.integer("seed"))
     load_arrays(model, arrays, source="global arrays")
-    add_scaler(model, task, instructed_width(msg))  # evaluated as it trains
+    add_scaler(model, task, instructed_scale(msg))  # evaluated as it trains
     return evaluate(task, model, data, device=pick_device(config.text("device")), summarize=False)
 
 

@@ -143,6 +143,9 @@ KNOBS: dict[str, Knob] = {
                        "profile's width), fedrolex (a rolling window), smallest (all on the fleet's smallest width), "
                        "exclude (they sit out); a profile's model-width, or the widest that fits its memory-mb",
                        "strategies", choices=("off", "heterofl", "fedrolex", "smallest", "exclude")),
+    "sub-model-scaler": Knob(False, "sub-models: HeteroFL's scaler (a layer reading a scaled hidden input divides it "
+                             "by the width); it stalled norm-free models at the default learning rate "
+                             "(docs/sub-models.md)", "strategies"),
     "round-policy": Knob("sync", "sync: wait for all; deadline: first K before deadline-s", "strategies",
                          choices=("sync", "deadline")),
     "deadline-s": Knob(60.0, "round deadline in seconds (round-policy = deadline)", "strategies", check=above(0)),

@@ -44,7 +44,8 @@ SECURE_POOL = "secure-pool"
 EVAL_PREFIX = "eval-"  # a device's evaluation reply names each task metric "eval-<metric>"
 # the architecture hash of the run's signed training graph (onnx devices check theirs matches)
 TRAINING_GRAPH = "training-graph"
-MODEL_WIDTH = "model-width"  # a width-scaled sub-model's width (sub-models): the device trains with HeteroFL's scaler
+MODEL_WIDTH = "model-width"  # a width-scaled sub-model's width (sub-models)
+MODEL_SCALER = "model-scaler"  # true: the device trains and evaluates its sub-model with HeteroFL's scaler
 # secure aggregation's masked step: the device's signed digests of the model and config it was
 # sent ("arrays", "config", "signature"), or instead, the neighbours whose shares did not open ("senders")
 SECAGG_RECEIVED = "secagg-received"

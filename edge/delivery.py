@@ -75,9 +75,9 @@ if sys.platform != "win32":
     pass
 
 KINDS = ("inference", "training")
-# A width-scaled sub-model's inference bundle (sub-models: one per width a fleet trains): "inference-w0.25"
-WIDTH_KIND = re.compile(r"inference-w0\.[0-9]{1,6}")
-KIND_WORDS = "inference, training or inference-w<width> (e.g. inference-w0.25)"
+# A width-scaled sub-model's bundles (sub-models: one per width a fleet trains): "inference-w0.25", "training-w0.25"
+WIDTH_KIND = re.compile(r"(inference|training)-w0\.[0-9]{1,6}")
+KIND_WORDS = "inference, training, or inference-w<width> / training-w<width> (e.g. inference-w0.25)"
 
 
 def is_kind(kind: str) -> bool:
@@ -85,9 +85,9 @@ def is_kind(kind: str) -> bool:
     return kind in KINDS or WIDTH_KIND.fullmatch(kind) is not None
 
 
-def inference_kind(width: float) -> str:
-    """The inference bundle kind of a sub-model of ``width`` (``inference`` for the whole model)."""
-    return "inference" if width >= 1 else f"inference-w{width:g}"
+def inference_kind(width: float, base: str = "inference") -> str:
+    """The ``base`` bundle kind (inference, training) of a sub-model of ``width`` (``base`` for the whole model)."""
+    return base if width >= 1 else f"{base}-w{width:g}"
 API_PREFIX = "/v1/bundles/"
 HEADER_DEVICE = "X-Fedge-Device"
 HEADER_TIMESTAMP = "X-Fedge-Timestamp"
@@ -260,7 +260,7 @@ def pull(
     scheme, host, port, prefix = _endpoint(url_or_address, insecure)
     folder = ensure_private_dir(directory)  # 0700 whatever the umask: only this device's user swaps bundles
     base_store = Path(freshness_dir) if freshness_dir is not None else folder / ".freshness"
-    store = FreshnessStore(base_store if kind == "inference" else base_store / "training")
+    store = FreshnessStore(base_store if kind == "inference" else base_store / kind)  # a lineage pin per kind
     check = verifier or _default_verifier(kind)
     target = folder / f"{kind}.zip"
     with exclusive_lock(folder / f".{kind}.lock"):
@@ -353,7 +353,7 @@ def _pin(pin: Path, model_id: str) -> None:
 
 
 def _default_verifier(kind: str) -> Verifier:
-    return _verify_inference if kind == "inference" else _verify_training
+    return _verify_inference if kind.startswith("inference") else _verify_training
 
 
 def _verify_inference(path: Path, trusted_keys: Sequence[TrustedKey],

@@ -156,6 +156,13 @@ def write_training_bundle(
 
 
 TRAINING_BUNDLE = Path("bundles") / "training.zip"  # where a run directory holds its training bundle
+
+
+def training_bundle_for(width: float) -> Path:
+    """Where a run directory holds the training bundle of a sub-model of ``width`` (1: :data:`TRAINING_BUNDLE`)."""
+    return TRAINING_BUNDLE if width >= 1 else TRAINING_BUNDLE.with_name(f"training-w{width:g}.zip")
+
+
 SIGNING_PUBLIC_KEY = Path("keys") / "signing.pub"  # and the public key that signs it
 
 _OPTIONAL = ("float64_drift",)

@@ -31,7 +31,7 @@ from fedge.server.metering import MeteredGrid, reply_seconds
 from fedge.server.privacy import CLIENT_CLIPPING, build_privacy
 from fedge.server.recorder import RoundRecorder
 from fedge.server.report import config_summary, run_dir_for, write_json_atomic
-from fedge.server.submodels import build_sub_models, trained_widths
+from fedge.server.submodels import build_sub_models, trained_widths, width_training_graphs
 from fedge.strategies import FedAvg, strategy_spec
 from fedge.strategies.drivers.asynchronous import AsynchronousDriver
 from fedge.strategies.drivers.secure import MIN_DEVICES, SecureAggregation
@@ -43,6 +43,7 @@ from fedge.strategies.validation import ReplyValidator
 from fedge.task.api import Task, seeded_model
 from fedge.task.models import load_arrays, model_arrays
 from fedge.tasks import check_task, load_task
+from fedge.widths import as_fraction
 
 if TYPE_CHECKING:
     pass
@@ -288,19 +289,22 @@ def training_graph_for(task: Task, model: torch.nn.Module, config: RunConfig, fl
         return None
 
 
-def publish_training_graph(training: tuple[Any, list[str]], task: Task, config: RunConfig, run_dir: Path) -> str:
-    """Sign and write the run's training bundle; its architecture hash (what train instructions name)."""
+def publish_training_graph(training: tuple[Any, list[str]], task: Task, config: RunConfig, run_dir: Path, *,
+                           width: float = 1.0) -> str:
+    """Sign and write the run's training bundle (a sub-model's of ``width``: ``training-w0.25.zip``);
+    its architecture hash (what train instructions name)."""
+    from fedge.edge.delivery import inference_kind  # noqa: PLC0415
+    from fedge.edge.training_bundle import training_bundle_for  # noqa: PLC0415
     from fedge.server.bundles import run_signing_key  # noqa: PLC0415
     from fedge.server.training import write_run_training_bundle  # noqa: PLC0415
 
     graphs, metrics = training
-    manifest = write_run_training_bundle(graphs, metrics, task, run_dir,
-                                         private_key=run_signing_key(config, run_dir))
+    manifest = write_run_training_bundle(graphs, metrics, task, run_dir, private_key=run_signing_key(config, run_dir),
+                                         path=training_bundle_for(width))
     if config["deployment"]:  # devices fetch it from the coordinator's bundle service (`fedge pull`)
         from fedge.server.publish import publish_from_environment  # noqa: PLC0415
-        from fedge.server.training import TRAINING_BUNDLE  # noqa: PLC0415
 
-        publish_from_environment("training", run_dir / TRAINING_BUNDLE)
+        publish_from_environment(inference_kind(width, "training"), run_dir / training_bundle_for(width))
     return str(manifest["architecture"])
 
 
@@ -342,6 +346,7 @@ def run_coordinator(
                               submodels=submodels)
     check_deadline(config, fleet, sum(len(array.data) for array in model_arrays(model).values()))
     training = training_graph_for(task, model, config, fleet, simulated=simulated)
+    width_training = width_training_graphs(task, model, config, submodels, fleet) if training is not None else {}
     run_dir = run_dir_for(config, task.name)
     history = _resume_into(model, strategy, run_dir, config) if config["resume"] else None
     if history is None and (run_dir / "checkpoint.npz").exists():
@@ -366,6 +371,10 @@ def run_coordinator(
     if training is not None:  # onnx devices train and evaluate with this graph (fetching it if they hold another)
         train_config[wire.TRAINING_GRAPH] = publish_training_graph(training, task, config, run_dir)
         evaluate_config[wire.TRAINING_GRAPH] = train_config[wire.TRAINING_GRAPH]
+        for width, graphs in width_training.items():  # sub-models: a graph per width (instructions name their own)
+            assert submodels is not None
+            submodels.training_graphs[as_fraction(width)] = publish_training_graph(graphs, task, config, run_dir,
+                                                                                   width=width)
     with recorder.progress:
         strategy.start(metered, model_arrays(model), config.integer("num-rounds"),
                        timeout=config.number("round-timeout"), train_config=train_config,

@@ -138,8 +138,9 @@ class RoundRecorder:
             return {}
         from fedge.server.submodels import width_model  # noqa: PLC0415
 
-        plan = self.strategy.submodels.plan
-        found = {f"{width:g}": headline_of(evaluate(self.task, width_model(self.task, self.model, plan, width),
+        plan, scaler = self.strategy.submodels.plan, self.strategy.submodels.scaler
+        found = {f"{width:g}": headline_of(evaluate(self.task, width_model(self.task, self.model, plan, width,
+                                                                           scaler=scaler),
                                                     self.test_set, device=self.device), self.task)
                  for width in self.widths}
         return {**found, "1": headline_of(metrics, self.task)}
@@ -253,7 +254,7 @@ class RoundRecorder:
         plan = self.strategy.submodels.plan
         for width in self.widths:
             built = export_global_model(
-                width_model(self.task, self.model, plan, width),
+                width_model(self.task, self.model, plan, width, scaler=self.strategy.submodels.scaler),
                 self.run_dir / "bundles" / f"round-{server_round:04d}-{width_label(width)}", config=self.config,
                 task=self.task, server_round=server_round, source_run=self.run_dir.name,
                 private_key=run_signing_key(self.config, self.run_dir), variant=width_label(width))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
@@ -24,6 +25,7 @@ from fedge.task.api import Task
 from fedge.task.models import load_arrays
 from fedge.task.widths import (
     TrainingMemory,
+    add_scaler,
     check_widths,
     fold_scaler,
     memory_at,
@@ -70,11 +72,6 @@ def check_sub_models(config: RunConfig, fleet: Fleet) -> None:
         if chosen:
             raise ConfigError(f"sub-models = {config['sub-models']} cannot run with {knob} = {config[knob]} ({why}); "
                               f"turn one off ({WHERE})")
-    onnx = sorted(name for name, _ in fleet.mix if fleet.profile(name).runtime == "onnx")
-    if onnx:
-        raise ConfigError(f"sub-models = {config['sub-models']}: profiles {', '.join(onnx)} train with the onnx "
-                          f"runtime, whose training graph per width is not built yet; give them runtime = \"torch\" "
-                          f"or set sub-models = \"off\" ({WHERE})")
 
 
 def profile_widths(config: RunConfig, task: Task, fleet: Fleet, plan: WidthPlan) -> list[ProfileWidth]:
@@ -117,7 +114,8 @@ def build_sub_models(config: RunConfig, task: Task, model: nn.Module, fleet: Fle
             log.warning("sub-models: profile '%s' (memory-mb = %d) fits no width of the model at batch-size %d: its "
                         "devices sit out; give it more memory-mb or a model-width", found.profile, found.memory_mb,
                         config.integer("batch-size"))
-    submodels = SubModels(plan, {w.profile: w.width for w in widths}, extraction(name))
+    submodels = SubModels(plan, {w.profile: w.width for w in widths}, extraction(name),
+                          scaler=config.flag("sub-model-scaler"))
     log.info("sub-models %s (the fleet's profiles: %s)", submodels.describe(),
              "; ".join(w.describe() for w in widths if w.profile in in_fleet))
     return submodels
@@ -131,16 +129,42 @@ def trained_widths(submodels: SubModels | None, fleet: Fleet) -> Mapping[str, fl
     return {name: float(width) for name, width in submodels.widths.items() if width is not None and name in in_fleet}
 
 
-def width_model(task: Task, model: nn.Module, plan: WidthPlan, width: float) -> nn.Module:
+def width_model(task: Task, model: nn.Module, plan: WidthPlan, width: float, *, scaler: bool) -> nn.Module:
     """The global ``model``'s sub-model at ``width``: its leading window (HeteroFL's; under FedRolex every
     window is trained in turn and the leading one is the deliverable), loaded into the task's sub-model,
-    with HeteroFL's scaler folded into its weights (what devices of that width train and run)."""
+    with HeteroFL's scaler folded into its weights when the run uses it (what devices of that width run)."""
     state = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
     arrays = plan.window(width).take(state)
     small = sub_model(task, plan.sub_shapes(width))
     load_arrays(small, ArrayRecord({name: Array(np.ascontiguousarray(value)) for name, value in arrays.items()}),
                 source=f"the global model at width {width:g}")
-    return fold_scaler(small, task, width)
+    return fold_scaler(small, task, width) if scaler else small
+
+
+def training_sub_model(task: Task, model: nn.Module, plan: WidthPlan, width: float, *, scaler: bool) -> nn.Module:
+    """The sub-model a device of ``width`` trains: the global model's leading window, with the scaler's
+    hooks if the run uses it (what a width's training graph is exported from: weights are its inputs)."""
+    state = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
+    small = sub_model(task, plan.sub_shapes(width))
+    load_arrays(small, ArrayRecord({name: Array(np.ascontiguousarray(value))
+                                    for name, value in plan.window(width).take(state).items()}))
+    if scaler:
+        add_scaler(small, task, width)
+    return small
+
+
+def width_training_graphs(task: Task, model: nn.Module, config: RunConfig, submodels: SubModels | None,
+                          fleet: Fleet) -> dict[float, tuple[Any, list[str]]]:
+    """Each trained width's training and evaluation graphs for onnx devices (exported and checked against
+    torch like the whole model's; an export that fails is refused as the whole model's is)."""
+    from fedge.server.training import export_training_graph  # noqa: PLC0415 - onnx loads only when exporting
+
+    if submodels is None:
+        return {}
+    widths = sorted({width for width in trained_widths(submodels, fleet).values() if width < 1})
+    return {width: export_training_graph(task, training_sub_model(task, model, submodels.plan, width,
+                                                                  scaler=submodels.scaler), config)
+            for width in widths}
 
 
 def width_label(width: float) -> str:

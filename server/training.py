@@ -95,19 +95,21 @@ def reproduced_metrics(task: Task, model: nn.Module, graphs: TrainingGraphs,
 
 
 def write_run_training_bundle(graphs: TrainingGraphs, metrics: list[str], task: Task, run_dir: Path, *,
-                              private_key: Ed25519PrivateKey) -> dict[str, Any]:
-    """Sign and write ``run_dir/bundles/training.zip`` (and the public key devices verify it with)."""
-    (run_dir / TRAINING_BUNDLE).parent.mkdir(parents=True, exist_ok=True)
+                              private_key: Ed25519PrivateKey, path: Path = TRAINING_BUNDLE) -> dict[str, Any]:
+    """Sign and write ``run_dir/bundles/training.zip`` (a sub-model's: ``path``; its lineage is the file's
+    name) and the public key devices verify it with."""
+    (run_dir / path).parent.mkdir(parents=True, exist_ok=True)
     (run_dir / SIGNING_PUBLIC_KEY).parent.mkdir(parents=True, exist_ok=True)
+    lineage = f"{task.name}-{path.stem}"  # training, training-w0.25
     manifest = write_training_bundle(
-        run_dir / TRAINING_BUNDLE, graphs, task=task.name, metrics=metrics,
-        model_id=f"{task.name}-training", version=int(time.time()), private_key=private_key,
+        run_dir / path, graphs, task=task.name, metrics=metrics,
+        model_id=lineage, version=int(time.time()), private_key=private_key,
         preprocessing=dict(task.preprocessing))
     public = private_key.public_key().public_bytes(serialization.Encoding.PEM,
                                                    serialization.PublicFormat.SubjectPublicKeyInfo)
     write_bytes_atomic(run_dir / SIGNING_PUBLIC_KEY, public)
     log.info("training graph for onnx devices: %s (architecture %s, %d KB train + %d KB eval, parity %.1e)",
-             run_dir / TRAINING_BUNDLE, manifest["architecture"][:12], len(graphs.train_onnx) // 1024,
+             run_dir / path, manifest["architecture"][:12], len(graphs.train_onnx) // 1024,
              len(graphs.eval_onnx) // 1024, graphs.max_abs_diff)
     return manifest
 

@@ -103,22 +103,26 @@ class SubModels:
     profiles : NodeProfiles, optional
         Who has which profile. A device whose profile is not known yet (a deployed device
         before its first reply) gets the smallest width of the fleet: a guess that fits it.
+    scaler : bool
+        Whether devices train and evaluate their sub-models with HeteroFL's scaler
+        (:func:`fedge.task.widths.add_scaler`; the instruction says so).
     """
 
     def __init__(self, plan: WidthPlan, widths: Mapping[str, float | None], extraction: Extraction,
-                 profiles: NodeProfiles | None = None) -> None:
+                 profiles: NodeProfiles | None = None, *, scaler: bool = False) -> None:
         held = {name: None if width is None else plan.check_width(width) for name, width in widths.items()}
         known = [width for width in held.values() if width is not None]
         if not known:
             raise ConfigError("sub-models: no profile of the fleet can train even the smallest width; give the "
                               "profiles model-width or more memory-mb")
-        self.plan, self.extraction = plan, extraction
+        self.plan, self.extraction, self.scaler = plan, extraction, scaler
         self.smallest = min(known)
         self.widths = {name: extraction.fleet_width(width, self.smallest) for name, width in held.items()}
         self.profiles = profiles or NodeProfiles()
         self.windows: dict[int, Window] = {}  # this round's training windows, by node
         self._sent: dict[tuple[int, Fraction, Fraction], tuple[ArrayRecord, ArrayRecord]] = {}
         self._sent_to: dict[int, ArrayRecord] = {}
+        self.training_graphs: dict[Fraction, str] = {}  # each width's training graph (onnx devices), by width
         self._round = 0
 
     def width_of(self, node: int, grid: object) -> Fraction | None:
@@ -157,6 +161,10 @@ class SubModels:
         if train:
             self.windows[node], self._sent_to[node] = window, arrays
         config = ConfigRecord({**record.config_records[wire.CONFIG], MODEL_WIDTH: float(window.width)})
+        if self.scaler and not window.full:
+            config[wire.MODEL_SCALER] = True
+        if window.width in self.training_graphs and wire.TRAINING_GRAPH in config:  # onnx devices: this width's graph
+            config[wire.TRAINING_GRAPH] = self.training_graphs[window.width]
         return RecordDict({wire.ARRAYS: arrays, wire.CONFIG: config})
 
     def sub_arrays(self, arrays: ArrayRecord, window: Window) -> ArrayRecord:

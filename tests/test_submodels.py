@@ -239,20 +239,22 @@ def global_model() -> ArrayRecord:
     return ArrayRecord({"w": Array(np.zeros((4, 2), np.float32)), "v": Array(np.zeros((3, 4), np.float32))})
 
 
-def strategy(name: str = "heterofl", **kwargs: Any) -> FedAvg:
-    submodels = SubModels(PLAN, {"big": 1.0, "small": 0.5}, extraction(name))
+def strategy(name: str = "heterofl", *, scaler: bool = False, **kwargs: Any) -> FedAvg:
+    submodels = SubModels(PLAN, {"big": 1.0, "small": 0.5}, extraction(name), scaler=scaler)
     return FedAvg(clients_per_round=3, submodels=submodels, flower_lines=False, **kwargs)
 
 
 def test_each_device_is_sent_the_window_its_profile_holds() -> None:
     # Prepare
-    fedavg, grid = strategy(), ProfiledGrid({1: "big", 2: "small", 3: "small"})
+    fedavg, grid = strategy(scaler=True), ProfiledGrid({1: "big", 2: "small", 3: "small"})
     # Execute
     messages = {m.metadata.dst_node_id: m for m in fedavg.configure_train(1, global_model(), ConfigRecord(), grid)}
-    # Assert
+    # Assert: the half model, its width and (asked for) the scaler; the whole model without either
     small = messages[2].content.array_records[wire.ARRAYS]
     assert small["w"].shape == (2, 2) and small["v"].shape == (3, 2)
     assert messages[2].content.config_records[wire.CONFIG][MODEL_WIDTH] == 0.5
+    assert messages[2].content.config_records[wire.CONFIG][wire.MODEL_SCALER] is True
+    assert wire.MODEL_SCALER not in messages[1].content.config_records[wire.CONFIG]
     assert messages[1].content.array_records[wire.ARRAYS]["w"].shape == (4, 2)
 
 
