@@ -151,7 +151,8 @@ def memory_table(task: Task, batch: int) -> list[dict[str, Any]]:
     return rows
 
 
-def run_one(task: Task, overrides: dict[str, Any], chosen: dict[str, Any], rounds: int, run_dir: Path) -> dict[str, Any]:
+def run_one(task: Task, overrides: dict[str, Any], chosen: dict[str, Any], rounds: int,
+            run_dir: Path) -> dict[str, Any]:
     """One simulated run; its rows and summary."""
     mode = chosen["sub-models"]
     run_dir, summary = simulate({**overrides, **chosen, "num-rounds": rounds, "run-dir": str(run_dir)},
