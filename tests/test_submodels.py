@@ -447,3 +447,52 @@ def test_a_width_group_too_small_to_hide_its_devices_is_left_out_and_the_round_g
     assert all(row["aggregated"] and row["participants"] == 3 for row in rows)
     reasons = {rejection["reason"] for row in rows for rejection in row["rejections"]}
     assert reasons == {"its width group (width 1/2 at offset 0) had 2 devices this round; secure aggregation needs 3"}
+
+
+ONNX_FLEET = """
+[profiles.small]
+compute-rate = 200
+uplink-mbps = 2
+downlink-mbps = 10
+memory-mb = 64
+model-width = 0.5
+runtime = "{runtime}"
+
+[profiles.big]
+compute-rate = 2000
+uplink-mbps = 20
+downlink-mbps = 50
+memory-mb = 4096
+
+[fleet]
+small = 3
+big = 2
+"""
+
+
+def test_onnx_devices_train_their_widths_graph_as_torch_devices_train_the_sub_model(tmp_path: Path) -> None:
+    # Prepare: the same FedRolex run with the half-width devices on torch, then on onnxruntime
+    from fedge.edge.training_bundle import read_training_bundle
+    from fedge.server.checkpoint import load_checkpoint
+    from fedge.simulation.runner import simulate
+
+    runs = {}
+    for runtime in ("torch", "onnx"):
+        (tmp_path / f"{runtime}.toml").write_text(ONNX_FLEET.format(runtime=runtime))
+        # Execute
+        fleet = str(tmp_path / f"{runtime}.toml")
+        runs[runtime], _ = simulate({"dataset": "digits", "model": "mlp", "fleet-file": fleet,
+                                     "sub-models": "fedrolex", "num-rounds": 2, "clients-per-round": 5,
+                                     "local-epochs": 1, "export-onnx": False,
+                                     "run-dir": str(tmp_path / runtime)}, progress=False)
+    # Assert: the half-width devices trained with the signed graph of the half model, and the global model is
+    # the same either way (to the graphs' parity)
+    from fedge.clients.onnx_client import _loaded
+
+    assert any(path.endswith(str(Path("onnx") / "bundles" / "training-w0.5.zip")) for path, *_ in _loaded)
+    bundle = read_training_bundle(runs["onnx"] / "bundles" / "training-w0.5.zip",
+                                  trusted_keys=[runs["onnx"] / "keys" / "signing.pub"])
+    assert bundle.manifest["model_id"].endswith("training-w0.5")
+    torch_model, onnx_model = (load_checkpoint(run / "checkpoint.npz").arrays for run in (runs["torch"], runs["onnx"]))
+    for name, value in torch_model.items():
+        np.testing.assert_allclose(onnx_model[name], value, atol=1e-4)
