@@ -496,3 +496,46 @@ def test_onnx_devices_train_their_widths_graph_as_torch_devices_train_the_sub_mo
     torch_model, onnx_model = (load_checkpoint(run / "checkpoint.npz").arrays for run in (runs["torch"], runs["onnx"]))
     for name, value in torch_model.items():
         np.testing.assert_allclose(onnx_model[name], value, atol=1e-4)
+
+
+DEPLOYED_FLEET = """
+[profiles.small]
+compute-rate = 200
+uplink-mbps = 2
+downlink-mbps = 10
+memory-mb = 64
+model-width = 0.5
+
+[fleet]
+small = 2
+laptop = 1
+"""
+
+
+@pytest.mark.slow
+def test_deployed_devices_train_their_widths_over_a_real_superlink(tmp_path: Path) -> None:
+    # Prepare: a TLS coordinator whose fleet file gives "small" devices half the model; two small devices and a
+    # laptop (the whole model), all unknown to it until they reply
+    from fedge.simulation.loopback import LoopbackFederation
+
+    (tmp_path / "fleet.toml").write_text(DEPLOYED_FLEET)
+    federation = LoopbackFederation(tmp_path, num_devices=3)
+    try:
+        federation.start_coordinator("--rounds", "2", "--clients-per-round", "3", "--run-config",
+                                     f"model='mlp' local-epochs=2 runtime='torch' round-timeout=60.0 "
+                                     f"sub-models='heterofl' fleet-file='{tmp_path / 'fleet.toml'}'")
+        for index, profile in enumerate(("small", "small", "laptop")):
+            federation.start_device(index, None, "--profile", profile, "--fleet-file", str(tmp_path / "fleet.toml"))
+        # Execute
+        federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 300, "the summary")
+    finally:
+        federation.close()
+    # Assert: round 1 sends every device the smallest width (none has named its profile yet); round 2 the laptop
+    # the whole model; both rounds aggregate; the half model is signed and published for small devices to pull
+    rows = federation.rows()
+    first, second = (row["bytes_down_by_profile"] for row in rows[1:3])
+    assert first["laptop"] == pytest.approx(first["small"] / 2, rel=0.02)
+    assert second["laptop"] > 1.5 * second["small"] / 2  # per small device: half the hidden units
+    assert all(row["aggregated"] and row["participants"] == 3 for row in rows[1:])
+    assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.2
+    assert (tmp_path / "state" / "published" / "inference-w0.5.zip").is_file()
