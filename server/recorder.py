@@ -195,6 +195,8 @@ class RoundRecorder:
         }
         if self.strategy.privacy is not None:
             summary["dp"] = self.strategy.privacy.summary()  # type: ignore[attr-defined]
+        if "headline_by_width" in last:  # sub-models: each trained width's model's final headline
+            summary["final_headline_by_width"] = last["headline_by_width"]
         plot_headline(self.rows, self.run_dir / "headline.png", run_title(self.config, self.task.name), headline)
         why = self.unusable()
         if why is None and self.config["export-onnx"]:

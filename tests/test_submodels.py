@@ -348,6 +348,7 @@ def test_a_heterogeneous_fleet_trains_one_model_and_each_width_gets_its_signed_b
     # Assert: the whole model learnt; the quarter model is scored and signed in its own lineage
     assert summary["final_accuracy"] > 0.5
     assert set(rows[-1]["headline_by_width"]) == {"0.25", "1"}
+    assert summary["final_headline_by_width"] == rows[-1]["headline_by_width"]
     assert models[0].manifest["model_id"].endswith("@w0.25")
     assert all(len(prediction.labels) == 4 for prediction in predictions)
     assert summary["width_bundles"]["w0.25"]["fp32_accuracy"] == pytest.approx(rows[-1]["headline_by_width"]["0.25"])
