@@ -36,24 +36,17 @@ from fedge.tasks import load_task
 from fedge.widths import WidthPlan
 from tests.replies import train_reply
 
-FLEET = """
-[profiles.small]
-compute-rate = 200
-uplink-mbps = 2
-downlink-mbps = 10
-memory-mb = 64
-model-width = 0.25
 
-[profiles.big]
-compute-rate = 2000
-uplink-mbps = 20
-downlink-mbps = 50
-memory-mb = 4096
+def fleet_toml(*, small: int, width: float, big: int, big_profile: str = "big", runtime: str = "torch") -> str:
+    """A fleet file: ``small`` devices of a custom profile holding ``width`` of the model, ``big`` whole ones."""
+    big_table = "" if big_profile != "big" else (
+        "[profiles.big]\ncompute-rate = 2000\nuplink-mbps = 20\ndownlink-mbps = 50\nmemory-mb = 4096\n\n")
+    return (f"[profiles.small]\ncompute-rate = 200\nuplink-mbps = 2\ndownlink-mbps = 10\nmemory-mb = 64\n"
+            f"model-width = {width}\nruntime = \"{runtime}\"\n\n{big_table}"
+            f"[fleet]\nsmall = {small}\n{big_profile} = {big}\n")
 
-[fleet]
-small = 4
-big = 2
-"""
+
+FLEET = fleet_toml(small=4, width=0.25, big=2)
 
 
 def digits(model: str = "mlp", **extra: Any) -> Task:
@@ -392,28 +385,10 @@ def test_heterofls_scaler_divides_each_scaled_input_once_and_folds_into_the_weig
     torch.testing.assert_close(folded, expected)
 
 
-SECURE_FLEET = """
-[profiles.small]
-compute-rate = 200
-uplink-mbps = 2
-downlink-mbps = 10
-memory-mb = 64
-model-width = 0.5
-
-[profiles.big]
-compute-rate = 2000
-uplink-mbps = 20
-downlink-mbps = 50
-memory-mb = 4096
-
-[fleet]
-small = {small}
-big = 3
-"""
 
 
 def secure_base(tmp_path: Path, small: int, mode: str = "fedrolex") -> dict[str, Any]:
-    (tmp_path / "fleet.toml").write_text(SECURE_FLEET.format(small=small))
+    (tmp_path / "fleet.toml").write_text(fleet_toml(small=small, width=0.5, big=3))
     return {"dataset": "digits", "model": "mlp", "fleet-file": str(tmp_path / "fleet.toml"), "sub-models": mode,
             "num-rounds": 2, "clients-per-round": small + 3, "local-epochs": 2, "export-onnx": False}
 
@@ -450,25 +425,6 @@ def test_a_width_group_too_small_to_hide_its_devices_is_left_out_and_the_round_g
     assert reasons == {"its width group (width 1/2 at offset 0) had 2 devices this round; secure aggregation needs 3"}
 
 
-ONNX_FLEET = """
-[profiles.small]
-compute-rate = 200
-uplink-mbps = 2
-downlink-mbps = 10
-memory-mb = 64
-model-width = 0.5
-runtime = "{runtime}"
-
-[profiles.big]
-compute-rate = 2000
-uplink-mbps = 20
-downlink-mbps = 50
-memory-mb = 4096
-
-[fleet]
-small = 3
-big = 2
-"""
 
 
 def test_onnx_devices_train_their_widths_graph_as_torch_devices_train_the_sub_model(tmp_path: Path) -> None:
@@ -479,7 +435,7 @@ def test_onnx_devices_train_their_widths_graph_as_torch_devices_train_the_sub_mo
 
     runs = {}
     for runtime in ("torch", "onnx"):
-        (tmp_path / f"{runtime}.toml").write_text(ONNX_FLEET.format(runtime=runtime))
+        (tmp_path / f"{runtime}.toml").write_text(fleet_toml(small=3, width=0.5, big=2, runtime=runtime))
         # Execute
         fleet = str(tmp_path / f"{runtime}.toml")
         runs[runtime], _ = simulate({"dataset": "digits", "model": "mlp", "fleet-file": fleet,
@@ -499,18 +455,6 @@ def test_onnx_devices_train_their_widths_graph_as_torch_devices_train_the_sub_mo
         np.testing.assert_allclose(onnx_model[name], value, atol=1e-4)
 
 
-DEPLOYED_FLEET = """
-[profiles.small]
-compute-rate = 200
-uplink-mbps = 2
-downlink-mbps = 10
-memory-mb = 64
-model-width = 0.5
-
-[fleet]
-small = 2
-laptop = 1
-"""
 
 
 @pytest.mark.slow
@@ -519,7 +463,7 @@ def test_deployed_devices_train_their_widths_over_a_real_superlink(tmp_path: Pat
     # laptop (the whole model), all unknown to it until they reply
     from fedge.simulation.loopback import LoopbackFederation
 
-    (tmp_path / "fleet.toml").write_text(DEPLOYED_FLEET)
+    (tmp_path / "fleet.toml").write_text(fleet_toml(small=2, width=0.5, big=1, big_profile="laptop"))
     federation = LoopbackFederation(tmp_path, num_devices=3)
     try:
         federation.start_coordinator("--rounds", "2", "--clients-per-round", "3", "--run-config",
