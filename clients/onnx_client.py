@@ -80,9 +80,12 @@ def load_trainer(context: Context, config: RunConfig, expected: str | None,
         The bundle is not signed by the trusted key or was altered.
     """
     path, key = bundle_location(context, config, width)
+    if not path.is_file() and width < 1 and key.is_file():  # a sub-model's graph, needed for the first time
+        refresh_training_bundle(context, path, key, width)
     if not path.is_file():
+        pull = "`fedge pull --kind training`" + (f" --width {width:g}" if width < 1 else "")
         raise ConfigError(f"this device trains with onnx (runtime = onnx) but has no training graph at '{path}'; "
-                          "fetch it with `fedge pull --kind training` (or run torch devices)")
+                          f"fetch it with {pull} (or run torch devices)")
     if not key.is_file():
         raise ConfigError(f"no trusted signing key at '{key}' to verify the training graph; pass the "
                           "coordinator's bundle signing public key (`fedge device --trust KEY.pub`)")

@@ -76,7 +76,7 @@ if sys.platform != "win32":
 
 KINDS = ("inference", "training")
 # A width-scaled sub-model's bundles (sub-models: one per width a fleet trains): "inference-w0.25", "training-w0.25"
-WIDTH_KIND = re.compile(r"(inference|training)-w0\.[0-9]{1,6}")
+WIDTH_KIND = re.compile(r"(inference|training)-w0\.[0-9]{1,10}")  # 1/1024 is 0.0009765625
 KIND_WORDS = "inference, training, or inference-w<width> / training-w<width> (e.g. inference-w0.25)"
 
 

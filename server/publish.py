@@ -502,7 +502,7 @@ class BundleService:
 def describe(published: Path) -> list[str]:
     """One line per published bundle: kind, lineage, version, size, when (for status output)."""
     lines = []
-    widths = sorted(path.stem for path in published.glob("inference-w*.zip") if is_kind(path.stem))
+    widths = sorted(path.stem for path in published.glob("*-w*.zip") if is_kind(path.stem))
     for kind in (*KINDS, *widths):
         path = published_file(published, kind)
         if not path.exists():

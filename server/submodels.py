@@ -75,10 +75,12 @@ def check_sub_models(config: RunConfig, fleet: Fleet) -> None:
 
 
 def profile_widths(config: RunConfig, task: Task, fleet: Fleet, plan: WidthPlan) -> list[ProfileWidth]:
-    """Each profile's width: declared (``model-width``) or the widest whose training fits ``memory-mb``."""
+    """Each of the fleet's profiles' width: declared (``model-width``) or the widest whose training fits
+    ``memory-mb``. A device of a profile the fleet does not name counts as unknown (see :class:`SubModels`)."""
     batch, seed = config.integer("batch-size"), config.integer("seed")
     found = []
-    for name, profile in fleet.profiles.items():
+    for name in dict.fromkeys(name for name, _ in fleet.mix):  # the fleet's profiles; any other is unknown
+        profile = fleet.profile(name)
         if profile.model_width is not None:
             plan.check_width(profile.model_width)
             found.append(ProfileWidth(name, profile.model_width, True, profile.memory_mb, None))

@@ -46,11 +46,15 @@ class Extraction:
         The window's start for a width in a round.
     fleet_width : Callable[[Fraction | None, Fraction], Fraction | None]
         The width a profile trains from the one it can hold and the fleet's smallest (None: it sits out).
+    unknown_width : Callable[[Fraction], Fraction]
+        The width a device whose profile is not known yet trains, from the fleet's smallest
+        (default: the smallest, which fits any of the fleet's devices).
     """
 
     name: str
     offset: Callable[[Fraction, int], Fraction]
     fleet_width: Callable[[Fraction | None, Fraction], Fraction | None]
+    unknown_width: Callable[[Fraction], Fraction] = lambda smallest: smallest
 
 
 EXTRACTIONS: dict[str, Extraction] = {}
@@ -73,7 +77,10 @@ def _own(width: Fraction | None, smallest: Fraction) -> Fraction | None:
 register_extraction(Extraction("heterofl", _leading, _own))
 register_extraction(Extraction("fedrolex", lambda width, server_round: rolling_offset(width, server_round), _own))
 register_extraction(Extraction("smallest", _leading, lambda width, smallest: None if width is None else smallest))
-register_extraction(Extraction("exclude", _leading, lambda width, smallest: width if width == 1 else None))
+# `exclude`: a device not known yet is sent the whole model, as without sub-models (else it would never reply,
+# and never name its profile); once it has, a device too small for the model sits out
+register_extraction(Extraction("exclude", _leading, lambda width, smallest: width if width == 1 else None,
+                               lambda smallest: Fraction(1)))
 
 
 def extraction(name: str) -> Extraction:
@@ -102,7 +109,8 @@ class SubModels:
         How widths and windows are chosen (``heterofl``, ``fedrolex``, ...).
     profiles : NodeProfiles, optional
         Who has which profile. A device whose profile is not known yet (a deployed device
-        before its first reply) gets the smallest width of the fleet: a guess that fits it.
+        before its first reply, or one naming a profile the fleet does not have) gets the
+        fleet's smallest width, a guess that fits it (``exclude``: the whole model).
     scaler : bool
         Whether devices train and evaluate their sub-models with HeteroFL's scaler
         (:func:`fedge.task.widths.add_scaler`; the instruction says so).
@@ -129,7 +137,7 @@ class SubModels:
         """The width ``node`` trains (None: it sits out)."""
         profile = self.profiles.of(node, grid)
         if profile not in self.widths:
-            return self.extraction.fleet_width(self.smallest, self.smallest)
+            return self.extraction.unknown_width(self.smallest)
         return self.widths[profile]
 
     def eligible(self, nodes: Iterable[int], grid: object) -> list[int]:

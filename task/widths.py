@@ -268,11 +268,13 @@ def measured_training_bytes(task: Task, model: nn.Module, batch_size: int, *, op
         task.loss(task.forward(model, inputs), targets).backward()
         optimizer.step()
     model.zero_grad(set_to_none=True)
-    events = sorted((event for event in recorded.events() if event.cpu_memory_usage),
+    # each allocation once: an op's cpu_memory_usage includes its children's (conv2d -> convolution -> ... ->
+    # empty would count one output five times), its self_cpu_memory_usage does not
+    events = sorted((event for event in recorded.events() if event.self_cpu_memory_usage),
                     key=lambda event: event.time_range.start)
     current = peak = 0
     for event in events:
-        current += event.cpu_memory_usage
+        current += event.self_cpu_memory_usage
         peak = max(peak, current)
     weights = sum(value.numel() * value.element_size() for value in model.parameters())
     return peak + weights * (optimizer_copies - 1)  # the weights and the starting copy exist before the step

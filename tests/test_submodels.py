@@ -193,7 +193,7 @@ def test_the_memory_estimate_counts_parameter_copies_and_saved_activations_twice
     assert estimate == 58 * 4 * 4 + 2 * (5 * 4 + 5 * 8) * 4
 
 
-def test_the_width_picker_goes_by_the_measured_peak_when_it_is_larger_than_the_estimate() -> None:
+def test_the_width_picker_goes_by_the_larger_of_the_estimate_and_the_measured_peak() -> None:
     # Prepare
     task = digits("cnn")
     plan = width_plan(task, seeded_model(task, 0))
@@ -201,12 +201,14 @@ def test_the_width_picker_goes_by_the_measured_peak_when_it_is_larger_than_the_e
     for value in full.parameters():
         nn.init.normal_(value, std=0.01)
     estimate, measured = training_memory_bytes(task, full, 32), measured_training_bytes(task, full, 32)
-    assert measured > estimate  # torch's CPU kernels take workspaces the estimate does not count
+    assert measured > sum(value.numel() * 4 for value in full.parameters())  # a step holds more than the weights
     between = (estimate + measured) / 2 / 2**20
     # Execute
     picked = widest_fitting(task, between, 32)
-    # Assert: the whole model's estimate fits, its measured peak does not: a narrower width is picked
+    fits = widest_fitting(task, max(estimate, measured) / 2**20, 32)
+    # Assert: between the two the whole model does not fit (a narrower width is picked); at the larger it does
     assert picked is not None and picked < 1
+    assert fits == 1
 
 
 # ------------------------------------------------------------------ the strategy's rounds
@@ -289,6 +291,21 @@ def test_exclude_leaves_the_small_devices_out_of_selection() -> None:
     selected = {m.metadata.dst_node_id for m in fedavg.configure_train(1, global_model(), ConfigRecord(), grid)}
     # Assert
     assert selected == {1, 4}
+
+
+def test_exclude_sends_an_unknown_device_the_whole_model_until_it_names_a_profile_too_small() -> None:
+    # Prepare: a deployment's grid (no profiles); node 7 names "small" in its first reply
+    fedavg, grid = strategy("exclude"), ProfiledGrid({7: "", 8: ""})  # "": the grid does not know
+    fedavg.clients_per_round, fedavg.min_train_replies = 2, 1
+    # Execute
+    first = list(fedavg.configure_train(1, global_model(), ConfigRecord(), grid))
+    reply = train_reply(7, {"w": np.ones((4, 2), np.float32), "v": np.ones((3, 4), np.float32)})
+    reply.content.config_records[wire.REPLY_META][wire.PROFILE] = "small"
+    fedavg.learn(1, [reply], grid)
+    second = {m.metadata.dst_node_id for m in fedavg.configure_train(2, global_model(), ConfigRecord(), grid)}
+    # Assert: both got the whole model; then node 7 sits out
+    assert all(m.content.array_records[wire.ARRAYS]["w"].shape == (4, 2) for m in first)
+    assert second == {8}
 
 
 def test_a_rule_that_needs_whole_updates_is_refused_with_the_reason() -> None:

@@ -228,8 +228,9 @@ class SecureAggregation(SyncDriver):
             entries.add(self._apply(sent, summed / weight * (weighted_work / weight)), window, weight)
             accepted, weight_total = accepted + len(survivors), weight_total + weight
         metrics = {"accepted": accepted, "failed": len(report.failed), "late": report.late, "weight": weight_total}
-        if not entries.count:
-            log.warning("round %d: no width group was aggregated; global model kept", server_round)
+        if not entries.count or accepted < strategy.min_train_replies:
+            log.warning("round %d: %d devices in aggregated width groups (min-train-replies %d); global model kept",
+                        server_round, accepted, strategy.min_train_replies)
             return None, MetricRecord(metrics)
         report.accepted, report.aggregated = accepted, True
         global_numpy = {name: array.numpy() for name, array in arrays.items()}
@@ -323,7 +324,9 @@ class SecureAggregation(SyncDriver):
         if folded.bad_shares:
             raise _BadShares(_blame(folded.bad_shares, graph, threshold))
         survivors = [n for n in shared if n in summed]
-        if len(survivors) < max(MIN_DEVICES, self._strategy.min_train_replies):
+        needed = MIN_DEVICES if self._strategy.submodels is not None else max(MIN_DEVICES,
+                                                                              self._strategy.min_train_replies)
+        if len(survivors) < needed:  # sub-models: min-train-replies counts the round's groups together
             raise SecureRoundFailed(f"{len(survivors)} devices sent masked inputs, need {MIN_DEVICES} and "
                                     f"min-train-replies {self._strategy.min_train_replies}")
         _enough_holders(graph, shared, survivors, threshold, "sent masked inputs")
@@ -398,6 +401,8 @@ class SecureAggregation(SyncDriver):
     def _fold(self, reply: Message, node: int, folded: _Folded, expected: _Expected, length: int,
               server_round: int, report: RoundReport) -> None:
         """Add ``node``'s masked input to ``folded`` or note its bad-share report; a malformed one is named."""
+        if self._strategy.submodels is not None:  # its public meta names its profile: its width from now on
+            self._strategy.submodels.learn([reply])
         if wire.SECAGG_BAD_SHARES in reply.content.config_records:
             folded.bad_shares.update(_read_each(
                 {node: reply}, lambda node, reply: _read_bad_shares(node, reply, expected.graph[node]),
