@@ -175,7 +175,12 @@ def main() -> None:
     parser.add_argument("--images-rounds", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--memory-only", action="store_true", help="only the training-memory table")
     args = parser.parse_args()
+    if args.memory_only:
+        print_memory({name: memory_table(PhonesHoldSomeClasses(load_task(resolve_run_config(TASKS[name]))),
+                                         int(TASKS[name]["batch-size"])) for name in args.tasks})
+        return
     logging.getLogger("fedge").setLevel(logging.WARNING)
     results: dict[str, Any] = {"fleet": FLEET, "phone_share": PHONE_SHARE, "seed": args.seed, "tasks": {}}
     with tempfile.TemporaryDirectory() as scratch:
@@ -215,11 +220,17 @@ def print_task(name: str, result: dict[str, Any]) -> None:
     verdict = "met" if best - baseline >= 0.03 else "not met"
     print(f"goal (best of c/d beats best of a/b by >= 3 points): {best:.4f} vs {baseline:.4f}: "
           f"{(best - baseline) * 100:+.1f} points, {verdict}")
-    print("| width | parameters | memory estimate MiB | measured MiB | measured / estimate |")
-    print("|---|---|---|---|---|")
-    for row in result["memory"]:
-        print(f"| {row['width']:g} | {row['parameters']:,} | {row['estimate_mib']:.1f} | {row['measured_mib']:.1f} | "
-              f"{row['measured_over_estimate']:.2f} |")
+    print_memory({name: result["memory"]})
+
+
+def print_memory(tables: dict[str, list[dict[str, Any]]]) -> None:
+    """Each task's training memory per width: estimate, measured one-step peak, their ratio."""
+    print("| task | width | batch | parameters | memory estimate MiB | measured MiB | measured / estimate |")
+    print("|---|---|---|---|---|---|---|")
+    for name, rows in tables.items():
+        for row in rows:
+            print(f"| {name} | {row['width']:g} | {row['batch']} | {row['parameters']:,} | {row['estimate_mib']:.1f} | "
+                  f"{row['measured_mib']:.1f} | {row['measured_over_estimate']:.2f} |")
 
 
 def _shown(value: float | None) -> str:
