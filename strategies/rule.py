@@ -205,7 +205,11 @@ class LinearRule(Rule):
         if self.entries is not None:
             if self.mean.count:
                 raise ValueError("a round mixed updates with and without windows: give every update its window")
-            return self.step(self.entries.result(self.context.global_numpy()))
+            start = self.context.global_numpy()
+            stepped = self.step(self.entries.result(start))
+            held = self.entries.coverage()  # an entry nobody held keeps its value (a server step's momentum
+            return {name: np.where(held[name] > 0, value, start[name]).astype(value.dtype)  # would move it)
+                    for name, value in stepped.items()}
         return self.step(self.mean.result()) if self.mean.count else None
 
     def step(self, mean: Arrays) -> Arrays:

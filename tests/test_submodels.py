@@ -271,6 +271,30 @@ def test_each_entry_is_averaged_over_the_devices_whose_window_held_it() -> None:
     assert report.accepted == 2 and "shape" in report.rejected[0].reason
 
 
+def test_a_server_optimiser_leaves_entries_nobody_held_where_they_were() -> None:
+    # Prepare: FedAvgM with momentum: round 1 moves every entry (the big device holds them all), round 2 only the
+    # small device replies (half of each array)
+    from fedge.strategies.fedavgm import FedAvgM
+
+    submodels = SubModels(PLAN, {"big": 1.0, "small": 0.5}, extraction("heterofl"))
+    fedavgm = FedAvgM(clients_per_round=2, submodels=submodels, flower_lines=False, server_momentum=0.9)
+    grid = ProfiledGrid({1: "big", 2: "small"})
+    list(fedavgm.configure_train(1, global_model(), ConfigRecord(), grid))
+    after_one, _ = fedavgm.aggregate_train(1, [train_reply(1, {"w": np.ones((4, 2), np.float32),
+                                                               "v": np.ones((3, 4), np.float32)})])
+    assert after_one is not None
+    list(fedavgm.configure_train(2, after_one, ConfigRecord(), grid))
+    # Execute
+    after_two, _ = fedavgm.aggregate_train(2, [train_reply(2, {"w": np.full((2, 2), 1, np.float32),
+                                                               "v": np.full((3, 2), 1, np.float32)},
+                                                           server_round=2)])
+    # Assert: rows 2-3 of w and columns 2-3 of v, which nobody held in round 2, did not move with the velocity
+    assert after_two is not None
+    np.testing.assert_array_equal(after_two["w"].numpy()[2:], after_one["w"].numpy()[2:])
+    np.testing.assert_array_equal(after_two["v"].numpy()[:, 2:], after_one["v"].numpy()[:, 2:])
+    assert not np.array_equal(after_two["w"].numpy()[:2], after_one["w"].numpy()[:2])  # the velocity moved these
+
+
 def test_fedrolex_sends_the_next_window_each_round() -> None:
     # Prepare
     fedavg, grid = strategy("fedrolex"), ProfiledGrid({1: "big", 2: "small", 3: "small"})
