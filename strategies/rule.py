@@ -205,16 +205,19 @@ class LinearRule(Rule):
         if self.entries is not None:
             if self.mean.count:
                 raise ValueError("a round mixed updates with and without windows: give every update its window")
-            start = self.context.global_numpy()
-            stepped = self.step(self.entries.result(start))
-            held = self.entries.coverage()  # an entry nobody held keeps its value (a server step's momentum
-            return {name: np.where(held[name] > 0, value, start[name]).astype(value.dtype)  # would move it)
-                    for name, value in stepped.items()}
+            return self.step_entries(self.entries, self.context.global_numpy())
         return self.step(self.mean.result()) if self.mean.count else None
 
     def step(self, mean: Arrays) -> Arrays:
         """The new global model from the updates' weighted mean (identity: FedAvg)."""
         return mean
+
+    def step_entries(self, entries: CoverageMean, start: Mapping[str, NDArray[np.generic]]) -> Arrays:
+        """:meth:`step` from sub-models' per-entry mean; an entry nobody held keeps its ``start`` value
+        (a server optimiser's momentum would otherwise move it)."""
+        stepped, held = self.step(entries.result(start)), entries.coverage()
+        return {name: np.where(held[name] > 0, value, start[name]).astype(value.dtype)
+                for name, value in stepped.items()}
 
     def rebased(self, arrays: Arrays, base: Mapping[str, NDArray[np.generic]]) -> Arrays:
         """``arrays`` trained from ``base``, moved onto the round's model: ``current + (arrays - base)``."""

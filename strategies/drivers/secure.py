@@ -234,7 +234,7 @@ class SecureAggregation(SyncDriver):
             return None, MetricRecord(metrics)
         report.accepted, report.aggregated = accepted, True
         global_numpy = {name: array.numpy() for name, array in arrays.items()}
-        new = strategy.rule.step(entries.result(global_numpy))  # type: ignore[attr-defined]
+        new = strategy.rule.step_entries(entries, global_numpy)  # type: ignore[attr-defined]
         return ArrayRecord({name: Array(c_contiguous(new[name])) for name in arrays}), MetricRecord(metrics)
 
     @property
