@@ -174,8 +174,10 @@ def _resize(module: nn.Module, prefix: str, shapes: dict[str, tuple[int, ...]],
             full: Mapping[str, tuple[int, ...]]) -> None:
     """Give ``module``'s own arrays ``shapes`` and its size attributes the sizes they imply."""
     for name, shape in shapes.items():
-        if len(shape) != len(full[prefix + name]):
-            raise ConfigError(f"'{prefix}{name}' has rank {len(shape)}, the model's has {len(full[prefix + name])}")
+        whole = full[prefix + name]
+        if len(shape) != len(whole) or any(not 0 < size <= limit for size, limit in zip(shape, whole, strict=False)):
+            raise ConfigError(f"'{prefix}{name}' has shape {tuple(shape)}, which is no cut of the model's {whole}: a "
+                              "sub-model is never larger than the model; run the task the coordinator runs")
         if name in module._parameters:
             module._parameters[name] = nn.Parameter(torch.empty(shape, device="meta"))
         else:

@@ -160,6 +160,16 @@ def test_a_model_that_cannot_be_scaled_is_refused_naming_the_layer_or_width(mode
         check_widths(task, built, width_plan(task, built), [0.5])
 
 
+@pytest.mark.parametrize("shape", [(128, 64), (32, 64, 1), (0, 64)])
+def test_a_device_refuses_arrays_that_are_no_cut_of_its_model(shape: tuple[int, ...]) -> None:
+    # Prepare: an instruction whose first layer is wider than the model's (64 hidden), of another rank, or empty
+    task = digits("mlp")
+    shapes = {"net.0.weight": shape, "net.0.bias": (32,), "net.2.weight": (10, 32), "net.2.bias": (10,)}
+    # Execute / Assert: refused before anything of that size is allocated
+    with pytest.raises(ConfigError, match="no cut of the model's"):
+        sub_model(task, shapes)
+
+
 def test_a_model_without_a_hidden_layer_is_refused_at_start() -> None:
     # Prepare
     config = resolve_run_config({"dataset": "digits", "model": "logreg", "sub-models": "heterofl"})
