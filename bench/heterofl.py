@@ -17,7 +17,7 @@ down, and simulated time; and each width's training memory (estimate and a measu
 peak on this CPU). Goal (issue 29): (c) or (d) beats both (a) and (b) on the whole model by at
 least 3 points (for (b): the model it delivers, the quarter-width one).
 
-Usage: python bench/heterofl.py [--digits-rounds 30] [--images-rounds 12] [--seed 0]
+Usage: python bench/heterofl.py [--digits-rounds 30] [--images-rounds 30] [--seed 0] [--memory-only]
 Writes bench/results/heterofl.json and bench/results/heterofl.png; prints tables.
 """
 
@@ -172,7 +172,7 @@ def run_one(task: Task, overrides: dict[str, Any], chosen: dict[str, Any], round
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--digits-rounds", type=int, default=30)
-    parser.add_argument("--images-rounds", type=int, default=12)
+    parser.add_argument("--images-rounds", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--memory-only", action="store_true", help="only the training-memory table")
