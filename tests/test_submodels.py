@@ -535,3 +535,30 @@ def test_deployed_devices_train_their_widths_over_a_real_superlink(tmp_path: Pat
     assert all(row["aggregated"] and row["participants"] == 3 for row in rows[1:])
     assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.2
     assert (tmp_path / "state" / "published" / "inference-w0.5.zip").is_file()
+
+
+def test_sub_models_compose_with_codecs_both_ways_and_a_deadline(tmp_path: Path) -> None:
+    # Prepare: the quarter-width devices send top-k + int8 deltas and receive fp16; the round keeps the first 5
+    # replies of the 6 asked (a deadline with over-selection)
+    from fedge.server.report import read_jsonl
+    from fedge.simulation.runner import simulate
+
+    (tmp_path / "fleet.toml").write_text(fleet_toml(small=4, width=0.25, big=2))
+    overrides = {"dataset": "digits", "model": "cnn", "fleet-file": str(tmp_path / "fleet.toml"),
+                 "sub-models": "fedrolex", "num-rounds": 3, "clients-per-round": 5, "over-selection": 1.2,
+                 "round-policy": "deadline", "deadline-s": 60.0, "codec.small": "topk:0.5+int8",
+                 "downlink.small": "fp16", "export-onnx": False}
+    # Execute
+    run, summary = simulate({**overrides, "run-dir": str(tmp_path / "run")}, progress=False)
+    # Assert: every round aggregated 5 devices with nothing rejected, and the model learnt
+    rows = read_jsonl(run / "metrics.jsonl")[1:]
+    assert all(row["aggregated"] and row["participants"] == 5 and row["rejected"] == 0 for row in rows)
+    assert summary["final_accuracy"] > 0.5
+    # the codecs work on the quarter model's slices: fp16 down (2 bytes an entry), top-k + int8 up (under 0.6 x fp32)
+    task = digits("cnn")
+    quarter = width_plan(task, seeded_model(task, 0)).parameters_at(0.25)
+    last = rows[-1]
+    asked_small = 4  # all 6 devices are asked (5 x 1.2), the first 5 replies kept
+    assert last["bytes_down_by_profile"]["small"] / asked_small == pytest.approx(2 * quarter, rel=0.05)
+    replied_small = last["participants_by_profile"]["small"]
+    assert last["bytes_up_by_profile"]["small"] / replied_small < 0.6 * 4 * quarter
