@@ -41,11 +41,15 @@ def test_a_checkpoint_from_before_the_split_resumes_exactly(tmp_path: Path) -> N
     # Execute: resume it to round 5, and run rounds 1..5 from scratch with today's code
     simulate({**PIN, "num-rounds": 5, "run-dir": str(old), "resume": True}, progress=False)
     fresh, _ = simulate({**PIN, "num-rounds": 5, "run-dir": str(tmp_path / "fresh")}, progress=False)
-    # Assert: the same model and the same moments, bit for bit (the rule restored the old state)
+    # Assert: the same model and the same moments (the rule restored the old state). Bit for bit on the CPU that
+    # wrote the fixture; another CPU's float rounding puts rounds 1-3 up to ~3e-8 off (measured), so the model and
+    # moments agree to 1e-6 there. A state not restored (moments from zero) is off by far more.
     resumed, straight = load_checkpoint(old / "checkpoint.npz"), load_checkpoint(fresh / "checkpoint.npz")
     assert resumed.server_round == straight.server_round == 5
     for mine, theirs in ((resumed.arrays, straight.arrays), (resumed.strategy_state, straight.strategy_state)):
-        assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            np.testing.assert_allclose(mine[key], theirs[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 def test_a_checkpoint_of_another_strategy_is_refused_by_name(tmp_path: Path) -> None:
