@@ -401,8 +401,8 @@ class SecureAggregation(SyncDriver):
     def _fold(self, reply: Message, node: int, folded: _Folded, expected: _Expected, length: int,
               server_round: int, report: RoundReport) -> None:
         """Add ``node``'s masked input to ``folded`` or note its bad-share report; a malformed one is named."""
-        if self._strategy.submodels is not None:  # its public meta names its profile: its width from now on
-            self._strategy.submodels.learn([reply])
+        if self.strategy is not None and self.strategy.submodels is not None:  # its public meta names its profile
+            self.strategy.submodels.learn([reply])
         if wire.SECAGG_BAD_SHARES in reply.content.config_records:
             folded.bad_shares.update(_read_each(
                 {node: reply}, lambda node, reply: _read_bad_shares(node, reply, expected.graph[node]),
