@@ -131,25 +131,28 @@ def trained_widths(submodels: SubModels | None, fleet: Fleet) -> Mapping[str, fl
     return {name: float(width) for name, width in submodels.widths.items() if width is not None and name in in_fleet}
 
 
-def width_model(task: Task, model: nn.Module, plan: WidthPlan, width: float, *, scaler: bool) -> nn.Module:
-    """The global ``model``'s sub-model at ``width``: its leading window (HeteroFL's; under FedRolex every
-    window is trained in turn and the leading one is the deliverable), loaded into the task's sub-model,
-    with HeteroFL's scaler folded into its weights when the run uses it (what devices of that width run)."""
+def leading_window_model(task: Task, model: nn.Module, plan: WidthPlan, width: float) -> nn.Module:
+    """The task's sub-model at ``width`` holding the global ``model``'s leading window (HeteroFL's; under
+    FedRolex every window is trained in turn and the leading one is what is shipped and exported)."""
     state = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
-    arrays = plan.window(width).take(state)
     small = sub_model(task, plan.sub_shapes(width))
-    load_arrays(small, ArrayRecord({name: Array(np.ascontiguousarray(value)) for name, value in arrays.items()}),
+    load_arrays(small, ArrayRecord({name: Array(np.ascontiguousarray(value))
+                                    for name, value in plan.window(width).take(state).items()}),
                 source=f"the global model at width {width:g}")
+    return small
+
+
+def width_model(task: Task, model: nn.Module, plan: WidthPlan, width: float, *, scaler: bool) -> nn.Module:
+    """A width's deliverable model: :func:`leading_window_model`, with HeteroFL's scaler folded into its
+    weights when the run uses it (what devices of that width run)."""
+    small = leading_window_model(task, model, plan, width)
     return fold_scaler(small, task, width) if scaler else small
 
 
 def training_sub_model(task: Task, model: nn.Module, plan: WidthPlan, width: float, *, scaler: bool) -> nn.Module:
-    """The sub-model a device of ``width`` trains: the global model's leading window, with the scaler's
-    hooks if the run uses it (what a width's training graph is exported from: weights are its inputs)."""
-    state = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
-    small = sub_model(task, plan.sub_shapes(width))
-    load_arrays(small, ArrayRecord({name: Array(np.ascontiguousarray(value))
-                                    for name, value in plan.window(width).take(state).items()}))
+    """The sub-model a device of ``width`` trains: :func:`leading_window_model` with the scaler's hooks if
+    the run uses it (what a width's training graph is exported from: weights are its inputs)."""
+    small = leading_window_model(task, model, plan, width)
     if scaler:
         add_scaler(small, task, width)
     return small
