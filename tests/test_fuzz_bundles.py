@@ -32,7 +32,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given
 from hypothesis import strategies as st
-from tiny_bundles import MODEL_ID, tiny_bundle, write_zip
+from ort_polyglot import polyglot
+from tiny_bundles import MODEL_ID, tiny_bundle, tiny_model, write_zip
 
 from fedge.edge import EdgeModel
 from fedge.edge.bundle import MANIFEST, SIGNATURE, FreshnessStore, read_bundle, sign_manifest, verify_bundle
@@ -632,3 +633,42 @@ def onnx_model(data: bytes) -> Any:
     import onnx  # noqa: PLC0415
 
     return onnx.load_from_string(data)
+
+
+# --------------------------------------------------------------------------- 6. ORT-format bytes (issue 38, item 5)
+# onnxruntime runs bytes whose 4..8 are "ORTM" as an ORT-format flatbuffer, whatever the ONNX parser
+# reads in them (tests/ort_polyglot.py builds a file that is both). Protobuf framings that put "ORTM" at
+# byte 4 of a valid ONNX message: a varint then an unknown fixed64 (the polyglot's own), ir_version then
+# producer_name, an overlong length of an unknown field, doc_string after two bytes of its own.
+ORT_FRAMINGS = [b"\x08\x00\x09\x00ORTM\x00\x00\x00", b"\x08\x08\x12\x06ORTMxx", b"\x4a\x86\x00\x00ORTM\x00",
+                b"\x32\x06xxORTM"]
+
+
+@st.composite
+def ort_format_models(draw: st.DrawFn) -> bytes:
+    """A clean ONNX model behind a framing that puts "ORTM" at byte 4, then maybe random edits."""
+    case = draw(st.sampled_from(ORT_FRAMINGS)) + _CLEAN_NESTED
+    return draw(fuzzing_mutated(case, inserts=[b"ORTM", *ONNX_TOKENS])) if draw(st.booleans()) else case
+
+
+def test_every_ort_framing_is_a_valid_onnx_model() -> None:
+    for framing in ORT_FRAMINGS:
+        data = framing + _CLEAN_NESTED
+        assert data[4:8] == b"ORTM" and onnx_model(data).graph.node[0].op_type == "If", framing
+
+
+@fuzz(SMALL_CASES)
+@given(case=ort_format_models())
+def test_fuzz_graph_checker_ort_format_bytes(case: bytes) -> None:
+    # Execute: accepted, or refused with the project's error; nothing else
+    checked = accepted_or_refused(lambda: check_graph(case, what="model.onnx"))
+    # Assert: nothing accepted is ORT-format bytes, as sent or as the session gets them
+    if checked is not None:
+        assert isinstance(checked, CheckedGraph)
+        assert case[4:8] != b"ORTM" and checked.model_bytes[4:8] != b"ORTM"
+        assert _clean_everywhere(onnx_model(checked.model_bytes))
+
+
+def test_the_ort_format_polyglot_is_refused() -> None:
+    with pytest.raises(BundleVerificationError, match="is an ORT-format model"):
+        check_graph(polyglot(tiny_model()), what="model.onnx")

@@ -22,7 +22,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import Context, RecordDict
 from onnx import TensorProto, helper
-from tiny_bundles import manifest_for
+from ort_polyglot import HIDDEN_SCALE, hidden_ort_model, polyglot
+from tiny_bundles import manifest_for, tiny_model
 
 from fedge.clients.onnx_client import load_trainer
 from fedge.config import RunConfig
@@ -385,3 +386,76 @@ def test_a_training_bundle_without_a_proper_op_list_is_refused(device_home: Path
     # Execute / Assert: the device refuses it before any graph is looked at
     with pytest.raises(BundleVerificationError, match="graph_ops"):
         device_update(device_home, bundle)
+
+
+# --------------------------------------------------------------------------- ORT-format polyglots (issue 38, item 5)
+# One file, two models (tests/ort_polyglot.py): onnx reads a harmless Gemm; onnxruntime, left to pick the
+# format from bytes 4..8 ("ORTM"), runs a hidden com.microsoft graph from the same bytes.
+
+X = np.array([[1, 0, 0, 0], [0.5, -1, 2, 0]], np.float32)
+VISIBLE = X @ np.arange(12, dtype=np.float32).reshape(4, 3)  # tiny_model's Gemm
+HIDDEN = X @ (np.arange(12, dtype=np.float32).reshape(4, 3) * HIDDEN_SCALE)  # Gelu of these: themselves (>= 0)
+
+
+@pytest.fixture(scope="module")
+def hidden_ort() -> bytes:
+    return hidden_ort_model()
+
+
+@pytest.fixture(scope="module")
+def ort_polyglot(hidden_ort: bytes) -> bytes:
+    data = polyglot(tiny_model(), hidden_ort)
+    assert [node.op_type for node in onnx.load_from_string(data).graph.node] == ["Gemm"]  # what a checker reads
+    (hidden,) = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"input": X})
+    assert np.allclose(hidden, HIDDEN)  # what a session that guesses the format runs
+    return data
+
+
+def test_an_ort_format_polyglot_is_refused_by_the_checker(ort_polyglot: bytes) -> None:
+    # Execute / Assert: refused by name (before the fix it passed as the harmless Gemm it also is)
+    with pytest.raises(BundleVerificationError, match="is an ORT-format model .file identifier 'ORTM' at byte 4."):
+        check_graph(ort_polyglot, what="model.onnx")
+
+
+def test_a_signed_ort_format_polyglot_is_refused_by_edge_model(device_home: Path, sessions: list[object],
+                                                               ort_polyglot: bytes) -> None:
+    # Prepare: the coordinator's key signs the polyglot as an inference model
+    files = signed_inference_bundle(ort_polyglot)
+    # Execute / Assert
+    with pytest.raises(BundleVerificationError, match="model.onnx is an ORT-format model"):
+        EdgeModel.from_files(files, trusted_keys=[KEY.public_key()], variant="fp32")
+    assert sessions == []
+
+
+def test_a_training_graph_that_is_an_ort_format_polyglot_is_refused(device_home: Path, hidden_ort: bytes,
+                                                                   sessions: list[object]) -> None:
+    # Prepare: a signed training bundle whose train.onnx is the clean graph over a hidden ORT-format model
+    train, evaluate = training_graphs(None)
+    bundle = signed_training_bundle(device_home / "polyglot.zip", polyglot(train, hidden_ort), evaluate)
+    # Execute / Assert
+    with pytest.raises(BundleVerificationError, match="train.onnx is an ORT-format model"):
+        device_update(device_home, bundle)
+    assert sessions == []
+
+
+def test_ort_format_bytes_made_by_reordering_fields_are_refused() -> None:
+    # Prepare: "ORTM" is not at byte 4 as sent, but is once the checker re-serializes the message in field order
+    # (ir_version, then producer_name "ORTM...")
+    model = onnx.load_from_string(tiny_model())
+    model.ClearField("ir_version")
+    sent = model.SerializeToString() + b"\x08\x08" + b"\x12\x06ORTMxx"
+    assert sent[4:8] != b"ORTM" and onnx.load_from_string(sent).SerializeToString()[4:8] == b"ORTM"
+    # Execute / Assert
+    with pytest.raises(BundleVerificationError, match="is an ORT-format model"):
+        check_graph(sent, what="model.onnx")
+
+
+def test_a_session_reads_a_checked_graph_as_onnx_only(ort_polyglot: bytes, hidden_ort: bytes) -> None:
+    # Prepare: the polyglot as if it had escaped the checker (unchecked on purpose), and a plain ORT-format model
+    unchecked = CheckedGraph(model_bytes=ort_polyglot, ops=())
+    # Execute: the session fedge builds pins the ONNX format
+    (logits,) = session_of(unchecked).run(None, {"input": X})
+    # Assert: it runs the graph the checker reads, not the hidden one; an ORT-format file does not load at all
+    assert np.allclose(logits, VISIBLE)
+    with pytest.raises(Exception, match="protobuf parsing failed"):
+        session_of(CheckedGraph(model_bytes=hidden_ort, ops=()))
