@@ -24,15 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import secrets
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from fedge.clients.gateway_pool import (
     AllowList,
@@ -64,14 +68,18 @@ from fedge.device_protocol import (
     read_json,
 )
 from fedge.errors import ConfigError, DeviceProtocolError, FedgeError
-from fedge.listeners import ListenerLimits, bind, uvicorn_options
+from fedge.listeners import ListenerLimits, bind, server_tls, uvicorn_options
 
 log = logging.getLogger("fedge.gateway")
 
 INSECURE_WARNING = ("WARNING: INSECURE MODE. This gateway serves devices over plain HTTP: their sessions and "
                     "updates are readable on the network. Use only on a trusted test network.")
 CONTROL_TOKEN = "control-token"  # in the gateway's state directory, 0600: what its own ClientApp presents
-DEVICE_LIMITS = ListenerLimits(per_address=4096, concurrency=20_000, idle_timeout_s=5)
+# one address (devices behind a carrier NAT share one) holds at most 256 connections, and at most
+# GatewaySettings.max_per_address requests in progress: well below the gateway's max_in_flight
+DEVICE_LIMITS = ListenerLimits(per_address=256, concurrency=20_000, idle_timeout_s=5, body_timeout_s=30.0,
+                               handshake_timeout_s=10.0)
+MAX_RESULT_SLACK = 2 << 20  # bytes a result may hold beyond 8 per model element (frame header, secure records)
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,7 @@ class GatewaySettings:
     round_deadline_s: float = 120.0
     idle_poll_s: float = 10.0
     max_in_flight: int = 512  # requests in progress before new ones get 503 + Retry-After
+    max_per_address: int = 32  # ... of which one client address may hold at most this many
     max_num_examples: int = 100_000
     uplink: str = "fp32"  # what devices send: fp32 weights, or int8-delta
 
@@ -101,6 +110,8 @@ class Gateway:
         self.round: GatewayRound | None = None
         self.exchange: SecureExchange | None = None  # a secure round's steps in flight
         self.in_flight = 0
+        self.in_flight_by: Counter[str] = Counter()  # requests in progress per client address
+        self.model_elements = 0  # the open round's model size: what bounds a result's body
         self.rounds_done = 0
         self._rng = random.Random()
 
@@ -134,6 +145,14 @@ class Gateway:
                   "deadline-s": round(left, 1)}
         return assemble_frame(header, *current.tensors)
 
+    def result_limit(self) -> int:
+        """The most bytes a result for the round in flight can take (409 when none is in flight)."""
+        current = self.round
+        open_round = self.exchange is not None or (current is not None and not current.closed)
+        if not open_round or not self.model_elements:
+            raise refused(409, "no round is open; ask for a task first (GET /v1/task)")
+        return 8 * self.model_elements + MAX_RESULT_SLACK
+
     def round_target(self) -> int:
         """How many device results complete a round."""
         if self.settings.devices_per_round:
@@ -146,7 +165,9 @@ class Gateway:
         if kind not in ("train", "evaluate"):
             raise refused(400, f"control: kind must be train or evaluate, got {kind!r:.20}")
         if kind == "train" and header.get("secure") is not None:
+            self.model_elements = sum(math.prod(np.shape(value)) for value in frame_tensors.values())
             return await asyncio.to_thread(self.run_secure_round, header, frame_tensors)
+        self.model_elements = sum(math.prod(np.shape(value)) for value in frame_tensors.values())
         current = GatewayRound(kind=str(kind), server_round=int(header.get("server-round", 0)),
                                config=dict(header.get("config", {})), graph=str(header.get("graph", "")),
                                weights=frame_tensors, target=self.round_target(),
@@ -239,23 +260,42 @@ Handler = Callable[[Any], Awaitable[Any]]
 def device_app(gateway: Gateway, *, max_body: int = 64 << 20, web: WebSite | None = None) -> Any:
     """The Starlette app devices talk to (``/v1/...``), and with ``web`` the web SDK's demo page (``/web/...``)."""
     from starlette.applications import Starlette  # noqa: PLC0415
+    from starlette.requests import ClientDisconnect  # noqa: PLC0415
     from starlette.responses import FileResponse, Response  # noqa: PLC0415
     from starlette.routing import Route  # noqa: PLC0415
 
     def guarded(handler: Handler) -> Handler:
         async def run(request: Any) -> Any:
-            if gateway.in_flight >= gateway.settings.max_in_flight:
+            address = request.client.host if request.client else "?"
+            if gateway.in_flight >= gateway.settings.max_in_flight or \
+                    gateway.in_flight_by[address] >= gateway.settings.max_per_address:
                 wait = gateway.next_in_s()
                 return _json({"error": "the gateway is busy; come back later", "next-in-s": wait}, 503,
                              {"Retry-After": str(max(1, round(wait)))})
             gateway.in_flight += 1
+            gateway.in_flight_by[address] += 1
             try:
                 return await handler(request)
             except DeviceProtocolError as exc:
                 return _json({"error": str(exc), "next-in-s": gateway.next_in_s()}, exc.status)
+            except ClientDisconnect:  # its body came too late (answered 408) or it went away: nothing to send
+                return Response(status_code=408)
+            except Exception as exc:  # noqa: BLE001 - one line per request, never a traceback
+                log.warning("%s %s from %s failed: %s: %.200s", request.method, request.url.path, address,
+                            type(exc).__name__, exc)
+                return _json({"error": "the gateway could not handle this request (its log says why)"}, 500)
             finally:
                 gateway.in_flight -= 1
+                gateway.in_flight_by[address] -= 1
+                if gateway.in_flight_by[address] <= 0:
+                    del gateway.in_flight_by[address]
         return run
+
+    def headers_session(request: Any) -> Any:
+        """The session the request's headers name, checked before its body is read (401/403 otherwise)."""
+        return gateway.sessions.session_of(authorization=request.headers.get(SESSION_HEADER),
+                                           counter=request.headers.get(COUNTER_HEADER),
+                                           mac=request.headers.get(MAC_HEADER))[0]
 
     async def session_of(request: Any, body: bytes) -> Any:
         return gateway.sessions.authenticate(
@@ -277,7 +317,8 @@ def device_app(gateway: Gateway, *, max_body: int = 64 << 20, web: WebSite | Non
         return Response(frame, media_type=FRAME_TYPE)
 
     async def result(request: Any) -> Any:
-        body = await _body(request, max_body)
+        headers_session(request)  # an unauthenticated or stale request is refused before its body is read
+        body = await _body(request, min(max_body, gateway.result_limit()))
         session = await session_of(request, body)
         current = gateway.round
         frame, scales = decode_frame(body)
@@ -359,9 +400,8 @@ class Served:
             raise ConfigError(f"the gateway cannot listen on {host}:{port} ({exc.strerror or exc}); "
                               "pass another --port") from None
         self.port = int(sock.getsockname()[1])
-        config = uvicorn.Config(app, log_level="warning", access_log=False, **uvicorn_options(limits),
-                                ssl_certfile=None if cert is None else str(cert),
-                                ssl_keyfile=None if cert_key is None else str(cert_key))
+        tls = None if cert is None or cert_key is None else server_tls(cert, cert_key)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, **uvicorn_options(limits, tls=tls))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name=name, daemon=True)
         self.thread.start()

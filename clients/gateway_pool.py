@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import secrets
 import threading
 import time
@@ -69,47 +70,79 @@ def refused(status: int, reason: str) -> DeviceProtocolError:
 
 class AllowList:
     """The operator's allow-list: ``DIR/NAME.pub`` (PEM, ECDSA P-256 or Ed25519) and ``DIR/revoked``
-    (one name a line). Re-read when either changes, checked at most once a second."""
+    (one name a line).
+
+    Each file is watched on its own (inode, size, modification and change times), checked at
+    most once a second: a key written over in place, a key removed and a name revoked all take
+    effect within a second. Sessions hold their key's :meth:`fingerprint`, so a session whose
+    key was replaced or removed ends (:meth:`Sessions.session_of`).
+    """
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._keys: dict[str, PublicKey] = {}
+        self._fingerprints: dict[str, bytes] = {}
         self._revoked: set[str] = set()
-        self._stamp: tuple[float, ...] = ()
+        self._stamps: dict[str, tuple[int, ...]] = {}
         self._checked = 0.0
         self._lock = threading.Lock()
         self.refresh(force=True)
 
-    def _signature(self) -> tuple[float, ...]:
-        revoked = self.directory / "revoked"
-        return (self.directory.stat().st_mtime, revoked.stat().st_mtime if revoked.exists() else 0.0)
+    def _current_stamps(self) -> dict[str, tuple[int, ...]]:
+        stamps = {}
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                if entry.name == "revoked" or entry.name.endswith(".pub"):
+                    try:
+                        info = entry.stat()
+                    except FileNotFoundError:  # removed while we looked
+                        continue
+                    stamps[entry.name] = (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        return stamps
 
     def refresh(self, *, force: bool = False) -> None:
-        """Re-read the directory if it changed (at most once a second unless ``force``)."""
+        """Re-read the files that changed (looked at most once a second unless ``force``)."""
         now = time.monotonic()
         with self._lock:
             if not force and now - self._checked < 1.0:
                 return
             self._checked = now
-            stamp = self._signature()
-            if stamp == self._stamp and not force:
+            stamps = self._current_stamps()
+            changed = {name for name in stamps.keys() | self._stamps.keys()
+                       if stamps.get(name) != self._stamps.get(name)}
+            if not changed:
                 return
-            keys = {}
-            for path in sorted(self.directory.glob("*.pub")):
-                try:
-                    key = serialization.load_pem_public_key(path.read_bytes())
-                except ValueError:
-                    log.warning("allow-list: %s is not a PEM public key; skipped", path.name)
-                    continue
-                if isinstance(key, ed25519.Ed25519PublicKey) or \
-                        (isinstance(key, ec.EllipticCurvePublicKey) and isinstance(key.curve, ec.SECP256R1)):
-                    keys[path.stem] = key
+            for name in sorted(changed):
+                if name == "revoked":
+                    self._revoked = self._read_revoked()
                 else:
-                    log.warning("allow-list: %s is neither ECDSA P-256 nor Ed25519; skipped", path.name)
-            revoked_file = self.directory / "revoked"
-            lines = revoked_file.read_text().splitlines() if revoked_file.exists() else []
-            revoked = {line.strip() for line in lines}
-            self._keys, self._revoked, self._stamp = keys, revoked - {""}, stamp
+                    self._reload_key(name, present=name in stamps)
+            self._stamps = stamps
+
+    def _read_revoked(self) -> set[str]:
+        try:
+            lines = (self.directory / "revoked").read_text().splitlines()
+        except FileNotFoundError:
+            return set()
+        return {line.strip() for line in lines} - {""}
+
+    def _reload_key(self, filename: str, *, present: bool) -> None:
+        name = filename.removesuffix(".pub")
+        self._keys.pop(name, None)
+        self._fingerprints.pop(name, None)
+        if not present:
+            return
+        try:
+            key = serialization.load_pem_public_key((self.directory / filename).read_bytes())
+        except (ValueError, OSError):
+            log.warning("allow-list: %s is not a PEM public key; skipped", filename)
+            return
+        if isinstance(key, ed25519.Ed25519PublicKey) or \
+                (isinstance(key, ec.EllipticCurvePublicKey) and isinstance(key.curve, ec.SECP256R1)):
+            self._keys[name] = key
+            self._fingerprints[name] = key_fingerprint(key)
+        else:
+            log.warning("allow-list: %s is neither ECDSA P-256 nor Ed25519; skipped", filename)
 
     def key_of(self, device: str) -> PublicKey:
         """The public key of an admitted device; 403 for an unknown or revoked one."""
@@ -122,6 +155,11 @@ class AllowList:
                                "with `fedge gateway add-device NAME`")
         return key
 
+    def fingerprint(self, device: str) -> bytes | None:
+        """SHA-256 of ``device``'s admitted public key (DER), or ``None`` when it has none now."""
+        self.refresh()
+        return self._fingerprints.get(device)
+
     def revoked(self, device: str) -> bool:
         """Whether the operator revoked ``device`` (checked on every request of its session)."""
         self.refresh()
@@ -129,6 +167,12 @@ class AllowList:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+def key_fingerprint(key: PublicKey) -> bytes:
+    """SHA-256 of a public key's DER SubjectPublicKeyInfo."""
+    return hashlib.sha256(key.public_bytes(serialization.Encoding.DER,
+                                           serialization.PublicFormat.SubjectPublicKeyInfo)).digest()
 
 
 def verify_signature(key: PublicKey, signature: bytes, message: bytes) -> None:
@@ -155,6 +199,7 @@ class Session:
     counter: int = 0
     last_seen: float = 0.0
     secure: bool = True  # the device implements secure aggregation's steps (its check-in's "capabilities")
+    fingerprint: bytes | None = None  # the allow-list key it checked in with (the session ends if it changes)
 
 
 class Sessions:
@@ -175,7 +220,8 @@ class Sessions:
         if not isinstance(device, str) or not 0 < len(device) <= DEVICE_NAME_MAX:
             raise refused(400, f"'device' must be the device's name (1-{DEVICE_NAME_MAX} characters)")
         issued = body.get("time")
-        if isinstance(issued, bool) or not isinstance(issued, int) or abs(now - issued) > CLOCK_SKEW_S:
+        if isinstance(issued, bool) or not isinstance(issued, int) or not 0 <= issued < 2**53 or \
+                abs(now - issued) > CLOCK_SKEW_S:
             raise refused(401, f"'time' must be the device's clock in whole Unix seconds, within {CLOCK_SKEW_S} s "
                                "of the gateway's; set the device's clock")
         nonce = body.get("nonce")
@@ -194,7 +240,8 @@ class Sessions:
             if old is not None:
                 self._by_token.pop(old, None)
             token, session_key = secrets.token_urlsafe(24), secrets.token_bytes(SESSION_KEY_BYTES)
-            session = Session(device=device, key=session_key, expires=now + self.ttl_s, last_seen=now, secure=secure)
+            session = Session(device=device, key=session_key, expires=now + self.ttl_s, last_seen=now, secure=secure,
+                              fingerprint=key_fingerprint(key))
             self._by_token[token], self._token_of[device] = session, token
         return token, session_key, session
 
@@ -223,9 +270,14 @@ class Sessions:
                 break
             del self._nonces[oldest]
 
-    def authenticate(self, *, authorization: str | None, counter: str | None, mac: str | None, method: str,
-                     path: str, body: bytes, now: float | None = None) -> Session:
-        """The session of an authenticated request, or 401/403 naming what is wrong."""
+    def session_of(self, *, authorization: str | None, counter: str | None, mac: str | None,
+                   now: float | None = None) -> tuple[Session, int]:
+        """The live session a request's headers name, and its counter, checked before any body is read.
+
+        401/403 naming what is wrong: no or an unknown session, an expired one, a revoked device,
+        a device whose key the operator replaced or removed, a counter already used. Nothing is
+        spent: the counter moves only once :meth:`authenticate` verified the MAC.
+        """
         now = time.time() if now is None else now
         if not authorization or not authorization.startswith("Fedge-Session "):
             raise refused(401, "no session: check in first (POST /v1/check-in) and send "
@@ -236,9 +288,30 @@ class Sessions:
             raise refused(401, "the session is unknown or expired: check in again")
         if self.allow.revoked(session.device):
             raise refused(403, f"device '{session.device}' is revoked by the operator")
+        if self.allow.fingerprint(session.device) != session.fingerprint:
+            self.end(session)
+            raise refused(401, f"device '{session.device}''s key was replaced or removed from the allow-list since it "
+                               "checked in; this session is over: check in again (with the key the operator admitted)")
         if counter is None or not counter.isdigit() or len(counter) > 18 or mac is None:
             raise refused(401, "an authenticated request needs X-Fedge-Counter (a whole number) and X-Fedge-Mac")
         number = int(counter)
+        if number <= session.counter:
+            raise refused(401, f"counter {number} was used before (a replay); send more than {session.counter}")
+        return session, number
+
+    def end(self, session: Session) -> None:
+        """Forget ``session`` (its device must check in again)."""
+        with self._lock:
+            token = self._token_of.get(session.device)
+            if token is not None and self._by_token.get(token) is session:
+                del self._by_token[token], self._token_of[session.device]
+
+    def authenticate(self, *, authorization: str | None, counter: str | None, mac: str | None, method: str,
+                     path: str, body: bytes, now: float | None = None) -> Session:
+        """The session of an authenticated request, or 401/403 naming what is wrong."""
+        now = time.time() if now is None else now
+        session, number = self.session_of(authorization=authorization, counter=counter, mac=mac, now=now)
+        assert mac is not None  # session_of refused a request without one
         expected = request_mac(session.key, method=method, path=path, counter=number, body=body)
         if not macs_equal(expected, mac):
             raise refused(401, "the request MAC does not verify (wrong session key, or the body was altered)")

@@ -169,8 +169,8 @@ def _tensor_entry(entry: object, max_elements: int) -> tuple[str, np.dtype[Any],
 def _json_object(data: bytes, what: str) -> dict[str, Any]:
     try:
         value = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DeviceProtocolError(f"the {what} is not valid UTF-8 JSON ({exc})") from None
+    except ValueError as exc:  # not UTF-8, not JSON, or a number of more than 4,300 digits
+        raise DeviceProtocolError(f"the {what} is not valid UTF-8 JSON ({str(exc)[:120]})") from None
     except RecursionError:  # "[[[[..." thousands deep: refused, not a crash of the handler
         raise DeviceProtocolError(f"the {what} nests too deeply") from None
     if not isinstance(value, dict):

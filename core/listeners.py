@@ -16,13 +16,21 @@ connection slot with idle TLS connections (uvicorn then answers 503 to everyone)
 - an idle timeout between requests (``idle_timeout_s``, uvicorn's keep-alive timeout);
 - a per-client-address cap: one address holds at most ``per_address`` connections, so it
   cannot take every one of the listener's ``concurrency`` slots; further connections from
-  it are closed at once.
+  it are closed at once;
+- a body deadline: a request's body must arrive within ``body_timeout_s`` plus its declared
+  length at ``min_body_rate`` bytes a second, else it is answered ``408`` and the connection
+  closed (a body trickled a byte at a time holds a slot for that long, not for ever);
+- with ``tls`` (:func:`uvicorn_options`), TLS is started by fedge's protocol rather than by
+  asyncio's server: a connection is counted against its address when it is *accepted*,
+  before its handshake, and a handshake that does not finish within ``handshake_timeout_s``
+  is closed (asyncio's own default holds it, and its file descriptor, for 60 s).
 
 Threat model: bounds what one network client (one address) can hold. Residual risk: many
 addresses together can still fill the ``concurrency`` slots for up to ``header_timeout_s``
-each; devices behind one NAT address share its cap; a TLS handshake that never completes is
-held by asyncio until its own handshake timeout (60 s) but takes no slot; a request body
-is not time-limited here (the bundle service reads none; Flower reads the Fleet API's).
+each (bodies: ``body_timeout_s`` and their length's share of ``min_body_rate``); devices behind
+one NAT address share its cap. Listeners started without ``tls`` by uvicorn itself (the
+SuperLink, the bundle service) keep asyncio's 60 s handshake and count a connection once its
+handshake is done.
 """
 
 from __future__ import annotations
@@ -30,8 +38,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
+import ssl
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -44,6 +54,13 @@ class ListenerLimits:
     idle_timeout_s: int = 5
     per_address: int = 16
     concurrency: int = 512
+    body_timeout_s: float = 30.0
+    min_body_rate: int = 16 * 1024  # bytes a second a declared body length must at least arrive at
+    handshake_timeout_s: float = 10.0
+
+    def body_deadline_s(self, declared: int | None) -> float:
+        """Seconds a request body of ``declared`` bytes (``None``: not declared) may take to arrive."""
+        return self.body_timeout_s + (declared or 0) / self.min_body_rate
 
 
 @functools.cache
@@ -78,10 +95,15 @@ def _guarded_base() -> type[Any]:
             super().__init__(*args, **kwargs)
             self.conn = _RecordingConnection(h11.SERVER, self.limits.max_header_bytes)
             self._deadline: asyncio.TimerHandle | None = None
+            self._body_deadline: asyncio.TimerHandle | None = None
             self._counted: str | None = None
+            self.counted_at_accept = False  # the TLS acceptor counted this connection's address already
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # noqa: D102
             super().connection_made(transport)
+            if self.counted_at_accept:
+                self._start_deadline()
+                return
             address = self.client[0] if self.client else "?"
             if self.by_address[address] >= self.limits.per_address:
                 self.logger.warning("%s holds %d connections already (the most one address may); closed a new one",
@@ -94,6 +116,7 @@ def _guarded_base() -> type[Any]:
 
         def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
             self._stop_deadline()
+            self._stop_body_deadline()
             if self._counted is not None:
                 self.by_address[self._counted] -= 1
                 if self.by_address[self._counted] <= 0:
@@ -105,6 +128,40 @@ def _guarded_base() -> type[Any]:
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:  # the request's headers are complete (or it failed)
                 self._stop_deadline()
+            if self.conn.their_state is h11.SEND_BODY and self._body_deadline is None:
+                self._body_deadline = self.loop.call_later(self.limits.body_deadline_s(self._declared_length()),
+                                                           self._body_too_late)
+            elif self.conn.their_state is not h11.SEND_BODY:
+                self._stop_body_deadline()
+
+        def _declared_length(self) -> int | None:
+            headers = dict(getattr(self, "headers", []) or [])
+            value = headers.get(b"content-length", b"")
+            return int(value) if value.isdigit() and len(value) <= 18 else None
+
+        def _stop_body_deadline(self) -> None:
+            if self._body_deadline is not None:
+                self._body_deadline.cancel()
+                self._body_deadline = None
+
+        def _body_too_late(self) -> None:
+            """The body did not arrive in time: 408 (unless the app already answered) and close."""
+            self._body_deadline = None
+            if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
+                return
+            cycle = getattr(self, "cycle", None)
+            if cycle is not None and not cycle.response_started and self.conn.our_state is h11.SEND_RESPONSE:
+                body = b'{"error": "the request body did not arrive in time; send it at once (or faster)"}'
+                response = h11.Response(status_code=408, reason=b"Request Timeout",
+                                        headers=[(b"content-type", b"application/json"), (b"connection", b"close"),
+                                                 (b"content-length", str(len(body)).encode())])
+                self.transport.write(self.conn.send(response) or b"")
+                self.transport.write(self.conn.send(h11.Data(data=body)) or b"")
+                self.transport.write(self.conn.send(h11.EndOfMessage()) or b"")
+            if cycle is not None:  # the app waiting for the body hears a disconnect, and sends nothing more
+                cycle.disconnected = True
+                cycle.message_event.set()
+            self.transport.close()
 
         def on_response_complete(self) -> None:  # noqa: D102
             super().on_response_complete()
@@ -143,16 +200,124 @@ def _guarded_base() -> type[Any]:
     return _GuardedH11
 
 
-def guarded_protocol(limits: ListenerLimits) -> type[asyncio.Protocol]:
-    """A uvicorn HTTP protocol class for one listener: its own ``limits`` and its own per-address counts."""
-    return type("GuardedH11", (_guarded_base(),), {"limits": limits, "by_address": Counter()})
+def guarded_protocol(limits: ListenerLimits, tls: ssl.SSLContext | None = None) -> type[asyncio.Protocol]:
+    """A uvicorn HTTP protocol class for one listener: its own ``limits`` and its own per-address counts.
+
+    With ``tls``, the class accepts the connection, counts it, then runs the TLS handshake
+    itself (:class:`TlsAcceptor`)."""
+    inner = type("GuardedH11", (_guarded_base(),), {"limits": limits, "by_address": Counter()})
+    if tls is None:
+        return inner
+    return type("GuardedTls", (TlsAcceptor,), {"limits": limits, "by_address": inner.by_address, "inner": inner,
+                                               "context": tls})
 
 
-def uvicorn_options(limits: ListenerLimits | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``uvicorn.Config`` that apply ``limits`` (defaults: :class:`ListenerLimits`)."""
+HANDSHAKES: set[asyncio.Task[None]] = set()
+
+
+class TlsAcceptor(asyncio.Protocol):
+    """A connection's protocol from the moment it is accepted: per-address count, TLS handshake
+    with a deadline, then uvicorn's (guarded) HTTP protocol over the TLS transport.
+
+    Stays the TLS transport's protocol and relays to the HTTP protocol, so the address's count
+    is given back however the connection ends (before, during or after its handshake).
+    """
+
+    limits: ListenerLimits
+    by_address: Counter[str]
+    inner: type[Any]
+    context: ssl.SSLContext
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._kwargs = kwargs
+        self._loop = kwargs.get("_loop") or asyncio.get_event_loop()
+        self._http: Any = None
+        self._early: list[bytes] = []
+        self._address: str | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # noqa: D102
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if peer else "?"
+        if self.by_address[address] >= self.limits.per_address:
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        self.by_address[address] += 1
+        self._address = address
+        transport.pause_reading()  # type: ignore[attr-defined]  # nothing reaches us before TLS starts
+        task = self._loop.create_task(self._handshake(transport))
+        HANDSHAKES.add(task)  # held until done: the loop keeps only a weak reference to a task
+        task.add_done_callback(HANDSHAKES.discard)
+
+    async def _handshake(self, transport: Any) -> None:
+        try:
+            secured = await self._loop.start_tls(transport, self, self.context, server_side=True,
+                                                 ssl_handshake_timeout=self.limits.handshake_timeout_s)
+        except (OSError, TimeoutError, RuntimeError):  # a failed or too slow handshake (SSLError is an OSError)
+            transport.abort()
+            self._release()
+            return
+        if secured is None or secured.is_closing():
+            self._release()
+            return
+        http = self.inner(**self._kwargs)
+        http.counted_at_accept = True
+        http.connection_made(secured)
+        self._http = http
+        for data in self._early:  # what arrived between the handshake's end and this continuation
+            http.data_received(data)
+        self._early.clear()
+
+    def _release(self) -> None:
+        if self._address is not None:
+            self.by_address[self._address] -= 1
+            if self.by_address[self._address] <= 0:
+                del self.by_address[self._address]
+            self._address = None
+
+    def data_received(self, data: bytes) -> None:  # noqa: D102
+        if self._http is not None:
+            self._http.data_received(data)
+        elif sum(map(len, self._early)) < self.limits.max_header_bytes:
+            self._early.append(data)
+
+    def eof_received(self) -> bool | None:  # noqa: D102
+        return self._http.eof_received() if self._http is not None else None
+
+    def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
+        self._release()
+        if self._http is not None:
+            self._http.connection_lost(exc)
+
+    def pause_writing(self) -> None:  # noqa: D102
+        if self._http is not None:
+            self._http.pause_writing()
+
+    def resume_writing(self) -> None:  # noqa: D102
+        if self._http is not None:
+            self._http.resume_writing()
+
+
+def server_tls(cert: str | Path, key: str | Path) -> ssl.SSLContext:
+    """A server TLS context (TLS 1.2 and up) holding ``cert`` and its ``key``."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(str(cert), str(key))
+    return context
+
+
+def uvicorn_options(limits: ListenerLimits | None = None, *, tls: ssl.SSLContext | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``uvicorn.Config`` that apply ``limits`` (defaults: :class:`ListenerLimits`).
+
+    ``tls``: serve HTTPS with fedge's acceptor (:class:`TlsAcceptor`); then give uvicorn no
+    ``ssl_certfile`` of its own. Such a listener runs asyncio's own event loop: uvloop's
+    server-side ``start_tls`` never completed a handshake here (uvloop 0.23, measured).
+    """
     limits = limits or ListenerLimits()
-    return {"http": guarded_protocol(limits), "h11_max_incomplete_event_size": limits.max_header_bytes,
-            "timeout_keep_alive": limits.idle_timeout_s, "limit_concurrency": limits.concurrency}
+    options = {"http": guarded_protocol(limits, tls), "h11_max_incomplete_event_size": limits.max_header_bytes,
+               "timeout_keep_alive": limits.idle_timeout_s, "limit_concurrency": limits.concurrency}
+    if tls is not None:
+        options["loop"] = "asyncio"
+    return options
 
 
 def bind(host: str, port: int) -> socket.socket:
