@@ -101,8 +101,12 @@ def _device_options(device: argparse.ArgumentParser) -> None:
     device.add_argument("--data", type=Path, required=True, help="this device's examples (.npz or .csv)")
     device.add_argument("--trust", type=Path, required=True, help="the coordinator's bundle signing public key")
     device.add_argument("--ca", type=Path, help="the CA that signed the gateway's certificate")
-    device.add_argument("--state-dir", type=Path, default=Path(".fedge-protocol-device"),
-                        help="where the verified training graph is kept")
+    device.add_argument("--state-dir", type=Path,
+                        help="this device's own state, created 0700: the verified training graph, its freshness "
+                             "records and lineage pin (default ~/.fedge-protocol-device/NAME)")
+    device.add_argument("--model-id", metavar="NAME",
+                        help="train only graphs of this lineage (signed model_id), and follow it from now on "
+                             "(default: the lineage of the first graph accepted)")
     device.add_argument("--rounds", type=int, help="stop after this many trained rounds (default: run until stopped)")
     device.add_argument("--insecure", action="store_true", help="plain HTTP to the gateway (throwaway tests)")
     device.add_argument("--secure-aggregation", action="store_true",
@@ -119,7 +123,7 @@ def _protocol_device(args: argparse.Namespace) -> int:
               "network.", file=sys.stderr, flush=True)
     device = ProtocolDevice(gateway=args.gateway, name=args.name, key=args.key, data=args.data, trust=args.trust,
                             ca=args.ca, state_dir=args.state_dir, insecure=args.insecure,
-                            secure=args.secure_aggregation)
+                            secure=args.secure_aggregation, model_id=args.model_id)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -13,9 +13,16 @@ onnx device under a SuperNode runs, so both send the same update) and posts the 
 Every answer says when to come back (``next-in-s``): the gateway's pace steering.
 
 Threat model (device side): the gateway is authenticated by TLS against the CA the device
-was given; the training graph it hands out is verified against the coordinator's signing
-key (Ed25519) before onnxruntime sees it, so a gateway cannot make the device run a graph
-the coordinator did not sign.
+was given, and the gateway name the device signs at check-in is the one in that verified
+certificate (``fedge gateway NAME``, from ``fedge keys add-gateway NAME``): a gateway that
+announces another gateway's name in ``hello`` is refused, so it cannot pass the device's
+signed check-in on to that gateway and act as the device there. The training graph a
+gateway hands out is verified against the coordinator's signing key (Ed25519) before
+onnxruntime sees it, so a gateway cannot make the device run a graph the coordinator did
+not sign; and, as ``fedge device --runtime onnx`` does (:func:`fedge.edge.delivery.pull`),
+the device keeps a freshness record and a lineage pin in its own state directory, so a
+gateway cannot roll it back to an older signed graph of its model (an older run's, another
+model) nor switch it to another lineage the owner did not name.
 """
 
 from __future__ import annotations
@@ -54,15 +61,38 @@ from fedge.device_protocol import (
     request_mac,
     unb64,
 )
+from fedge.edge.bundle import FreshnessStore
+from fedge.edge.delivery import LINEAGE_PIN, _pin, pinned_lineage
+from fedge.edge.signing import ensure_private_dir
 from fedge.edge.trainer import OnnxTrainer
 from fedge.edge.training_bundle import TrainingBundle, read_training_bundle
-from fedge.errors import ConfigError, DeviceProtocolError, ProtocolError
+from fedge.errors import BundleVerificationError, ConfigError, DeviceProtocolError, ProtocolError
 from fedge.files import write_bytes_atomic
 from fedge.preprocessing import prepare_device_inputs
 from fedge.secagg import ProtocolViolation
 
 PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
 log = logging.getLogger("fedge.protocol_device")
+# The subject CN `fedge keys add-gateway NAME` gives a gateway's TLS certificate (fedge.server.pki.add_gateway)
+GATEWAY_CN_PREFIX = "fedge gateway "
+
+
+def default_state_dir(name: str) -> Path:
+    """``~/.fedge-protocol-device/NAME``: where device ``name`` keeps its graph, freshness records and lineage pin."""
+    return Path.home() / ".fedge-protocol-device" / name
+
+
+def certified_gateway_name(common_name: str) -> str | None:
+    """The gateway name in a certificate's subject CN ``fedge gateway NAME``, or None when it names no gateway."""
+    if common_name.startswith(GATEWAY_CN_PREFIX) and len(common_name) > len(GATEWAY_CN_PREFIX):
+        return common_name[len(GATEWAY_CN_PREFIX):]
+    return None
+
+
+def _common_name(certificate: dict[str, Any]) -> str:
+    """The subject CN of a verified peer certificate (``SSLSocket.getpeercert()``), "" when it has none or two."""
+    names = [value for rdn in certificate.get("subject", ()) for key, value in rdn if key == "commonName"]
+    return str(names[0]) if len(names) == 1 else ""
 
 
 @dataclass(frozen=True)
@@ -111,9 +141,16 @@ class ProtocolDevice:
     trust : Path
         The coordinator's bundle signing public key: the training graph must be signed with it.
     ca : Path, optional
-        The CA that signed the gateway's certificate.
-    state_dir : Path
-        Where the verified training graph is kept.
+        The CA that signed the gateway's certificate (``fedge keys add-gateway``: its subject
+        names the gateway, and that is the name this device signs at check-in).
+    state_dir : Path, optional
+        This device's own state, created 0700 (default ``~/.fedge-protocol-device/NAME``): the
+        verified training graph, the freshness records that refuse an older graph of its lineage
+        (rollback) and the lineage pin (``freshness/training/``, as ``fedge device`` keeps them).
+        Keep it on storage only the device's user can write: deleting it resets both checks.
+    model_id : str, optional
+        The training graphs' lineage (signed ``model_id``) to accept. Without it, the lineage of
+        the first graph accepted is pinned and a graph of any other is refused.
     secure : bool
         Require secure aggregation: refuse plain train tasks (the gateway would see this
         device's update) and answer only the SecAgg+ steps, in which the gateway learns
@@ -121,8 +158,8 @@ class ProtocolDevice:
     """
 
     def __init__(self, *, gateway: str, name: str, key: Path | PrivateKey, data: Path | DeviceArrays, trust: Path,
-                 ca: Path | None, state_dir: Path, insecure: bool = False, timeout_s: float = 120.0,
-                 secure: bool = False) -> None:
+                 ca: Path | None, state_dir: Path | None = None, insecure: bool = False, timeout_s: float = 120.0,
+                 secure: bool = False, model_id: str | None = None) -> None:
         url = urlsplit(gateway)
         if url.scheme not in ("https", "http") or (url.scheme == "http" and not insecure) or not url.hostname:
             raise ConfigError(f"gateway {gateway!r}: use https://HOST:PORT (http:// only with insecure=True)")
@@ -130,11 +167,14 @@ class ProtocolDevice:
             raise ConfigError("a protocol device needs the CA that signed the gateway's certificate (ca=...)")
         self.host, self.port, self.tls = url.hostname, url.port or (443 if url.scheme == "https" else 80), \
             url.scheme == "https"
-        self.name, self.trust, self.state_dir, self.timeout_s = name, trust, state_dir, timeout_s
+        self.name, self.trust, self.timeout_s, self.model_id = name, trust, timeout_s, model_id
+        self.state_dir = state_dir if state_dir is not None else default_state_dir(name)
+        self.freshness = FreshnessStore(self.state_dir / "freshness" / "training")  # as `fedge device` keeps it
         self.key = key if not isinstance(key, Path) else load_private_key(key)
         self._data_source = data
         self._context = ssl.create_default_context(cafile=str(ca)) if self.tls else None
         self._connection: http.client.HTTPConnection | None = None
+        self._peer = ""  # the subject CN of the TLS certificate the open connection verified
         self._session: tuple[str, bytes] | None = None
         self._counter = 0
         self._bundle: TrainingBundle | None = None
@@ -153,6 +193,11 @@ class ProtocolDevice:
                                                                context=self._context)
             else:
                 self._connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        if self.tls and self._connection.sock is None:  # a new TLS connection: whose certificate is it?
+            self._connection.connect()
+            sock = self._connection.sock
+            assert isinstance(sock, ssl.SSLSocket)
+            self._peer = _common_name(sock.getpeercert() or {})
         return self._connection
 
     def close(self) -> None:
@@ -161,11 +206,14 @@ class ProtocolDevice:
             self._connection.close()
             self._connection = None
 
-    def _send(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
-              ) -> tuple[int, str, bytes]:
+    def _send(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
+              signed_for: str | None = None) -> tuple[int, str, bytes]:
+        """One request; ``signed_for``: the gateway name ``body`` is signed for, sent only to that gateway."""
         for attempt in (0, 1):
             try:
                 connection = self._connect()
+                if signed_for is not None and self.tls:
+                    self._check_peer(signed_for)
                 connection.request(method, path, body=body or None, headers=headers or {})
                 response = connection.getresponse()
                 return response.status, response.getheader("content-type", ""), response.read()
@@ -202,35 +250,102 @@ class ProtocolDevice:
             raise DeviceProtocolError(f"{what}: the gateway answered {status}: {answer.get('error', answer)}")
         return dict(answer)
 
+    def _certified_name(self) -> str:
+        """The gateway name in the open connection's verified certificate, or a refusal saying how to fix it."""
+        certified = certified_gateway_name(self._peer)
+        if certified is None:
+            raise DeviceProtocolError(
+                f"the gateway at {self.host}:{self.port} presents a TLS certificate for {self._peer!r}, which names no "
+                "fedge gateway, so this device cannot tell which gateway it signs its check-in for; refusing to check "
+                f"in. Its operator must serve the certificate of `fedge keys add-gateway NAME` (subject '"
+                f"{GATEWAY_CN_PREFIX}NAME', signed by the CA this device holds)")
+        return certified
+
+    def _check_peer(self, signed_for: str) -> None:
+        """Refuse to send a check-in signed for ``signed_for`` over a connection to another gateway."""
+        certified = self._certified_name()
+        if certified != signed_for:
+            self.gateway_name = None  # ask hello again at the next check-in
+            raise DeviceProtocolError(
+                f"the gateway at {self.host}:{self.port} is now gateway '{certified}' (its TLS certificate), not "
+                f"'{signed_for}' this check-in is signed for; refusing to send it")
+
+    def _gateway_name(self, announced: str) -> str:
+        """The gateway name to sign at check-in: its verified TLS certificate's, which ``hello`` must agree with."""
+        if not self.tls:
+            log.warning("device %s: insecure (plain HTTP): signing the gateway name '%s' that hello announces, "
+                        "unverified; a gateway could pass this check-in on to gateway '%s'. Use https:// and the "
+                        "gateway's `fedge keys add-gateway` certificate outside throwaway tests",
+                        self.name, announced, announced)
+            return announced
+        certified = self._certified_name()
+        if announced != certified:
+            raise DeviceProtocolError(
+                f"the gateway at {self.host}:{self.port} announces itself as '{announced}' in hello, but its TLS "
+                f"certificate is gateway '{certified}'s; refusing to check in (a check-in signed for '{announced}' "
+                f"could be passed on to that gateway, which would take this device for it). Its operator must start "
+                f"it with --name {certified}, or serve the certificate of `fedge keys add-gateway {announced}`")
+        return certified
+
     # ----------------------------------------------------------------------- protocol steps
     def check_in(self) -> float:
-        """Prove this device's key to the gateway and open a session; the gateway's ``next-in-s``."""
+        """Prove this device's key to the gateway and open a session; the gateway's ``next-in-s``.
+
+        The gateway name signed is the one in the gateway's verified TLS certificate (``hello``
+        must announce the same), and the signed check-in goes only to a connection whose
+        certificate names that gateway. Only with ``insecure`` (plain HTTP) is it ``hello``'s.
+        """
         if self.gateway_name is None:
             status, _, body = self._send("GET", f"{PREFIX}/hello")
-            self.gateway_name = str(self._json(status, body, "hello")["gateway"])
+            self.gateway_name = self._gateway_name(str(self._json(status, body, "hello")["gateway"]))
         issued, nonce = int(time.time()), b64(secrets.token_bytes(NONCE_BYTES))
         message = check_in_message(device=self.name, gateway=self.gateway_name, issued_at=issued, nonce=nonce)
         request = {"protocol": 1, "device": self.name, "time": issued, "nonce": nonce,
                    "signature": b64(sign(self.key, message)),
                    "capabilities": ["fp32", "int8-delta", "secure-aggregation"]}
         status, _, body = self._send("POST", f"{PREFIX}/check-in", json.dumps(request).encode(),
-                                     {"Content-Type": "application/json"})
+                                     {"Content-Type": "application/json"}, signed_for=self.gateway_name)
         answer = self._json(status, body, "check-in")
         self._session, self._counter = (str(answer["session"]), unb64(answer["key"], "key", size=32)), 0
         return float(answer.get("next-in-s", 0))
 
     def training_graph(self) -> tuple[TrainingBundle, OnnxTrainer]:
-        """The run's training graph from the gateway, verified against the trusted signing key."""
+        """The run's training graph from the gateway, verified, then kept and recorded as accepted.
+
+        Raises
+        ------
+        BundleVerificationError
+            Not signed by the trusted key, altered, expired, older than a graph of its lineage
+            this device accepted (rollback), or of another lineage than the pinned or named one.
+            The graph held before stays in use.
+        """
         status, _, body = self._authenticated("GET", f"{PREFIX}/bundles/training")
         if status != 200:
             self._json(status, body, "training graph")
-        path = self.state_dir / "training.zip"
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(path, body)
-        bundle = read_training_bundle(path, trusted_keys=[self.trust])  # BundleVerificationError if not signed
+        try:
+            bundle = read_training_bundle(body, trusted_keys=[self.trust], freshness=self.freshness)
+            self._check_lineage(str(bundle.manifest["model_id"]))
+        except BundleVerificationError as exc:
+            raise BundleVerificationError(f"the gateway's training graph is refused: {exc}. This device trains "
+                                          "nothing with it and keeps the graph it held") from None
+        ensure_private_dir(self.state_dir)
+        write_bytes_atomic(self.state_dir / "training.zip", body)  # 0600
+        ensure_private_dir(self.freshness.directory.parent)
+        self.freshness.record(bundle.manifest)
+        _pin(self.freshness.directory / LINEAGE_PIN, str(bundle.manifest["model_id"]))
         self._bundle, self._trainer, self._data = bundle, OnnxTrainer(bundle.train_onnx, bundle.eval_onnx,
                                                                       bundle.manifest), None
         return bundle, self._trainer
+
+    def _check_lineage(self, offered: str) -> None:
+        """Refuse a graph of another lineage than the one the owner named, else than the pinned one."""
+        followed = self.model_id or pinned_lineage(self.freshness.directory / LINEAGE_PIN)
+        if followed is not None and offered != followed:
+            why = "its owner named" if self.model_id else "pinned on the first graph it accepted"
+            raise BundleVerificationError(
+                f"it is of model '{offered}', but this device follows model '{followed}' ({why}); a graph of another "
+                f"lineage is trained only when the owner names it: `fedge protocol-device --model-id '{offered}'` "
+                "(ProtocolDevice(model_id=...)) switches to it")
 
     def _ready(self, graph: str) -> tuple[OnnxTrainer, DeviceArrays]:
         if self._trainer is None or self._bundle is None or (graph and self._bundle.architecture != graph):
@@ -389,7 +504,7 @@ class ProtocolDevice:
                 log.warning("device %s: the gateway sent a malformed task (%s: %s)", self.name, type(exc).__name__, exc)
                 self.close()
                 outcome = Outcome("wait", 2.0)
-            except (DeviceProtocolError, ConfigError) as exc:  # refused, or no graph yet: say so, try again later
+            except (DeviceProtocolError, ConfigError, BundleVerificationError) as exc:  # refused, or no graph yet
                 log.warning("device %s: %s", self.name, exc)
                 self.close()
                 outcome = Outcome("wait", 2.0)
