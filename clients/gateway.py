@@ -465,6 +465,27 @@ def check_gateway(options: GatewayOptions) -> None:
                               "CA signed, e.g. `fedge keys init --host NAME`); --insecure only for a throwaway test")
 
 
+def raise_file_limit() -> tuple[int, int]:
+    """Raise this process's soft open-file limit to its hard limit; the (old, new) soft limits.
+
+    Each device connection holds a file descriptor, from accept until it closes: a systemd
+    service's default soft limit (1,024) is far below what a gateway serves (the documented
+    unit sets ``LimitNOFILE=65536``, docs/operator.md).
+    """
+    import resource  # noqa: PLC0415 - POSIX only
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d (%s): the gateway serves at most about "
+                        "%d connections; set LimitNOFILE in its service unit", soft, wanted, exc, soft)
+            return soft, soft
+    return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def run_gateway(options: GatewayOptions) -> int:
     """Serve devices and join the coordinator as a node until stopped; the node's exit status."""
     from fedge.clients.device import DeviceOptions, run_device  # noqa: PLC0415
@@ -472,6 +493,9 @@ def run_gateway(options: GatewayOptions) -> int:
     from fedge.files import write_bytes_atomic  # noqa: PLC0415
 
     check_gateway(options)
+    before, after = raise_file_limit()
+    if after != before:
+        log.info("open-file limit raised from %d to %d (one per device connection)", before, after)
     state = ensure_private_dir(options.state_dir or Path.home() / ".fedge-gateway")
     token = secrets.token_urlsafe(32)
     token_file = state / CONTROL_TOKEN
