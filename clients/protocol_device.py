@@ -48,10 +48,12 @@ from fedge.clients.device_data import DeviceArrays, device_arrays
 from fedge.device_protocol import (
     COUNTER_HEADER,
     FRAME_TYPE,
+    GATEWAY_CN_PREFIX,
     MAC_HEADER,
     NONCE_BYTES,
     PREFIX,
     b64,
+    certified_gateway_name,
     check_in_message,
     decode_frame,
     encode_frame,
@@ -62,7 +64,7 @@ from fedge.device_protocol import (
     unb64,
 )
 from fedge.edge.bundle import FreshnessStore
-from fedge.edge.delivery import LINEAGE_PIN, _pin, pinned_lineage
+from fedge.edge.delivery import LINEAGE_PIN, pin_lineage, pinned_lineage
 from fedge.edge.signing import ensure_private_dir
 from fedge.edge.trainer import OnnxTrainer
 from fedge.edge.training_bundle import TrainingBundle, read_training_bundle
@@ -73,20 +75,9 @@ from fedge.secagg import ProtocolViolation
 
 PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
 log = logging.getLogger("fedge.protocol_device")
-# The subject CN `fedge keys add-gateway NAME` gives a gateway's TLS certificate (fedge.server.pki.add_gateway)
-GATEWAY_CN_PREFIX = "fedge gateway "
-
-
 def default_state_dir(name: str) -> Path:
     """``~/.fedge-protocol-device/NAME``: where device ``name`` keeps its graph, freshness records and lineage pin."""
     return Path.home() / ".fedge-protocol-device" / name
-
-
-def certified_gateway_name(common_name: str) -> str | None:
-    """The gateway name in a certificate's subject CN ``fedge gateway NAME``, or None when it names no gateway."""
-    if common_name.startswith(GATEWAY_CN_PREFIX) and len(common_name) > len(GATEWAY_CN_PREFIX):
-        return common_name[len(GATEWAY_CN_PREFIX):]
-    return None
 
 
 def _common_name(certificate: dict[str, Any]) -> str:
@@ -332,7 +323,7 @@ class ProtocolDevice:
         write_bytes_atomic(self.state_dir / "training.zip", body)  # 0600
         ensure_private_dir(self.freshness.directory.parent)
         self.freshness.record(bundle.manifest)
-        _pin(self.freshness.directory / LINEAGE_PIN, str(bundle.manifest["model_id"]))
+        pin_lineage(self.freshness.directory / LINEAGE_PIN, str(bundle.manifest["model_id"]))
         self._bundle, self._trainer, self._data = bundle, OnnxTrainer(bundle.train_onnx, bundle.eval_onnx,
                                                                       bundle.manifest), None
         return bundle, self._trainer

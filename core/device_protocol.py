@@ -66,6 +66,8 @@ COUNTER_HEADER = "x-fedge-counter"
 MAC_HEADER = "x-fedge-mac"
 # what a device's update says it holds
 ENCODINGS = ("fp32", "int8-delta")
+# the subject CN of a gateway's TLS certificate (`fedge keys add-gateway NAME`): the name devices sign at check-in
+GATEWAY_CN_PREFIX = "fedge gateway "
 
 
 @dataclass(frozen=True)
@@ -271,6 +273,13 @@ def from_int8_delta(tensors: Mapping[str, NDArray[np.generic]], scales: Mapping[
 
 
 # --------------------------------------------------------------------------- authentication
+def certified_gateway_name(common_name: str) -> str | None:
+    """The gateway name in a certificate's subject CN ``fedge gateway NAME``, or None when it names no gateway."""
+    if common_name.startswith(GATEWAY_CN_PREFIX) and len(common_name) > len(GATEWAY_CN_PREFIX):
+        return common_name[len(GATEWAY_CN_PREFIX):]
+    return None
+
+
 def check_in_message(*, device: str, gateway: str, issued_at: int, nonce: str) -> bytes:
     """What a device signs at check-in: who it is, which gateway it talks to, when, and a nonce."""
     return b"\n".join([CHECK_IN_CONTEXT, device.encode(), gateway.encode(), str(issued_at).encode(), nonce.encode()])

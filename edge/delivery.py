@@ -307,7 +307,7 @@ def pull(
         if manifest.get("model_id") is not None or manifest.get("version") is not None:
             store.record(manifest)
         if isinstance(manifest.get("model_id"), str):
-            _pin(store.directory / LINEAGE_PIN, manifest["model_id"])
+            pin_lineage(store.directory / LINEAGE_PIN, manifest["model_id"])
         version = manifest.get("version")
         return PullResult(kind, True, target, version if isinstance(version, int) else None, digest, size,
                           manifest.get("model_id"))
@@ -346,7 +346,8 @@ def _check_asked(kind: str, offered: str | None, asked: str | None) -> None:
                                       "that --model-id asks for")
 
 
-def _pin(pin: Path, model_id: str) -> None:
+def pin_lineage(pin: Path, model_id: str) -> None:
+    """Record ``model_id`` as the lineage this device follows (0600, in a 0700 folder)."""
     if pinned_lineage(pin) != model_id:
         ensure_private_dir(pin.parent)
         write_bytes_atomic(pin, (json.dumps({"model_id": model_id}) + "\n").encode())

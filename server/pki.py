@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedge.device_protocol import GATEWAY_CN_PREFIX
 from fedge.edge.signing import ensure_private_dir, write_public
 from fedge.errors import ConfigError
 
@@ -167,7 +168,7 @@ def add_gateway(directory: str | Path, name: str, *, hosts: list[str], days: int
     cert_path, key_path = folder / f"{name}.crt", folder / f"{name}.key"
     key = ec.generate_private_key(ec.SECP256R1())
     write_private(key_path, _pem(key), force=force)
-    write_public(cert_path, _server_certificate(ca_key, ca_name, key, f"fedge gateway {name}", hosts, days)
+    write_public(cert_path, _server_certificate(ca_key, ca_name, key, f"{GATEWAY_CN_PREFIX}{name}", hosts, days)
                  .public_bytes(serialization.Encoding.PEM))
     return cert_path, key_path
 
