@@ -40,6 +40,7 @@ import numpy as np
 
 from fedge.clients.gateway_pool import (
     AllowList,
+    DeviceBounds,
     GatewayRound,
     RoundResult,
     Sessions,
@@ -171,7 +172,8 @@ class Gateway:
         current = GatewayRound(kind=str(kind), server_round=int(header.get("server-round", 0)),
                                config=dict(header.get("config", {})), graph=str(header.get("graph", "")),
                                weights=frame_tensors, target=self.round_target(),
-                               max_num_examples=self.settings.max_num_examples)
+                               max_num_examples=self.settings.max_num_examples,
+                               bounds=DeviceBounds.of(dict(header.get("config", {}))))
         self.round = current
         log.info("round %d (%s): offered to this gateway's devices, waiting for %d results (deadline %.0f s)",
                  current.server_round, kind, current.target, self.settings.round_deadline_s)
@@ -183,8 +185,9 @@ class Gateway:
         if result is None:
             raise refused(504, f"round {current.server_round}: none of this gateway's devices answered within "
                                f"{self.settings.round_deadline_s:.0f} s ({len(self.sessions)} checked in)")
-        log.info("round %d (%s): %d device results (%d rejected), %d examples", current.server_round, kind,
-                 result.devices, result.rejected, result.num_examples)
+        log.info("round %d (%s): %d device results (%d rejected, %d clipped to the norm bound, %d weights capped), "
+                 "%d examples", current.server_round, kind, result.devices, result.rejected, result.clipped,
+                 result.capped, result.num_examples)
         return result
 
     def pool(self) -> dict[int, str]:
@@ -371,7 +374,8 @@ def control_app(gateway: Gateway, token: str) -> Any:
             return _json({"error": str(exc)}, exc.status)
         header = {"num-examples": result.num_examples, "metrics": result.metrics, "devices": result.devices,
                   "rejected": result.rejected, "samples-processed": result.samples_processed, "steps": result.steps,
-                  "secure-pool": result.devices if result.secure else 0}
+                  "secure-pool": result.devices if result.secure else 0, "gateway": gateway.settings.name,
+                  "clipped": result.clipped, "capped": result.capped}
         return Response(encode_frame(header, result.arrays), media_type=FRAME_TYPE)
 
     async def status(request: Any) -> Any:

@@ -35,12 +35,16 @@ def is_gateway(context: Context) -> bool:
     return CONTROL in context.node_config
 
 
+BOUND_KEYS = ("max-device-examples", "max-update-norm")  # the run's bounds on each device, sent with every round
+
+
 def _config_of(msg: Message, context: Context, config: RunConfig, kind: str) -> dict[str, Any]:
+    bounds = {key: config[key] for key in BOUND_KEYS}
     if kind != "train":
-        return {"seed": config.integer("seed")}
+        return {"seed": config.integer("seed"), **bounds}
     order = train_order(msg, context, config)
     chosen = {key: order.setting[key] for key in ORDER_KEYS}
-    return {**chosen, "proximal-mu": order.proximal_mu, "seed": config.integer("seed")}
+    return {**chosen, "proximal-mu": order.proximal_mu, "seed": config.integer("seed"), **bounds}
 
 
 def secure_settings(config: RunConfig) -> dict[str, float] | None:
@@ -49,7 +53,7 @@ def secure_settings(config: RunConfig) -> dict[str, float] | None:
         return None
     return {"threshold": config.number("secagg-threshold"), "neighbours": config.integer("secagg-neighbours"),
             "clip": config.number("secagg-clip"), "precision": config.number("secagg-precision"),
-            "bits": config.integer("secagg-bits"), "weight-clip": config.number("max-num-examples")}
+            "bits": config.integer("secagg-bits"), "weight-clip": config.number("max-device-examples")}
 
 
 def ask_gateway(context: Context, header: dict[str, Any], weights: dict[str, np.ndarray]) -> tuple[dict[str, Any],
@@ -90,7 +94,8 @@ def gateway_content(msg: Message, context: Context, config: RunConfig, kind: str
     meta = ConfigRecord({wire.SERVER_ROUND: server_round, wire.PROFILE: str(context.node_config.get("profile", "")),
                          wire.SAMPLES_PROCESSED: int(result["samples-processed"]),
                          wire.STEPS: max(1, int(result["steps"])), wire.AGGREGATE_OF: int(result["devices"]),
-                         wire.SECURE_POOL: int(result.get("secure-pool", 0))})
+                         wire.SECURE_POOL: int(result.get("secure-pool", 0)), wire.GATEWAY: str(result["gateway"]),
+                         wire.CLIPPED: int(result.get("clipped", 0)), wire.CAPPED: int(result.get("capped", 0))})
     reply_metrics = MetricRecord({wire.TRAIN_LOSS: metrics.get("train-loss", 0.0),
                                   wire.NUM_EXAMPLES: int(result["num-examples"])})
     return RecordDict({wire.ARRAYS: record, wire.METRICS: reply_metrics, wire.REPLY_META: meta})

@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from cryptography.exceptions import InvalidSignature
@@ -36,7 +36,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from numpy.typing import NDArray
 
-from fedge.aggregate import WeightedMeanAccumulator
+from fedge.aggregate import WeightedMeanAccumulator, clip_update
 from fedge.device_protocol import (
     CLOCK_SKEW_S,
     ENCODINGS,
@@ -53,6 +53,7 @@ from fedge.device_protocol import (
 )
 from fedge.errors import DeviceProtocolError, UpdateRejected
 from fedge.strategies.validation import check_arrays
+from fedge.work import max_local_steps, max_samples
 
 log = logging.getLogger("fedge.gateway")
 
@@ -89,7 +90,7 @@ class AllowList:
         self.refresh(force=True)
 
     def _current_stamps(self) -> dict[str, tuple[int, ...]]:
-        stamps = {}
+        stamps: dict[str, tuple[int, ...]] = {}
         with os.scandir(self.directory) as entries:
             for entry in entries:
                 if entry.name == "revoked" or entry.name.endswith(".pub"):
@@ -352,6 +353,52 @@ class RoundResult:
     devices: int
     rejected: int
     secure: bool = False  # the arrays are the unmasked sum of a secure-aggregation round over the pool
+    clipped: int = 0  # device updates clipped to the run's max-update-norm
+    capped: int = 0  # device weights capped at the run's max-device-examples
+
+
+@dataclass(frozen=True)
+class DeviceBounds:
+    """What bounds each device's result at its gateway: the run's, sent with every round.
+
+    ``max_device_examples`` caps a device's weight (a larger claim is capped and counted, not
+    refused: a device may really hold more); ``max_update_norm`` clips its update's L2 norm
+    (0: off); ``epochs`` and ``batch_size`` are the instruction's, which bound the steps and
+    samples a device may claim (as the coordinator bounds a reply's, :func:`fedge.work.max_local_steps`).
+    """
+
+    max_device_examples: int = 10_000
+    max_update_norm: float = 10.0
+    epochs: int | None = None
+    batch_size: int | None = None
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any]) -> DeviceBounds:
+        """The bounds in a round's config (what the coordinator's gateway bridge sends), defaults for the rest."""
+        def number(key: str, default: float) -> float:
+            value = config.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise refused(400, f"control: '{key}' must be a finite number >= 0, got {value!r:.20}")
+            return float(value)
+
+        epochs, batch = config.get("local-epochs"), config.get("batch-size")
+        return cls(max_device_examples=max(1, int(number("max-device-examples", cls.max_device_examples))),
+                   max_update_norm=number("max-update-norm", cls.max_update_norm),
+                   epochs=int(number("local-epochs", 1)) if epochs is not None else None,
+                   batch_size=max(1, int(number("batch-size", 1))) if batch is not None else None)
+
+    def steps_for(self, examples: int) -> int:
+        """The most local steps the instruction allows a device holding ``examples``."""
+        if self.epochs is None or self.batch_size is None:
+            return MAX_CLAIM
+        return max_local_steps(epochs=self.epochs, batch_size=self.batch_size, num_examples=examples)
+
+    def samples_for(self, examples: int) -> int:
+        """The most samples the instruction has a device holding ``examples`` process."""
+        return MAX_CLAIM if self.epochs is None else max_samples(epochs=self.epochs, num_examples=examples)
+
+
+MAX_CLAIM = 10**12
 
 
 def device_seed(run_seed: int, server_round: int, device: str) -> int:
@@ -370,16 +417,19 @@ class GatewayRound:
     """
 
     def __init__(self, *, kind: str, server_round: int, config: Mapping[str, Any], graph: str,
-                 weights: Mapping[str, NDArray[np.generic]], target: int, max_num_examples: int) -> None:
+                 weights: Mapping[str, NDArray[np.generic]], target: int, max_num_examples: int,
+                 bounds: DeviceBounds | None = None) -> None:
         self.task_id = secrets.token_hex(8)
         self.kind, self.server_round, self.graph = kind, server_round, graph
         self.config, self.weights, self.target = dict(config), dict(weights), max(1, target)
         self.spec = {name: (tuple(value.shape), str(value.dtype)) for name, value in weights.items()}
         self.tensors = frame_tensors(self.weights)  # encoded once, sent under each device's header
         self.max_num_examples = max_num_examples
+        self.bounds = bounds or DeviceBounds()
         self._sum = WeightedMeanAccumulator()
-        self._metric_sums: dict[str, float] = {}
+        self._metric_means: dict[str, float] = {}  # running float64 means, weighted by the devices' (capped) weights
         self._examples = self._samples = self._steps = self._devices = self._rejected = 0
+        self._clipped = self._capped = 0
         self._answered: set[str] = set()  # device names whose result is in the sum
         self._lock = threading.Lock()
         self.complete = threading.Event()
@@ -387,39 +437,79 @@ class GatewayRound:
         self.opened = time.monotonic()
 
     def accept(self, session: Session, frame: Frame, scales: Mapping[str, float]) -> None:
-        """Fold one device's result in; :class:`UpdateRejected` (logged, counted) if it is not valid."""
+        """Fold one device's result in; :class:`UpdateRejected` (logged, counted) if it is not valid.
+
+        Checked as the coordinator checks a reply (:class:`fedge.strategies.validation.ReplyValidator`):
+        names, shapes, dtypes and finiteness of the arrays, and the counts against the instruction's
+        budget: ``num-examples`` in [1, gateway's max-num-examples], ``steps`` and
+        ``samples-processed`` within what the instruction allows for that many examples. Then the
+        run's device bounds: the weight capped at ``max-device-examples`` and the update clipped to
+        ``max-update-norm`` (each counted); metric means must stay finite.
+        """
         header = frame.header
         if header.get("task") != self.task_id or header.get("kind") != self.kind:
             raise refused(409, "this result answers another task (the round it belonged to is over); "
                                "ask for the current one (GET /v1/task)")
         try:
-            examples = self._count(header, "num-examples", low=1, high=self.max_num_examples)
+            examples, weight, samples, steps = self._claims(header)
             metrics = self._metrics(header)
-            arrays = self._arrays(header, frame, scales) if self.kind == "train" else {}
-            samples = self._count(header, "samples-processed", low=0, high=10**12, default=examples)
-            steps = self._count(header, "steps", low=0, high=10**12, default=0)
+            arrays, clipped = self._arrays(header, frame, scales) if self.kind == "train" else ({}, False)
         except (UpdateRejected, DeviceProtocolError) as exc:
-            with self._lock:
-                self._rejected += 1
-            log.warning("round %d: rejected %s's %s result: %s", self.server_round, session.device, self.kind, exc)
-            raise refused(422, f"result rejected: {exc}") from None
+            self._reject(session, exc)
         with self._lock:
             if self.closed:
                 raise refused(409, "the round closed before this result arrived; it was not counted")
             if session.device in self._answered:  # by name: a device that checked in again (an app or page
                 # reloaded after sending) must not be counted twice
                 raise refused(409, "this device already answered this task")
-            if arrays:
-                self._sum.add(arrays, float(examples))
-            for name, value in metrics.items():
-                self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value * examples
-            self._examples += examples
-            self._samples += samples
-            self._steps = max(self._steps, steps)
-            self._devices += 1
-            self._answered.add(session.device)
-            if self._devices >= self.target:
-                self.complete.set()
+            means = self._folded_means(metrics, weight)
+            if means is None:
+                self._rejected += 1
+            else:
+                self._fold(session.device, arrays, weight, means, samples, steps)
+                self._clipped += clipped
+                self._capped += weight < examples
+        if means is None:
+            self._reject(session, UpdateRejected("its metrics make this round's metric means overflow"))
+
+    def _reject(self, session: Session, exc: Exception) -> NoReturn:
+        with self._lock:
+            self._rejected += 1
+        log.warning("round %d: rejected %s's %s result: %s", self.server_round, session.device, self.kind, exc)
+        raise refused(422, f"result rejected: {exc}") from None
+
+    def _claims(self, header: Mapping[str, Any]) -> tuple[int, int, int, int]:
+        """The device's example count, its (capped) weight, its samples and steps (within the instruction's budget)."""
+        examples = self._count(header, "num-examples", low=1, high=self.max_num_examples)
+        weight = min(examples, self.bounds.max_device_examples)
+        if self.kind != "train":
+            return examples, weight, 0, 0
+        samples = self._count(header, "samples-processed", low=0, high=self.bounds.samples_for(examples),
+                              default=examples)
+        steps = self._count(header, "steps", low=0, high=self.bounds.steps_for(examples), default=0)
+        return examples, weight, samples, steps
+
+    def _folded_means(self, metrics: Mapping[str, float], weight: int) -> dict[str, float] | None:
+        """The running metric means with this result folded in (float64), or None if one is not finite."""
+        total = self._examples + weight
+        means = dict(self._metric_means)
+        for name, value in metrics.items():
+            old = means.get(name, 0.0) if self._examples else 0.0
+            means[name] = old + (value - old) * (weight / total)
+        return means if all(math.isfinite(v) for v in means.values()) else None
+
+    def _fold(self, device: str, arrays: Mapping[str, NDArray[np.generic]], weight: int,
+              means: dict[str, float], samples: int, steps: int) -> None:
+        if arrays:
+            self._sum.add(arrays, float(weight))
+        self._metric_means = means
+        self._examples += weight
+        self._samples += samples
+        self._steps = max(self._steps, steps)
+        self._devices += 1
+        self._answered.add(device)
+        if self._devices >= self.target:
+            self.complete.set()
 
     @staticmethod
     def _count(header: Mapping[str, Any], key: str, *, low: int, high: int, default: int | None = None) -> int:
@@ -441,13 +531,15 @@ class GatewayRound:
         return values
 
     def _arrays(self, header: Mapping[str, Any], frame: Frame, scales: Mapping[str, float]
-                ) -> dict[str, NDArray[np.generic]]:
+                ) -> tuple[dict[str, NDArray[np.generic]], bool]:
+        """The device's trained weights, checked, with the update clipped to the run's norm bound."""
         encoding = header.get("encoding")
         if encoding not in ENCODINGS:
             raise UpdateRejected(f"'encoding' must be one of {', '.join(ENCODINGS)}, got {encoding!r:.20}")
         arrays = from_int8_delta(frame.tensors, scales, self.weights) if encoding == "int8-delta" else frame.tensors
         check_arrays(arrays, self.spec)
-        return dict(arrays)
+        bounded, _, clipped = clip_update(arrays, self.weights, self.bounds.max_update_norm)
+        return bounded, clipped
 
     def close(self) -> RoundResult | None:
         """End the round: its result, or ``None`` when no device answered."""
@@ -455,11 +547,11 @@ class GatewayRound:
             self.closed = True
             if self._devices == 0:
                 return None
-            means = {name: total / self._examples for name, total in self._metric_sums.items()}
             arrays = self._sum.result() if self.kind == "train" else {}
-            return RoundResult(kind=self.kind, arrays=arrays, num_examples=self._examples, metrics=means,
-                               samples_processed=self._samples, steps=self._steps, devices=self._devices,
-                               rejected=self._rejected)
+            return RoundResult(kind=self.kind, arrays=arrays, num_examples=self._examples,
+                               metrics=dict(self._metric_means), samples_processed=self._samples, steps=self._steps,
+                               devices=self._devices, rejected=self._rejected, clipped=self._clipped,
+                               capped=self._capped)
 
     def has_answered(self, device: str) -> bool:
         """Whether ``device``'s result is already in this round (under any session of it)."""

@@ -88,6 +88,40 @@ def c_contiguous(array: NDArray[np.generic]) -> NDArray[np.generic]:
     return array if array.flags.c_contiguous else np.array(array, order="C")
 
 
+def update_norm(trained: Arrays, reference: Arrays) -> float:
+    """The L2 norm of ``trained - reference`` over every floating-point tensor (in float64)."""
+    total = 0.0
+    for name, value in trained.items():
+        if np.issubdtype(np.asarray(value).dtype, np.floating):
+            delta = np.asarray(value, np.float64) - np.asarray(reference[name], np.float64)
+            total += float(np.dot(delta.ravel(), delta.ravel()))
+    return float(np.sqrt(total))
+
+
+def clip_update(trained: Arrays, reference: Arrays, bound: float) -> tuple[dict[str, NDArray[np.generic]], float, bool]:
+    """``trained`` with its update ``trained - reference`` scaled to an L2 norm of at most ``bound``.
+
+    The norm clipping of DP-FedAvg (McMahan et al., "Learning Differentially Private Recurrent
+    Language Models", ICLR 2018) used as a bound on influence (Sun et al., "Can You Really
+    Backdoor Federated Learning?", 2019): the update's direction is kept, its length capped.
+    Returns the (possibly clipped) arrays, the update's norm before clipping, and whether it was
+    clipped. ``bound`` 0 means no bound. Non-float tensors (counters) are left as they are.
+    """
+    norm = update_norm(trained, reference)
+    if bound <= 0 or norm <= bound:
+        return dict(trained), norm, False
+    scale = bound / norm
+    clipped = {}
+    for name, value in trained.items():
+        array = np.asarray(value)
+        if np.issubdtype(array.dtype, np.floating):
+            base = np.asarray(reference[name], np.float64)
+            clipped[name] = (base + (array.astype(np.float64) - base) * scale).astype(array.dtype)
+        else:
+            clipped[name] = array
+    return clipped, norm, True
+
+
 def weighted_mean(updates: Iterable[Arrays], weights: Iterable[float]) -> dict[str, NDArray[np.generic]]:
     """Weighted mean of a batch of updates (same result as the streaming accumulator)."""
     accumulator = WeightedMeanAccumulator()

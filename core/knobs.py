@@ -89,6 +89,14 @@ KNOBS: dict[str, Knob] = {
                  check=((lambda v: 0 <= v < 2**63), "in [0, 2**63) (numpy and torch refuse negative seeds)")),
     "max-num-examples": Knob(100000, "largest sample count one device may claim (caps its weight)", "strategies",
                              check=at_least(1)),
+    "max-device-examples": Knob(10000, "the device tier: largest weight one protocol device gets at its gateway or "
+                                "in a secure pool (a larger claim is capped, counted); a gateway's reply may claim "
+                                "aggregate-of times this", "strategies", check=at_least(1)),
+    "max-gateway-devices": Knob(10000, "the device tier: most devices one gateway's reply may stand for (its "
+                                "aggregate-of and secure-pool)", "strategies", check=at_least(1)),
+    "max-update-norm": Knob(10.0, "the device tier: L2 bound on each device's update (clipped at its gateway) and on "
+                            "each gateway's update (clipped at the coordinator), counted; 0: off", "strategies",
+                            check=at_least(0)),
     "min-train-replies": Knob(2, "accepted updates needed to change the model", "strategies", check=at_least(1)),
     "round-timeout": Knob(600.0, "seconds a round waits for replies (and for devices to connect)", "strategies",
                           check=above(0)),

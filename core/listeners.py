@@ -205,11 +205,11 @@ def guarded_protocol(limits: ListenerLimits, tls: ssl.SSLContext | None = None) 
 
     With ``tls``, the class accepts the connection, counts it, then runs the TLS handshake
     itself (:class:`TlsAcceptor`)."""
-    inner = type("GuardedH11", (_guarded_base(),), {"limits": limits, "by_address": Counter()})
+    counts: Counter[str] = Counter()
+    inner = type("GuardedH11", (_guarded_base(),), {"limits": limits, "by_address": counts})
     if tls is None:
         return inner
-    return type("GuardedTls", (TlsAcceptor,), {"limits": limits, "by_address": inner.by_address, "inner": inner,
-                                               "context": tls})
+    return type("GuardedTls", (TlsAcceptor,), {"limits": limits, "by_address": counts, "inner": inner, "context": tls})
 
 
 HANDSHAKES: set[asyncio.Task[None]] = set()

@@ -41,6 +41,11 @@ AGGREGATE_OF = "aggregate-of"
 # ... and, when its pool ran secure aggregation (fedge.clients.gateway_secure), how many devices'
 # masked inputs the unmasked sum holds: the coordinator under secure-aggregation takes no other reply
 SECURE_POOL = "secure-pool"
+# ... its name (the one its TLS certificate and its devices' check-ins carry: one node per name), and how
+# many of its devices' updates it clipped to max-update-norm and whose weight it capped at max-device-examples
+GATEWAY = "gateway"
+CLIPPED = "clipped"
+CAPPED = "capped"
 EVAL_PREFIX = "eval-"  # a device's evaluation reply names each task metric "eval-<metric>"
 # the architecture hash of the run's signed training graph (onnx devices check theirs matches)
 TRAINING_GRAPH = "training-graph"
@@ -97,6 +102,14 @@ class ReplyMeta:
     inputs: str | None = None  # INPUT_VERDICTS, or None: inputs as the model takes them
     aggregate_of: int | None = None  # a gateway's reply: the devices behind its mean
     secure_pool: int | None = None  # a gateway's secure pool sum: the devices whose masked inputs it holds
+    gateway: str | None = None  # a gateway's reply: its name
+    clipped: int = 0  # a gateway's reply: its devices' updates it clipped to the run's norm bound
+    capped: int = 0  # ... and whose weight it capped at max-device-examples
+
+    @property
+    def pooled(self) -> bool:
+        """Whether the reply stands for several devices (a gateway's mean or secure pool sum)."""
+        return (self.aggregate_of or 1) > 1 or (self.secure_pool or 0) > 0
 
 
 def _count(record: ConfigRecord, key: str, *, low: int) -> int | None:
@@ -128,11 +141,16 @@ def read_reply_meta(content: RecordDict) -> ReplyMeta | None:
     inputs = record.get(INPUTS)
     if inputs is not None and (not isinstance(inputs, str) or inputs not in INPUT_VERDICTS):
         raise UpdateRejected(f"reply meta '{INPUTS}' must be one of {', '.join(INPUT_VERDICTS)}, got {inputs!r:.40}")
+    gateway = record.get(GATEWAY)
+    if gateway is not None and (not isinstance(gateway, str) or not PROFILE_NAME.match(gateway)):
+        raise UpdateRejected(f"reply meta '{GATEWAY}' must be 1-64 letters, digits, '.', '_' or '-', "
+                             f"got {gateway!r:.40}")
     return ReplyMeta(server_round=_count(record, SERVER_ROUND, low=0), profile=profile,
                      samples_processed=_count(record, SAMPLES_PROCESSED, low=0) or 0,
                      steps=_count(record, STEPS, low=1), inputs=inputs,
                      aggregate_of=_count(record, AGGREGATE_OF, low=1),
-                     secure_pool=_count(record, SECURE_POOL, low=0))
+                     secure_pool=_count(record, SECURE_POOL, low=0), gateway=gateway,
+                     clipped=_count(record, CLIPPED, low=0) or 0, capped=_count(record, CAPPED, low=0) or 0)
 
 
 def read_reply_meta_or_none(content: RecordDict) -> ReplyMeta | None:

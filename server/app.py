@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,11 +38,12 @@ from fedge.strategies.fedavg import DownlinkLayer, PrivacyLayer
 from fedge.strategies.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
 from fedge.strategies.selection import OortSelector, RandomSelector
 from fedge.strategies.submodels import SubModels
-from fedge.strategies.validation import ReplyValidator
+from fedge.strategies.validation import DeviceTierBounds, ReplyValidator
 from fedge.task.api import Task, seeded_model
 from fedge.task.models import load_arrays, model_arrays
 from fedge.tasks import check_task, load_task
 from fedge.widths import as_fraction
+from fedge.work import max_local_steps
 
 if TYPE_CHECKING:
     pass
@@ -104,7 +104,8 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_na
         validator=ReplyValidator(max_num_examples=config.integer("max-num-examples"),
                                  max_local_steps=local_step_limit(config),
                                  accepts_aggregates=bool(config["gateways"]),
-                                 secure_pool=MIN_DEVICES if config["gateways"] and config["secure-aggregation"] else 0),
+                                 secure_pool=MIN_DEVICES if config["gateways"] and config["secure-aggregation"] else 0,
+                                 device_tier=device_tier_bounds(config)),
         selector=build_selector(config),
         min_train_replies=min(config.integer("min-train-replies"), per_round),
         wait_for_nodes_s=config.number("round-timeout"),
@@ -153,6 +154,13 @@ def check_hierarchical(config: RunConfig, strategy: FedAvg) -> None:
                               f"({where})")
 
 
+def device_tier_bounds(config: RunConfig) -> DeviceTierBounds:
+    """What bounds a gateway's reply: the devices it may stand for, their weight cap, the update norm."""
+    return DeviceTierBounds(max_device_examples=config.integer("max-device-examples"),
+                            max_gateway_devices=config.integer("max-gateway-devices"),
+                            max_update_norm=config.number("max-update-norm"))
+
+
 def local_step_limit(config: RunConfig) -> Callable[[int], int]:
     """The most local SGD steps a round's instruction allows a device holding ``n`` examples.
 
@@ -167,7 +175,7 @@ def local_step_limit(config: RunConfig) -> Callable[[int], int]:
         steps = time_budget_steps(config.number("time-budget-s"), fastest, batch)
         return lambda n: steps
     epochs = config.integer("local-epochs")
-    return lambda n: epochs * math.ceil(n / batch)
+    return lambda n: max_local_steps(epochs=epochs, batch_size=batch, num_examples=n)
 
 
 def secure_options(config: RunConfig, selected: int) -> dict[str, Any]:

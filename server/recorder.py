@@ -93,6 +93,9 @@ class RoundRecorder:
             "late": report.late if report else 0,
             "inputs_raw": report.inputs_raw if report else 0,
             "inputs_outside": report.inputs_outside if report else 0,
+            "clipped_gateways": report.clipped_gateways if report else 0,
+            "clipped_devices": report.clipped_devices if report else 0,
+            "capped_devices": report.capped_devices if report else 0,
             "train_loss": report.train_loss if report else None,
             "aggregated": report.aggregated if report else False,
         }

@@ -408,6 +408,7 @@ class FedAvg(FlowerFedAvg):
                 else:
                     report.accepted += 1
                     self._count_inputs(report, verdict)
+                    self._count_bounds(report, verdict)
                     update = _update_of(verdict, uniform=self.privacy is not None)  # DP: the uniform mean
                     if self.submodels is not None:
                         update.window = self.submodels.windows.get(verdict.node_id)
@@ -417,6 +418,10 @@ class FedAvg(FlowerFedAvg):
                     yield update
 
         aggregate = self.aggregate(accepted())
+        if report.clipped_gateways or report.clipped_devices or report.capped_devices:
+            log.warning("round %d: bounds applied: %d gateway update(s) clipped to max-update-norm here; gateways "
+                        "clipped %d device update(s) and capped %d device weight(s) at max-device-examples",
+                        server_round, report.clipped_gateways, report.clipped_devices, report.capped_devices)
         if report.inputs_outside:
             log.warning("round %d: %d of %d accepted updates come from devices whose inputs fall outside the task's "
                         "declared range (their logs name the file): check those devices' data (units, scaling)",
@@ -461,6 +466,14 @@ class FedAvg(FlowerFedAvg):
                                    "call configure_train before aggregate_train")
         replies = list(replies)
         return replies, _shared_arrays(replies)
+
+    @staticmethod
+    def _count_bounds(report: RoundReport, update: AcceptedUpdate) -> None:
+        """What the device tier's bounds did to this update (its gateway's counts, and the coordinator's clip)."""
+        report.clipped_gateways += update.clipped
+        if update.meta is not None:
+            report.clipped_devices += update.meta.clipped
+            report.capped_devices += update.meta.capped
 
     @staticmethod
     def _count_inputs(report: RoundReport, update: AcceptedUpdate) -> None:

@@ -24,6 +24,7 @@ from flwr.common.constant import ErrorCode
 from numpy.typing import NDArray
 
 from fedge import wire
+from fedge.aggregate import clip_update
 from fedge.codec import decode_update, is_encoded
 from fedge.errors import UpdateRejected
 from fedge.npy import read_npy_header
@@ -52,6 +53,18 @@ class AcceptedUpdate:
     weight: float
     content: RecordDict
     meta: wire.ReplyMeta | None = None
+    clipped: bool = False  # a gateway's update, clipped to max-update-norm here
+
+
+@dataclass(frozen=True)
+class DeviceTierBounds:
+    """What bounds a gateway's reply (security round 3): it stands for at most ``max_gateway_devices``
+    devices, each weighted at most ``max_device_examples``, and its update is clipped to an L2 norm
+    of ``max_update_norm`` (0: not clipped), as its gateway clipped each device's."""
+
+    max_device_examples: int = 10_000
+    max_gateway_devices: int = 10_000
+    max_update_norm: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,7 @@ class CheckedReply:
     weight: float
     meta: wire.ReplyMeta | None
     metrics: wire.TrainMetrics
+    clipped: bool = False
 
 
 class ReplyValidator:
@@ -131,11 +145,19 @@ class ReplyValidator:
         When above 0, take only a gateway's unmasked secure-aggregation sum over at least this
         many devices (``secure-pool`` in the meta): under ``secure-aggregation`` with gateways
         no reply may be one device's update in the clear.
+    device_tier : DeviceTierBounds
+        What bounds a gateway's reply (``aggregate-of`` or ``secure-pool`` in its meta): the
+        devices it may stand for, their weight (its ``num-examples`` is at most that many times
+        ``max_device_examples``, not ``max_num_examples``) and its update's norm (clipped,
+        logged, counted). Two nodes claiming one gateway name are refused (the second named).
     """
 
     def __init__(self, *, max_num_examples: int = 100_000, require_round_tag: bool = True,
                  max_local_steps: StepLimit | None = None, weight_key: str = wire.NUM_EXAMPLES,
-                 accepts_aggregates: bool = True, secure_pool: int = 0) -> None:
+                 accepts_aggregates: bool = True, secure_pool: int = 0,
+                 device_tier: DeviceTierBounds | None = None) -> None:
+        self.device_tier = device_tier or DeviceTierBounds()
+        self.gateway_nodes: dict[str, int] = {}  # gateway name -> the node that first replied under it
         self.max_num_examples = max_num_examples
         self.secure_pool = secure_pool
         self.accepts_aggregates = accepts_aggregates
@@ -153,7 +175,7 @@ class ReplyValidator:
 
     def read(
         self, content: RecordDict, *, server_round: int, spec: ArraySpec,
-        reference: Mapping[str, NDArray[np.generic]] | None = None,
+        reference: Mapping[str, NDArray[np.generic]] | None = None, node_id: int | None = None,
     ) -> CheckedReply:
         """Validate every field of one reply: arrays, metrics and fedge's meta.
 
@@ -182,12 +204,53 @@ class ReplyValidator:
             raise UpdateRejected(f"secure-aggregation over gateways takes only a gateway's unmasked sum over at least "
                                  f"{self.secure_pool} devices ('{wire.SECURE_POOL}' in the meta), and this reply is "
                                  f"{what} in the clear: connect devices through fedge gateways")
-        metrics = wire.read_train_metrics(content, max_num_examples=self.max_num_examples, weight_key=self.weight_key)
+        pooled = meta is not None and meta.pooled
+        if pooled:
+            assert meta is not None
+            self._check_gateway(meta, node_id)
+        limit = self._pool_weight_limit(meta) if pooled else self.max_num_examples
+        metrics = wire.read_train_metrics(content, max_num_examples=limit, weight_key=self.weight_key)
         self._check_steps(meta, metrics.num_examples)
         record = next(iter(content.array_records.values()))
         arrays = decode_update(record, reference) if is_encoded(record) else decode_arrays(record, spec)
         check_arrays(arrays, spec)
-        return CheckedReply(arrays, float(metrics.num_examples), meta, metrics)
+        clipped = False
+        if pooled and reference is not None:
+            arrays, clipped = self._bound_gateway(arrays, reference, meta, node_id, server_round)
+        return CheckedReply(arrays, float(metrics.num_examples), meta, metrics, clipped)
+
+    def _check_gateway(self, meta: wire.ReplyMeta, node_id: int | None) -> None:
+        """A pooled reply stands for at most max-gateway-devices devices, under a name no other node uses."""
+        devices = max(meta.aggregate_of or 1, meta.secure_pool or 0)
+        if devices > self.device_tier.max_gateway_devices:
+            raise UpdateRejected(f"this gateway's reply claims {devices} devices, more than max-gateway-devices = "
+                                 f"{self.device_tier.max_gateway_devices} (raise it if one gateway serves more)")
+        if meta.gateway is None or node_id is None:
+            return
+        holder = self.gateway_nodes.setdefault(meta.gateway, node_id)
+        if holder != node_id:
+            raise UpdateRejected(f"gateway name '{meta.gateway}' is used by node {holder} already; each gateway needs "
+                                 "its own name and certificate (`fedge keys add-gateway NAME`), so this reply from "
+                                 f"node {node_id} is refused")
+
+    def _pool_weight_limit(self, meta: wire.ReplyMeta | None) -> int:
+        """The weight a pooled reply may claim: its devices times max-device-examples."""
+        devices = 1 if meta is None else max(meta.aggregate_of or 1, meta.secure_pool or 0)
+        return devices * self.device_tier.max_device_examples
+
+    def _bound_gateway(self, arrays: dict[str, NDArray[np.generic]], reference: Mapping[str, NDArray[np.generic]],
+                       meta: wire.ReplyMeta | None, node_id: int | None,
+                       server_round: int) -> tuple[dict[str, NDArray[np.generic]], bool]:
+        """A gateway's update, clipped to max-update-norm; its norm logged either way."""
+        bound = self.device_tier.max_update_norm
+        bounded, norm, clipped = clip_update(arrays, reference, bound)
+        name = meta.gateway if meta is not None and meta.gateway else f"node {node_id}"
+        if clipped:
+            log.warning("round %d: gateway %s's update has norm %.4g, clipped to max-update-norm %g", server_round,
+                        name, norm, bound)
+        else:
+            log.info("round %d: gateway %s's update has norm %.4g", server_round, name, norm)
+        return bounded, clipped
 
     def _check_round(self, meta: wire.ReplyMeta | None, server_round: int) -> None:
         if meta is None:
@@ -229,13 +292,15 @@ class ReplyValidator:
                 checked_against[id(sent)] = (spec_of(sent), DecodedOnUse(sent), sent)
             spec, weights, _ = checked_against[id(sent)]
             try:
-                checked = self.read(message.content, server_round=server_round, spec=spec, reference=weights)
+                checked = self.read(message.content, server_round=server_round, spec=spec, reference=weights,
+                                    node_id=node_id)
             except UpdateRejected as exc:
                 log.warning("round %d: rejected update from node %d: %s",
                             server_round, node_id, exc.reason)
                 yield Rejection(node_id, exc.reason)
                 continue
-            yield AcceptedUpdate(node_id, checked.arrays, checked.weight, message.content, checked.meta)
+            yield AcceptedUpdate(node_id, checked.arrays, checked.weight, message.content, checked.meta,
+                                 checked.clipped)
 
 
 def decode_arrays(record: ArrayRecord, spec: ArraySpec) -> dict[str, NDArray[np.generic]]:

@@ -31,6 +31,9 @@ class RoundReport:
     epsilon: float | None = None  # DP: privacy spent after this round
     inputs_raw: int = 0  # accepted updates whose device preprocessed raw inputs of its own (fedge.preprocessing)
     inputs_outside: int = 0  # ... whose device's inputs fall outside the task's declared range
+    clipped_gateways: int = 0  # gateways' updates clipped to max-update-norm by the coordinator
+    clipped_devices: int = 0  # devices' updates their gateways clipped to max-update-norm
+    capped_devices: int = 0  # devices whose weight their gateways capped at max-device-examples
 
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
