@@ -64,6 +64,7 @@ from fedge.device_protocol import (
     SESSION_HEADER,
     VERSION,
     assemble_frame,
+    certified_gateway_name,
     decode_frame,
     encode_frame,
     read_json,
@@ -467,6 +468,29 @@ def check_gateway(options: GatewayOptions) -> None:
         if path is None or not path.is_file():
             raise ConfigError(f"{what} is needed: the gateway serves its devices over TLS (a certificate its devices' "
                               "CA signed, e.g. `fedge keys init --host NAME`); --insecure only for a throwaway test")
+    assert options.cert is not None
+    check_certificate_name(options.cert, options.settings.name)
+
+
+def check_certificate_name(cert: Path, name: str) -> None:
+    """Refuse a gateway whose ``--name`` is not the one its TLS certificate carries.
+
+    Devices sign the certificate's gateway name at check-in (so a check-in cannot be relayed
+    to another gateway); a gateway announcing another name would refuse every one of them.
+    """
+    from cryptography import x509  # noqa: PLC0415
+
+    try:
+        certificate = x509.load_pem_x509_certificate(cert.read_bytes())
+    except ValueError:
+        raise ConfigError(f"--cert {cert} is not a PEM certificate") from None
+    names = certificate.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+    certified = certified_gateway_name(str(names[0].value)) if len(names) == 1 else None
+    if certified != name:
+        held = f"names gateway '{certified}'" if certified else "names no fedge gateway"
+        raise ConfigError(f"--cert {cert} {held}, but this gateway runs as --name '{name}': devices sign the name "
+                          "their TLS connection certifies, so make its certificate with "
+                          f"`fedge keys add-gateway {name}` (or start it with the certificate's name)")
 
 
 def raise_file_limit() -> tuple[int, int]:
