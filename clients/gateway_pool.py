@@ -293,7 +293,7 @@ class Sessions:
             self.end(session)
             raise refused(401, f"device '{session.device}''s key was replaced or removed from the allow-list since it "
                                "checked in; this session is over: check in again (with the key the operator admitted)")
-        if counter is None or not counter.isdigit() or len(counter) > 18 or mac is None:
+        if counter is None or not (counter.isascii() and counter.isdigit()) or len(counter) > 18 or mac is None:
             raise refused(401, "an authenticated request needs X-Fedge-Counter (a whole number) and X-Fedge-Mac")
         number = int(counter)
         if number <= session.counter:

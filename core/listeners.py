@@ -259,6 +259,7 @@ class TlsAcceptor(asyncio.Protocol):
         if secured is None or secured.is_closing():
             self._release()
             return
+        _shrink_read_buffer(secured)
         http = self.inner(**self._kwargs)
         http.counted_at_accept = True
         http.connection_made(secured)
@@ -295,6 +296,23 @@ class TlsAcceptor(asyncio.Protocol):
     def resume_writing(self) -> None:  # noqa: D102
         if self._http is not None:
             self._http.resume_writing()
+
+
+TLS_READ_BUFFER = 17 * 1024  # one TLS record (16 KiB of plaintext) and its overhead
+
+
+def _shrink_read_buffer(transport: Any) -> None:
+    """Give a connection's TLS layer a one-record read buffer instead of asyncio's 256 KiB.
+
+    asyncio's ``SSLProtocol`` allocates 256 KiB per connection for reads; kept for a
+    connection's life, that is 64 MiB for one address's 256 connections. One TLS record is all
+    a read can return. Private attributes of CPython's asyncio, so only where they exist.
+    """
+    protocol = getattr(transport, "_ssl_protocol", None)
+    if protocol is not None and hasattr(protocol, "_ssl_buffer") and hasattr(protocol, "_ssl_buffer_view"):
+        protocol.max_size = TLS_READ_BUFFER
+        protocol._ssl_buffer = bytearray(TLS_READ_BUFFER)
+        protocol._ssl_buffer_view = memoryview(protocol._ssl_buffer)
 
 
 def server_tls(cert: str | Path, key: str | Path) -> ssl.SSLContext:
