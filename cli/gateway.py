@@ -44,6 +44,8 @@ def _start_options(start: argparse.ArgumentParser) -> None:
     start.add_argument("--round-deadline", type=float, default=120.0, help="seconds a round waits for its devices")
     start.add_argument("--poll-interval", type=float, default=10.0, help="seconds idle devices are told to wait")
     start.add_argument("--max-in-flight", type=int, default=512, help="requests in progress before 503 + Retry-After")
+    start.add_argument("--max-per-address", type=int, default=32,
+                       help="requests in progress one client address may hold (default 32)")
     start.add_argument("--max-num-examples", type=int, default=100_000, help="largest example count one device claims")
     start.add_argument("--uplink", default="fp32", choices=("fp32", "int8-delta"), help="what devices send")
     start.add_argument("--bundles", default="", help="HOST:PORT of the coordinator's bundle service")
@@ -69,7 +71,8 @@ def _start(args: argparse.Namespace) -> int:
 
     settings = GatewaySettings(name=args.name, devices_per_round=args.devices_per_round, min_devices=args.min_devices,
                                round_deadline_s=args.round_deadline, idle_poll_s=args.poll_interval,
-                               max_in_flight=args.max_in_flight, max_num_examples=args.max_num_examples,
+                               max_in_flight=args.max_in_flight, max_per_address=args.max_per_address,
+                               max_num_examples=args.max_num_examples,
                                uplink=args.uplink)
     return run_gateway(GatewayOptions(coordinator=args.coordinator, devices=args.devices, key=args.key, ca=args.ca,
                                       trust=args.trust, cert=args.cert, cert_key=args.cert_key, host=args.host,
