@@ -22,12 +22,12 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 
 from fedge import wire
 from fedge.aggregate import update_norm, weighted_mean
-from fedge.clients.gateway import GatewaySettings
+from fedge.clients.gateway import GatewaySettings, check_certificate_name
 from fedge.clients.gateway_bridge import secure_settings
 from fedge.clients.protocol_device import ProtocolDevice
 from fedge.config import resolve_run_config
 from fedge.device_protocol import PREFIX, decode_frame, encode_frame
-from fedge.errors import UpdateRejected
+from fedge.errors import ConfigError, UpdateRejected
 from fedge.server.app import build_strategy
 from fedge.strategies.validation import DecodedOnUse, spec_of
 from tests.live_gateway import LiveGateway
@@ -255,3 +255,12 @@ def test_a_pool_device_claiming_99000_examples_is_held_to_max_device_examples(fo
     honest = header["num-examples"] - 10_000
     assert secure["weight-clip"] == 10_000 and header["secure-pool"] == 4
     assert 0 < honest < 3 * 2_000 and header["num-examples"] <= 4 * 10_000
+
+
+def test_a_gateway_refuses_to_start_under_a_name_its_certificate_does_not_carry(run: dict[str, Any]) -> None:
+    # Prepare: the certificate `fedge keys add-gateway gw-test` made
+    cert = run["gateway-cert"][0]
+    # Execute / Assert: its own name starts; another is refused, naming both and the fix
+    check_certificate_name(cert, "gw-test")
+    with pytest.raises(ConfigError, match=re.escape("names gateway 'gw-test', but this gateway runs as --name 'gw-b'")):
+        check_certificate_name(cert, "gw-b")
