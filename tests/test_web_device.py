@@ -10,6 +10,7 @@ under ``.cache/ortweb`` (``make test`` installs both); skipped with the reason o
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import threading
@@ -27,8 +28,9 @@ from google.protobuf.internal import encoder
 from fedge.batching import batch_order
 from fedge.clients.gateway import GatewaySettings, Served, device_app
 from fedge.clients.gateway_pool import device_seed
-from fedge.clients.gateway_web import WebSite
+from fedge.clients.gateway_web import WebSite, web_routes
 from fedge.config import resolve_run_config
+from fedge.device_protocol import COUNTER_HEADER, MAC_HEADER, SESSION_HEADER
 from fedge.edge.trainer import OnnxTrainer
 from fedge.edge.training_bundle import architecture_of, pack_training_bundle, read_training_bundle
 from fedge.errors import FedgeError
@@ -36,7 +38,8 @@ from fedge.listeners import ListenerLimits
 from fedge.server.bundles import run_signing_key
 from fedge.web import ORT_FILES
 from tests.live_gateway import LiveGateway
-from tests.tiny_bundles import tiny_bundle, write_zip
+from tests.ort_polyglot import HIDDEN_SCALE, hidden_ort_model, polyglot
+from tests.tiny_bundles import MODEL_ID, tiny_bundle, tiny_model, write_zip
 
 ROOT = Path(__file__).resolve().parent.parent
 ORT_DIST = ROOT / os.environ.get("FEDGE_ORTWEB_DIR", ".cache/ortweb") / "node_modules" / "onnxruntime-web" / "dist"
@@ -65,9 +68,17 @@ class WebGateway(LiveGateway):
         if bundle is not None:
             self.gateway.training_bundle = bundle
         site = WebSite(ort=ORT_DIST, bundle_key=run["trust"], data=data)
-        self.devices = Served(device_app(self.gateway, web=site), "127.0.0.1", 0, limits=ListenerLimits(per_address=64),
+        app = device_app(self.gateway)
+        app.router.routes.extend(web_routes(site, authenticate=self.authenticate))
+        self.devices = Served(app, "127.0.0.1", 0, limits=ListenerLimits(per_address=64),
                               cert=run["gateway-cert"][0], cert_key=run["gateway-cert"][1])
         self.url = f"https://127.0.0.1:{self.devices.port}"
+
+    def authenticate(self, request: Any, body: bytes) -> Any:
+        """The session of a request signed with its session MAC, as the gateway's /v1 routes find it."""
+        return self.gateway.sessions.authenticate(
+            authorization=request.headers.get(SESSION_HEADER), counter=request.headers.get(COUNTER_HEADER),
+            mac=request.headers.get(MAC_HEADER), method=request.method, path=request.url.path, body=body)
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +269,18 @@ def _repeated_domain(model: Any) -> bytes:
     return bytes(shell.SerializeToString() + _field(7, graph))
 
 
+@functools.cache
+def _hidden_ort() -> bytes:
+    return hidden_ort_model()
+
+
+def _ort_polyglot(model: Any) -> bytes:
+    """The graph over an ORT-format model onnxruntime would run instead (tests/ort_polyglot.py)."""
+    return polyglot(model.SerializeToString(), _hidden_ort())
+
+
 @pytest.mark.parametrize(("case", "change", "reason"), [
+    ("an ORT-format polyglot", _ort_polyglot, "is an ORT-format model (file identifier 'ORTM' at byte 4)"),
     ("an initializer read from a device file", _external_data, "keeps tensor data outside the model"),
     ("a contrib op", _custom_domain, "of domain com.microsoft"),
     ("an op the manifest does not list", _unlisted_op, 'uses ops ["Identity"] its signed manifest does not list'),
@@ -332,4 +354,139 @@ def test_the_browser_predicts_with_the_signed_inference_bundle_and_refuses_a_rol
     expected = np.array([[1, 0, 0, 0], [0.5, -1, 2, 0]], np.float32) @ (np.arange(12, dtype=np.float32).reshape(4, 3))
     assert newest.get("version") == 5 and newest["dims"] == [2, 3], newest
     assert np.allclose(np.array(newest["data"]).reshape(2, 3), expected, atol=1e-5)
-    assert "version 3 of run-1/mlp-digits, older than version 5 this device accepted: a rollback" in older["error"]
+    assert "inference bundle refused: it is version 3 of run-1/mlp-digits, older than version 5 this device " \
+           "accepted: a rollback" in older["error"]
+
+
+# --------------------------------------------------------------------------- issue 38: the browser's bundle checks
+X = np.array([[1, 0, 0, 0], [0.5, -1, 2, 0]], np.float32)
+VISIBLE = X @ np.arange(12, dtype=np.float32).reshape(4, 3)  # the tiny model's Gemm, what the graph check reads
+HIDDEN = X @ (np.arange(12, dtype=np.float32).reshape(4, 3) * HIDDEN_SCALE)  # what the ORT-format reading runs
+
+BUNDLE = """
+const [kind, options, done] = arguments;
+(async () => {
+  const {FedgeDevice} = await import("./fedge-device.js");
+  const device = new FedgeDevice({gateway: location.origin, name: "browser0", data: null,
+      bundleKeyPem: await (await fetch("bundle-key.pem")).text(), ortBase: new URL("ort/", location.href).href,
+      ...options});
+  const manifest = kind === "training" ? (await device.ready(), device.manifest) : await device.model();
+  done({model_id: manifest.model_id, version: manifest.version});
+})().catch((error) => done({error: String(error.message || error)}));
+"""
+
+WORKER = """
+const [model, input, done] = arguments;
+const worker = new Worker("worker.js");
+worker.onerror = (event) => done({error: "the worker failed: " + String(event.message || event)});
+let id = 0;
+const call = (message) => new Promise((resolve, reject) => {
+  worker.onmessage = (e) => e.data.error ? reject(new Error(e.data.error)) : resolve(e.data);
+  worker.postMessage({...message, id: ++id});
+});
+const bytes = Uint8Array.from(atob(model), (c) => c.charCodeAt(0));
+call({type: "model", ortBase: new URL("ort/", location.href).href, model: bytes})
+  .then(() => call({type: "infer", input: "input", dtype: "float32", data: new Float32Array(input), dims: [2, 4]}))
+  .then((answer) => done({data: Array.from(answer.output.data)}))
+  .catch((error) => done({error: String(error.message || error)}));
+"""
+
+
+def _pulls(chromium: Any, gateway: WebGateway, kind: str, served: list[tuple[Path, dict[str, Any]]]
+           ) -> list[dict[str, Any]]:
+    """The tab (device browser0, admitted) takes a ``kind`` bundle each time the gateway serves the next one
+    (a new FedgeDevice each time: a page reload keeps only localStorage); what each take gave."""
+    _open_device(chromium, gateway, "browser0")
+    taken = []
+    for path, options in served:
+        setattr(gateway.gateway, f"{kind}_bundle", path)
+        taken.append(dict(chromium.execute_async_script(BUNDLE, kind, options)))
+    return taken
+
+
+def test_the_browser_refuses_an_ort_format_polyglot_inference_model(tmp_path: Path, run: dict[str, Any],
+                                                                     chromium: Any) -> None:
+    # Prepare: the coordinator's key signs a model that is the tiny Gemm to the graph walk and a com.microsoft
+    # graph to onnxruntime (ORT format, "ORTM" at byte 4)
+    key = run_signing_key(resolve_run_config(run["config"]), Path(run["config"]["run-dir"]))
+    files = tiny_bundle(key, models={"model.onnx": polyglot(tiny_model(), _hidden_ort()),
+                                     "model.int8.onnx": tiny_model()})
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test"))
+    try:
+        # Execute
+        (taken,) = _pulls(chromium, gateway, "inference", [(write_zip(files.items(), tmp_path / "poly.zip"), {})])
+    finally:
+        gateway.close()
+    # Assert: refused by name, naming the inference bundle
+    assert "inference bundle refused: model.onnx is an ORT-format model (file identifier 'ORTM' at byte 4)" \
+        in taken.get("error", ""), taken
+
+
+def test_the_worker_runs_the_onnx_reading_of_a_polyglot(tmp_path: Path, run: dict[str, Any], chromium: Any) -> None:
+    # Prepare: the polyglot handed straight to the worker, as if it had passed the checks
+    data = polyglot(tiny_model(), _hidden_ort())
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test"))
+    try:
+        chromium.get(f"{gateway.url}/web/demo.html?name=worker")
+        # Execute: the worker's session runs it
+        answer = chromium.execute_async_script(WORKER, base64.b64encode(data).decode(), X.ravel().tolist())
+    finally:
+        gateway.close()
+    # Assert: onnxruntime-web ran the ONNX graph that was checked (before: the hidden one, x @ 100 W)
+    assert "data" in answer, answer
+    assert np.allclose(np.array(answer["data"]).reshape(2, 3), VISIBLE), answer
+
+
+def test_the_browser_follows_one_inference_lineage_unless_the_app_names_another(
+        tmp_path: Path, run: dict[str, Any], chromium: Any) -> None:
+    # Prepare: version 5 of this run's model, then version 9 of another run's model, signed by the same key
+    key = run_signing_key(resolve_run_config(run["config"]), Path(run["config"]["run-dir"]))
+    mine = write_zip(tiny_bundle(key, version=5).items(), tmp_path / "mine.zip")
+    other = write_zip(tiny_bundle(key, version=9, model_id="run-2/mlp-digits").items(), tmp_path / "other.zip")
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test"))
+    try:
+        # Execute: the tab takes version 5, then the other lineage's version 9, then the same with the app naming it
+        first, crossed, named = _pulls(chromium, gateway, "inference", [
+            (mine, {}), (other, {}), (other, {"modelId": "run-2/mlp-digits"})])
+    finally:
+        gateway.close()
+    # Assert: the other lineage's higher version is refused (a cross-lineage downgrade), unless named
+    assert first == {"model_id": MODEL_ID, "version": 5}, first
+    assert 'inference bundle refused: it is of model "run-2/mlp-digits", but this device follows model ' \
+           f'"{MODEL_ID}"' in crossed.get("error", ""), crossed
+    assert named == {"model_id": "run-2/mlp-digits", "version": 9}, named
+
+
+def _resigned_training(run: dict[str, Any], path: Path, **changes: Any) -> Path:
+    """The run's training graphs under a manifest with ``changes``, signed by the run's own key."""
+    bundle = read_training_bundle(run["bundle"], trusted_keys=[run["trust"]])
+    key = run_signing_key(resolve_run_config(run["config"]), Path(run["config"]["run-dir"]))
+    path.write_bytes(pack_training_bundle(bundle.train_onnx, bundle.eval_onnx, {**bundle.manifest, **changes},
+                                          private_key=key))
+    return path
+
+
+def test_the_browser_refuses_an_older_or_another_lineages_training_graph(tmp_path: Path, run: dict[str, Any],
+                                                                         chromium: Any) -> None:
+    # Prepare: the run's signed training graph (version N of its lineage), the same graphs signed as version N-1
+    # (an older run's), and as another lineage (another task's or width's), signed by the same key
+    manifest = read_training_bundle(run["bundle"], trusted_keys=[run["trust"]]).manifest
+    lineage, version = manifest["model_id"], manifest["version"]
+    older = _resigned_training(run, tmp_path / "older.zip", version=version - 1)
+    other = _resigned_training(run, tmp_path / "other.zip", model_id="chars-training", version=version + 1)
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test"))
+    try:
+        # Execute: the tab takes version N; then the gateway serves N-1, the other lineage, and the other lineage
+        # that the app names
+        taken = _pulls(chromium, gateway, "training", [(run["bundle"], {}), (older, {}), (other, {}),
+                                                       (other, {"trainingModelId": "chars-training"})])
+    finally:
+        gateway.close()
+    first, rolled_back, crossed, named = taken
+    # Assert: N accepted; N-1 refused as a rollback; the other lineage refused unless named
+    assert first == {"model_id": lineage, "version": version}, first
+    assert f"training bundle refused: it is version {version - 1} of {lineage}, older than version {version} this " \
+           "device accepted: a rollback" in rolled_back.get("error", ""), rolled_back
+    assert f'training bundle refused: it is of model "chars-training", but this device follows model "{lineage}"' \
+        in crossed.get("error", ""), crossed
+    assert named == {"model_id": "chars-training", "version": version + 1}, named

@@ -1,5 +1,6 @@
 // The demo page's logic: a FedgeDevice on the examples the operator left for this device name
-// (data/NAME.json: {"inputs": [{"dtype", "dims", "b64"}], "targets": {"dtype", "dims", "b64"}}).
+// (data/NAME.json: {"inputs": [{"dtype", "dims", "b64"}], "targets": {"dtype", "dims", "b64"}}), which the
+// gateway hands only to this device's session: fetched after check-in, with the session's MAC.
 // window.__fedge exposes the state (the public key, progress events, errors) to scripts and tests.
 import {FedgeDevice} from "./fedge-device.js";
 import {DTYPES} from "./frame.js";
@@ -24,11 +25,12 @@ function render(event) {
 }
 
 async function join(rounds) {
-  const data = await (await fetch("data/" + encodeURIComponent(name) + ".json", {cache: "no-store"})).json();
   const bundleKeyPem = await (await fetch("bundle-key.pem", {cache: "no-store"})).text();
-  const device = new FedgeDevice({gateway: location.origin, name: name, bundleKeyPem: bundleKeyPem,
-                                  data: {inputs: data.inputs.map(array), targets: array(data.targets)},
+  const device = new FedgeDevice({gateway: location.origin, name: name, bundleKeyPem: bundleKeyPem, data: null,
                                   ortBase: new URL("ort/", location.href).href});
+  const data = await device.getJson(new URL("data/" + encodeURIComponent(name) + ".json", location.href).pathname,
+                                    "this device's examples");
+  device.data = {inputs: data.inputs.map(array), targets: array(data.targets)};
   state.device = device;
   $("progress").max = rounds;
   state.trained = await device.run({rounds: rounds, maxWaitS: 2, onProgress: (event) => { state.progress.push(event); render(event); }});

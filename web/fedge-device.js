@@ -14,14 +14,20 @@
 //
 // Threat model (device side): the gateway is authenticated by TLS (the browser's trust store);
 // the private key never leaves WebCrypto; the training graph must be signed by the pinned bundle
-// key and pass the graph checks before onnxruntime-web sees it. A page reload loses the session
+// key and pass the graph checks before onnxruntime-web sees it. Bundles are fresh and of one lineage,
+// as `fedge pull` and `fedge device --runtime onnx` keep them: per device name and kind (training,
+// inference), localStorage keeps the model_id this device follows (pinned on the first bundle it
+// accepted, or named by the app: the `trainingModelId` and `modelId` options) and the highest version
+// accepted per model_id; another lineage, or a lower version (a rollback), is refused. Whoever can
+// write the origin's localStorage can reset that record, as whoever can write a Python device's
+// freshness directory can. Every onnxruntime-web session pins the ONNX format. A page reload loses the session
 // and the round's work, not the key: the device checks in again, and the gateway, which counts a
 // device once a round by name, gives it the round's task again only if it had not answered it.
 // Secure aggregation is not implemented here: the check-in says so ("capabilities"), a gateway whose
 // run is secure refuses it with the reason, and a secure step that reaches it anyway is refused.
 
 import {FRAME_TYPE, decodeFrame, encodeFrame, int8Delta} from "./frame.js";
-import {importBundleKey, verifyInferenceBundle, verifyTrainingBundle} from "./bundle.js";
+import {importBundleKey, recordAccepted, verifyInferenceBundle, verifyTrainingBundle} from "./bundle.js";
 
 const PREFIX = "/v1";
 const enc = new TextEncoder();
@@ -69,10 +75,13 @@ export class FedgeDevice {
     return {keys: pair, publicKeyPem: pem(await crypto.subtle.exportKey("spki", pair.publicKey))};
   }
 
-  constructor({gateway, name, bundleKeyPem, data, ortBase, workerUrl}) {
+  // modelId / trainingModelId: the lineage (signed model_id) of the inference / training bundles to accept;
+  // without them, the first lineage this device accepts of each kind is the only one it accepts.
+  constructor({gateway, name, bundleKeyPem, data, ortBase, workerUrl, modelId, trainingModelId}) {
     this.gateway = gateway.replace(/\/$/, "");
     this.name = name;
     this.bundleKeyPem = bundleKeyPem;
+    this.lineage = {inference: modelId ?? null, training: trainingModelId ?? null};
     this.data = data;  // {inputs: [{data, dims}], targets: {data, dims}}: as the manifest's inputs take them
     this.ortBase = ortBase || new URL("./ort/", import.meta.url).href;
     this.worker = new Worker(workerUrl || new URL("./worker.js", import.meta.url).href);
@@ -138,17 +147,54 @@ export class FedgeDevice {
     }
   }
 
+  // A JSON answer to an authenticated GET of `path` (a gateway resource only this device's session may read).
+  async getJson(path, what) {
+    return FedgeDevice.json(await this.authenticated("GET", path), what);
+  }
+
+  // ---------------------------------------------------------------- freshness records (localStorage)
+  // {inference: {pin, highest}, training: {pin, highest}} for this device name; a damaged record refuses
+  // every bundle (fail closed) until it is removed.
+  records(kind) {
+    const key = "fedge-bundles/" + this.name;
+    const stored = localStorage.getItem(key);
+    let records = null;
+    try {
+      records = stored !== null ? JSON.parse(stored) : {  // the first record: the earlier SDK's inference versions
+        inference: {pin: null, highest: JSON.parse(localStorage.getItem("fedge-models") || "{}")},
+        training: {pin: null, highest: {}}};
+    } catch (e) { records = null; }
+    const sound = (r) => r && typeof r.highest === "object" && r.highest !== null && (r.pin === null || typeof r.pin === "string");
+    if (!records || !sound(records.inference) || !sound(records.training)) {
+      throw new Error(kind + " bundle refused: this browser's record of accepted bundles (localStorage '" + key +
+                      "') is damaged; every bundle is refused until it is removed and the lineage named again");
+    }
+    return records;
+  }
+
+  accepted(kind, manifest) {
+    const records = this.records(kind);
+    records[kind] = recordAccepted(records[kind], manifest);
+    localStorage.setItem("fedge-bundles/" + this.name, JSON.stringify(records));
+  }
+
+  freshness(kind) {
+    return {record: this.records(kind)[kind], modelId: this.lineage[kind]};
+  }
+
   // ---------------------------------------------------------------- the training graph
   async ready(architecture) {
     if (this.graph && (!architecture || this.graph === architecture)) return;
     const answer = await this.authenticated("GET", PREFIX + "/bundles/training");
     if (answer.status !== 200) FedgeDevice.json(answer, "training graph");
     const trusted = await importBundleKey(this.bundleKeyPem);
-    const bundle = await verifyTrainingBundle(answer.body, trusted);  // throws before the worker sees anything
+    // throws before the worker sees anything: signature, files, freshness and lineage, graph checks
+    const bundle = await verifyTrainingBundle(answer.body, trusted, this.freshness("training"));
     if (architecture && bundle.manifest.architecture !== architecture) {
       throw new Error("the gateway's training graph is not the one the task names; try again later");
     }
     await this.call({type: "load", ortBase: this.ortBase, train: bundle.train, eval: bundle.eval, manifest: bundle.manifest});
+    this.accepted("training", bundle.manifest);
     this.manifest = bundle.manifest;
     this.graph = bundle.manifest.architecture;
   }
@@ -220,17 +266,16 @@ export class FedgeDevice {
   stop() { this.stopped = true; }
 
   // The coordinator's latest signed inference bundle, relayed by the gateway: verified (signature,
-  // hashes, expiry, graph checks) and refused if older than the highest version this browser accepted
-  // for its model_id (a rollback; the highest is kept in localStorage), then loaded in the worker.
+  // hashes, expiry, graph checks), refused if of another lineage than the one this device follows (the
+  // app's modelId, else the first it accepted) or older than the highest version it accepted of its
+  // lineage (a rollback), then loaded in the worker and recorded (localStorage).
   async model() {
     const answer = await this.authenticated("GET", PREFIX + "/bundles/inference");
     if (answer.status !== 200) FedgeDevice.json(answer, "inference bundle");
     const trusted = await importBundleKey(this.bundleKeyPem);
-    const accepted = JSON.parse(localStorage.getItem("fedge-models") || "{}");  // model_id -> highest version
-    const {manifest, model} = await verifyInferenceBundle(answer.body, trusted, (id) => accepted[id] ?? null);
+    const {manifest, model} = await verifyInferenceBundle(answer.body, trusted, this.freshness("inference"));
     await this.call({type: "model", ortBase: this.ortBase, model: model});
-    accepted[manifest.model_id] = Math.max(manifest.version, accepted[manifest.model_id] ?? 0);
-    localStorage.setItem("fedge-models", JSON.stringify(accepted));
+    this.accepted("inference", manifest);
     this.inference = manifest;
     return manifest;
   }

@@ -7,7 +7,11 @@
 // - any node outside the standard ONNX domain ("" or "ai.onnx");
 // - model-local functions, training info, and the "ort_config" metadata key;
 // - a graph whose op types differ from the list its signed manifest declares (training graphs;
-//   inference manifests list none).
+//   inference manifests list none);
+// - bytes onnxruntime would take for an ORT-format model: the flatbuffer file identifier "ORTM" at
+//   bytes 4..8. onnxruntime picks the format from those bytes, and a file can be a valid ONNX message
+//   and an ORT-format model at once (tests/ort_polyglot.py): this walk would check the one and
+//   onnxruntime-web run the other. The worker also pins the ONNX format for every session it makes.
 //
 // Why a hand-written protobuf walk: the browser has no `onnx` package, onnxruntime-web exposes no
 // parsed graph, and a protobuf library for the whole ONNX schema is a large download for the dozen
@@ -16,9 +20,15 @@
 // with the schema's own parser, so a signed graph carries no unknown fields.
 
 const MAX_DEPTH = 16;
+const ORT_FORMAT_ID = [0x4f, 0x52, 0x54, 0x4d];  // "ORTM", the ORT-format flatbuffer's identifier, at bytes 4..8
 
+// `what` is the graph's label in messages: "<bundle> bundle refused: <file>" (see checkGraph)
 function refuse(what, reason) {
-  throw new Error("training bundle refused: " + what + " " + reason + "; re-export it with fedge");
+  throw new Error(what + " " + reason + "; re-export it with fedge");
+}
+
+export function isOrtFormat(bytes) {
+  return bytes.length >= 8 && ORT_FORMAT_ID.every((byte, i) => bytes[4 + i] === byte);
 }
 
 // The fields of one protobuf message in bytes[start, end): [{field, wire, value | start, end}]
@@ -92,8 +102,14 @@ function walkGraph(bytes, f, depth, ops, what) {
   }
 }
 
-// ModelProto: graph = 7, metadata_props = 14 (key = 1), training_info = 20, functions = 25
-export function checkGraph(bytes, what, declaredOps) {
+// ModelProto: graph = 7, metadata_props = 14 (key = 1), training_info = 20, functions = 25.
+// `bundle` names the bundle in messages: "training" (the default) or "inference".
+export function checkGraph(bytes, file, declaredOps, bundle = "training") {
+  const what = bundle + " bundle refused: " + file;
+  if (isOrtFormat(bytes)) {
+    refuse(what, "is an ORT-format model (file identifier 'ORTM' at byte 4), which onnxruntime-web would run " +
+                 "instead of the ONNX graph checked here");
+  }
   let model;
   try { model = fields(bytes, 0, bytes.length); } catch (e) { refuse(what, "does not parse as an ONNX model (" + e.message + ")"); }
   if (sub(model, 25).length) refuse(what, "defines model-local functions");

@@ -23,6 +23,13 @@ const TYPES = {float32: Float32Array, float64: Float64Array, int64: BigInt64Arra
 
 function tensor(dtype, data, dims) { return new ort.Tensor(dtype, data, dims); }
 
+// Every session reads its bytes as ONNX, never as an ORT-format model (onnxruntime picks that format
+// when bytes 4..8 are "ORTM", and a file can be both: onnx-check.js checks the ONNX reading and refuses
+// such bytes, and this pin makes onnxruntime-web run the reading that was checked).
+function sessionOptions() {
+  return {executionProviders: ["wasm"], extra: {session: {load_model_format: "ONNX"}}};
+}
+
 function rows(source, dims, index) {  // the rows `index` of an array shaped [N, ...]
   const width = dims.slice(1).reduce((a, b) => a * b, 1);
   const out = new source.constructor(index.length * width);
@@ -126,8 +133,8 @@ self.onmessage = async function (event) {
         ort.env.wasm.wasmPaths = message.ortBase;
       }
       manifest = message.manifest;
-      trainSession = await ort.InferenceSession.create(message.train, {executionProviders: ["wasm"]});
-      evalSession = await ort.InferenceSession.create(message.eval, {executionProviders: ["wasm"]});
+      trainSession = await ort.InferenceSession.create(message.train, sessionOptions());
+      evalSession = await ort.InferenceSession.create(message.eval, sessionOptions());
       self.postMessage({id: message.id, ok: true});
     } else if (message.type === "train") {
       self.postMessage({id: message.id, ...(await train(message))});
@@ -139,7 +146,7 @@ self.onmessage = async function (event) {
         ort.env.wasm.numThreads = 1;
         ort.env.wasm.wasmPaths = message.ortBase;
       }
-      modelSession = await ort.InferenceSession.create(message.model, {executionProviders: ["wasm"]});
+      modelSession = await ort.InferenceSession.create(message.model, sessionOptions());
       self.postMessage({id: message.id, ok: true});
     } else if (message.type === "infer") {
       const out = await modelSession.run({[message.input]: tensor(message.dtype, message.data, message.dims)});
