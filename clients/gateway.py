@@ -55,7 +55,7 @@ from fedge.clients.gateway_secure import (
     pool_node_id,
     secure_pool_round,
 )
-from fedge.clients.gateway_web import WebSite, check_web, web_routes
+from fedge.clients.gateway_web import WebSite, check_web, demo_page_warning, web_routes
 from fedge.device_protocol import (
     COUNTER_HEADER,
     FRAME_TYPE,
@@ -356,7 +356,9 @@ def device_app(gateway: Gateway, *, max_body: int = 64 << 20, web: WebSite | Non
               Route(f"{PREFIX}/result", guarded(result), methods=["POST"]),
               Route(f"{PREFIX}/bundles/training", guarded(training_bundle), methods=["GET"]),
               Route(f"{PREFIX}/bundles/inference", guarded(inference_bundle), methods=["GET"])]
-    return Starlette(routes=routes + ([] if web is None else web_routes(web)))
+    pages = [] if web is None else [Route(route.path, guarded(route.endpoint), methods=route.methods)
+                                    for route in web_routes(web, authenticate=session_of)]
+    return Starlette(routes=routes + pages)
 
 
 def control_app(gateway: Gateway, token: str) -> Any:
@@ -542,6 +544,8 @@ def run_gateway(options: GatewayOptions) -> int:
           f"({len(gateway.allow)} devices in its allow-list)", flush=True)
     if options.web is not None:
         print(f"web device demo page: {scheme}://{options.host}:{devices.port}/web/demo.html?name=NAME", flush=True)
+        if (warning := demo_page_warning(options.host)) is not None:
+            print(warning, file=sys.stderr, flush=True)
     stop = threading.Event()
     threading.Thread(target=relay_inference_bundles, args=(options, node_state, stop), daemon=True,
                      name="fedge-gateway-inference").start()

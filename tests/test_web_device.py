@@ -28,9 +28,8 @@ from google.protobuf.internal import encoder
 from fedge.batching import batch_order
 from fedge.clients.gateway import GatewaySettings, Served, device_app
 from fedge.clients.gateway_pool import device_seed
-from fedge.clients.gateway_web import WebSite, web_routes
+from fedge.clients.gateway_web import WebSite
 from fedge.config import resolve_run_config
-from fedge.device_protocol import COUNTER_HEADER, MAC_HEADER, SESSION_HEADER
 from fedge.edge.trainer import OnnxTrainer
 from fedge.edge.training_bundle import architecture_of, pack_training_bundle, read_training_bundle
 from fedge.errors import FedgeError
@@ -68,17 +67,9 @@ class WebGateway(LiveGateway):
         if bundle is not None:
             self.gateway.training_bundle = bundle
         site = WebSite(ort=ORT_DIST, bundle_key=run["trust"], data=data)
-        app = device_app(self.gateway)
-        app.router.routes.extend(web_routes(site, authenticate=self.authenticate))
-        self.devices = Served(app, "127.0.0.1", 0, limits=ListenerLimits(per_address=64),
+        self.devices = Served(device_app(self.gateway, web=site), "127.0.0.1", 0, limits=ListenerLimits(per_address=64),
                               cert=run["gateway-cert"][0], cert_key=run["gateway-cert"][1])
         self.url = f"https://127.0.0.1:{self.devices.port}"
-
-    def authenticate(self, request: Any, body: bytes) -> Any:
-        """The session of a request signed with its session MAC, as the gateway's /v1 routes find it."""
-        return self.gateway.sessions.authenticate(
-            authorization=request.headers.get(SESSION_HEADER), counter=request.headers.get(COUNTER_HEADER),
-            mac=request.headers.get(MAC_HEADER), method=request.method, path=request.url.path, body=body)
 
 
 @pytest.fixture(scope="module")
