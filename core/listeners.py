@@ -151,13 +151,8 @@ def _guarded_base() -> type[Any]:
                 return
             cycle = getattr(self, "cycle", None)
             if cycle is not None and not cycle.response_started and self.conn.our_state is h11.SEND_RESPONSE:
-                body = b'{"error": "the request body did not arrive in time; send it at once (or faster)"}'
-                response = h11.Response(status_code=408, reason=b"Request Timeout",
-                                        headers=[(b"content-type", b"application/json"), (b"connection", b"close"),
-                                                 (b"content-length", str(len(body)).encode())])
-                self.transport.write(self.conn.send(response) or b"")
-                self.transport.write(self.conn.send(h11.Data(data=body)) or b"")
-                self.transport.write(self.conn.send(h11.EndOfMessage()) or b"")
+                self._send_final(408, b"Request Timeout", b"application/json",
+                                 b'{"error": "the request body did not arrive in time; send it at once (or faster)"}')
             if cycle is not None:  # the app waiting for the body hears a disconnect, and sends nothing more
                 cycle.disconnected = True
                 cycle.message_event.set()
@@ -174,14 +169,18 @@ def _guarded_base() -> type[Any]:
             if status != 431:
                 super().send_400_response(msg)
                 return
-            body = f"request headers larger than {self.limits.max_header_bytes} bytes".encode()
-            response = h11.Response(status_code=431, reason=b"Request Header Fields Too Large",
-                                    headers=[(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close"),
+            self._send_final(431, b"Request Header Fields Too Large", b"text/plain; charset=utf-8",
+                             f"request headers larger than {self.limits.max_header_bytes} bytes".encode())
+            self.transport.close()
+
+        def _send_final(self, status: int, reason: bytes, content_type: bytes, body: bytes) -> None:
+            """Write a whole response that closes the connection (the app never answers this request)."""
+            response = h11.Response(status_code=status, reason=reason,
+                                    headers=[(b"content-type", content_type), (b"connection", b"close"),
                                              (b"content-length", str(len(body)).encode())])
             self.transport.write(self.conn.send(response) or b"")
             self.transport.write(self.conn.send(h11.Data(data=body)) or b"")
             self.transport.write(self.conn.send(h11.EndOfMessage()) or b"")
-            self.transport.close()
 
         def _start_deadline(self) -> None:
             self._stop_deadline()
