@@ -221,11 +221,26 @@ def _well_formed(opened: bytes | None) -> bool:
             and int.from_bytes(opened[:2], "big") >= 1)
 
 
+COUNTS = ("clipped-entries", "clipped-devices", "capped-weights")
+"""What a device counts of its own clipping, appended to its masked vector after ``w`` and ``w * a``
+(summed securely with the rest: the coordinator learns each count's total over the round, no device's)."""
+
+
 def encode_update(global_arrays: Arrays, trained: Trained, params: Mapping[str, Any]) -> Vector:
-    """``w * delta / a`` on the update's scale, then ``w`` and ``w * a`` each on its own scale.
+    """``w * clip(delta / a)`` on the update's scale, then ``w`` and ``w * a`` each on its own scale,
+    then the device's clipping counts (:data:`COUNTS`).
 
     ``a`` is FedNova's normalised local work when the coordinator sends ``work-momentum >= 0``
-    (Wang et al., NeurIPS 2020), else 1 (FedAvg / FedProx weighting).
+    (Wang et al., NeurIPS 2020), else 1 (FedAvg / FedProx weighting). The clip is applied to
+    the update, per entry, at ``update-clip`` (secagg-clip), before the weight: a device with
+    many examples is clipped where one with few is, and ``w`` (capped at ``weight-clip``, the
+    weight the tail carries too) scales what was clipped. ``clip`` is the range of the weighted
+    value (``update-clip x weight-clip``, or what the ring holds if that is less): an entry
+    beyond it is clipped there too. The counts: entries clipped (either way), 1 if any was,
+    1 if the weight was capped.
+
+    A coordinator that sends no ``update-clip`` (before issue 39) gets the old layout:
+    ``w * delta / a`` clipped at ``clip``, no counts.
     """
     weight, momentum = float(trained.num_examples), float(params["work-momentum"])
     work = min(fednova_norm(max(trained.steps, 1), momentum), float(params["work-cap"])) if momentum >= 0 else 1.0
@@ -235,8 +250,26 @@ def encode_update(global_arrays: Arrays, trained: Trained, params: Mapping[str, 
     values = FixedPoint(float(params["clip"]), float(params["scale"]), bits)
     weights = FixedPoint(float(params["weight-clip"]), float(params["weight-scale"]), bits)
     works = FixedPoint(float(params["work-clip"]), float(params["work-scale"]), bits)
-    return np.concatenate([values.encode(delta * weight / work), weights.encode(np.array([weight])),
-                           works.encode(np.array([weight * work]))])
+    if "update-clip" not in params:
+        return np.concatenate([values.encode(delta * weight / work), weights.encode(np.array([weight])),
+                               works.encode(np.array([weight * work]))])
+    capped = weight > weights.clip
+    weight = min(weight, weights.clip)
+    limit = float(params["update-clip"])
+    update = delta / work
+    clipped = np.abs(update) > limit
+    np.clip(update, -limit, limit, out=update)
+    update *= weight
+    clipped |= np.abs(update) > values.clip
+    entries = int(np.count_nonzero(clipped))
+    counts = FixedPoint(float(params["count-clip"]), 1.0, bits)
+    if entries:
+        log.info("this device's update was clipped in %d of %d entries for secure aggregation (|delta| above "
+                 "secagg-clip = %g, or |w * delta| above the ring's range %g at %g examples); the round's total "
+                 "is counted by the coordinator", entries, len(update), limit, values.clip, weight)
+    return np.concatenate([values.encode(update), weights.encode(np.array([weight])),
+                           works.encode(np.array([weight * work])),
+                           counts.encode(np.array([entries, float(entries > 0), float(capped)]))])
 
 
 def masked(state: State, *, inbox: Mapping[str, Any], params: Mapping[str, Any], config: Mapping[str, Any],

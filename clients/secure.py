@@ -10,9 +10,10 @@ neighbours, each share sealed for its recipient (the coordinator relays cipherte
 only). ``secagg_masked``: open each relayed share; if any does not open or is malformed
 (AES-GCM bound to sender, receiver and round), name its senders and mask nothing (the
 coordinator starts the round again without them); refuse with shares from fewer than
-``t`` neighbours; else train, encode ``w * (local - global)`` and ``w`` in fixed point,
-add the masks, send with a signature over ``(round, SHA-256 of the global arrays,
-SHA-256 of the training config)`` it was sent; the plaintext meta keeps the round and
+``t`` neighbours; else train, encode ``w * clip(local - global)`` (the update clipped per
+entry, then weighted), ``w`` and what was clipped (counts) in fixed point, add the masks,
+send with a signature over ``(round, SHA-256 of the global arrays, SHA-256 of the training
+config)`` it was sent; the plaintext meta keeps the round and
 profile only (samples processed and steps would give the weight away).
 ``secagg_consistency`` (the paper's ConsistencyCheck): refuse a survivor set that
 leaves this device out, names a neighbour whose shares never arrived or holds fewer

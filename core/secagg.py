@@ -40,7 +40,8 @@ something else unmasks, and its self mask stays secret. Every surviving neighbou
 ``t``: with ``t`` the coordinator could withhold the target's signature and let its other
 neighbours unmask it. No dropout tolerance is lost: the signature travels with the
 masked input, so every survivor has one. The per-device weight (examples, FedNova's
-work) travels in the masked vector; only its sum is revealed. The coordinator may still
+work) and counts of what the device clipped travel in the masked vector; only their sums are
+revealed. The coordinator may still
 give each connected part of a graph it made disconnected its own model: the guarantee is
 then per connected part, like (3) below.
 
@@ -177,6 +178,20 @@ class FixedPoint:
 def bits_needed(count: int, clip: float, precision: float) -> int:
     """Ring bits for ``count`` values in ``[-clip, clip]`` at ``precision`` to sum without overflow."""
     return math.ceil(math.log2(count * clip / precision + 1)) + 1
+
+
+def ring_range(count: int, scale: float, bits: int) -> float:
+    """The largest clip a :class:`FixedPoint` at ``scale`` in Z_{2^bits} can have so that a sum of
+    ``count`` encodings cannot overflow: the ring's range shared by ``count`` devices, a whole
+    number of steps (each encoding rounds to at most ``floor((2^(bits-1) - 1) / count)``).
+
+    Above 2^50 steps a float64 no longer rounds ``clip * scale`` back to the whole number, so
+    the range keeps a margin of 2^-40 of itself there (a 64-bit ring loses nothing that matters).
+    """
+    steps = (2 ** (bits - 1) - 1) // max(count, 1)
+    if steps > 2**50:
+        steps -= steps >> 40
+    return steps / scale
 
 
 # --------------------------------------------------------------------------- masks

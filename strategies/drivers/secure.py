@@ -11,7 +11,8 @@ the digests of the model and config its device was sent, checked against what wa
 relays those signatures to each survivor's neighbours, collects the survivors'
 signatures over the survivor set, asks the signers to unmask, removes the masks and
 applies ``sum(w * delta) / sum(w)`` to the model: the weights ``w`` travel masked, so
-only their sum is revealed. Devices that name a neighbour whose sealed shares do not
+only their sum is revealed (as only the round's totals of what devices clipped are:
+:class:`Clipping`). Devices that name a neighbour whose sealed shares do not
 open make the round start again without that neighbour (:meth:`SecureAggregation._attempts`).
 
 Threat model: see :mod:`fedge.secagg`. Devices enforce the protocol themselves
@@ -31,6 +32,7 @@ the decoded aggregate; median, trimmed mean and Krum cannot be combined with it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -63,6 +65,7 @@ from fedge.secagg import (
     rebuild_secret,
     ring_accumulate,
     ring_dtype,
+    ring_range,
     unmask,
     valid_received_signature,
     valid_survivors_signature,
@@ -92,10 +95,10 @@ class SecureAggregation(SyncDriver):
     The strategy's own ``configure_train`` (FedProx's ``proximal-mu``, stragglers' partial
     work) shapes the instructions, and the round policy decides which masked inputs
     count (with a deadline, late devices are treated as dropouts). Devices send
-    ``w * delta / a`` and the tail ``[w, w * a]`` (``a``: FedNova's normalised local
-    work, 1 otherwise); the weighted mean ``global + sum(w delta / a) / sum(w) * sum(w a) / sum(w)``
-    goes to the rule's server step (:meth:`fedge.strategies.rule.LinearRule.step`). A driver
-    runs one strategy (:meth:`bind`).
+    ``w * clip(delta / a)`` and the tail ``[w, w * a]`` (``a``: FedNova's normalised local
+    work, 1 otherwise) and their clipping counts (:class:`Clipping`); the weighted mean
+    ``global + sum(w delta / a) / sum(w) * sum(w a) / sum(w)`` goes to the rule's server step
+    (:meth:`fedge.strategies.rule.LinearRule.step`). A driver runs one strategy (:meth:`bind`).
 
     Parameters
     ----------
@@ -105,9 +108,12 @@ class SecureAggregation(SyncDriver):
     neighbours : int
         Neighbours per device (0: all pairs; SecAgg+ uses O(log n)).
     clip : float
-        Largest ``|w * delta / a|`` a device may contribute (larger values are clipped).
+        Largest ``|delta / a|`` per entry a device contributes (secagg-clip): devices clip their
+        update there, then weight it; the weighted value travels in a range of ``clip x
+        weight_clip`` (or what the ring holds for the round's devices, if that is less).
+        Whatever is clipped is counted (:attr:`clipping`).
     precision : float
-        Quantisation step of the fixed-point encoding.
+        Quantisation step of the fixed-point encoding of ``w * delta / a``.
     bits : int
         Ring width: arithmetic is in Z_{2^bits}.
     weight_clip : float
@@ -130,6 +136,8 @@ class SecureAggregation(SyncDriver):
         self.clip, self.precision, self.bits, self.weight_clip = clip, precision, bits, weight_clip
         self.requested_work_cap = self.work_cap = work_cap
         self.strategy: FedAvg | None = None
+        self.clipping: dict[int, Clipping] = {}
+        """What the devices' encodings clipped, by round (the round's totals, summed securely)."""
 
     def bind(self, strategy: FedAvg) -> None:
         """Run ``strategy``'s rounds; refuse a rule that is not linear (secure aggregation reveals only a sum).
@@ -170,27 +178,28 @@ class SecureAggregation(SyncDriver):
         if strategy.submodels is not None:
             return self._grouped_round(strategy, grid, server_round, arrays, instructions, timeout, report)
         try:
-            summed, weight, weighted_work, survivors = self._group_sum(grid, server_round, instructions, arrays,
-                                                                       timeout, report)
+            sums = self._group_sum(grid, server_round, instructions, arrays, timeout, report)
         except SecureRoundFailed as exc:  # malformed messages were handled where they were read
             log.warning("round %d: secure aggregation failed (%s); global model kept", server_round, exc)
             return None, MetricRecord({"accepted": 0, "failed": len(report.failed), "late": report.late})
-        report.accepted, report.aggregated = len(survivors), True
-        delta = summed / weight * (weighted_work / weight)
+        report.accepted, report.aggregated = len(sums.survivors), True
+        self._note_clipping(server_round, sums.clipping, report)
+        delta = sums.summed / sums.weight * (sums.weighted_work / sums.weight)
         strategy.rule.begin(strategy.round_context())
         new = strategy.rule.step(self._apply(arrays, delta))  # type: ignore[attr-defined]
         return ArrayRecord({name: Array(c_contiguous(new[name])) for name in arrays}), MetricRecord(
-            {"accepted": len(survivors), "failed": len(report.failed), "late": report.late, "weight": weight})
+            {"accepted": len(sums.survivors), "failed": len(report.failed), "late": report.late, "weight": sums.weight,
+             **sums.clipping.metrics()})
 
     def _group_sum(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict], sent: ArrayRecord,
-                   timeout: float, report: RoundReport) -> tuple[Any, float, float, list[int]]:
+                   timeout: float, report: RoundReport) -> _Sums:
         """One protocol instance over ``instructions``' devices, who were all sent ``sent`` (the model or one
         width's sub-model, before any downlink codec): the unmasked sums and the survivors."""
-        codecs = self._codecs(len(instructions))
-        length = sum(int(np.prod(array.shape)) for array in sent.values()) + 2  # update, w, w * a
+        entries = sum(int(np.prod(array.shape)) for array in sent.values())
+        codecs = self._codecs(len(instructions), entries)
+        length = entries + TAIL  # update, w, w * a, the clipping counts
         total, survivors = self._attempts(grid, server_round, instructions, codecs, timeout, report, length)
-        summed, weight, weighted_work = self._decoded(total, codecs, len(survivors))
-        return summed, weight, weighted_work, survivors
+        return self._decoded(total, codecs, survivors)
 
     def _grouped_round(self, strategy: FedAvg, grid: Grid, server_round: int, arrays: ArrayRecord,
                        instructions: dict[int, RecordDict], timeout: float,
@@ -207,7 +216,7 @@ class SecureAggregation(SyncDriver):
             groups.setdefault((windows[node].width, windows[node].offset), {})[node] = content
         strategy.rule.begin(strategy.round_context())
         entries = CoverageMean({name: tuple(array.shape) for name, array in arrays.items()})
-        accepted, weight_total = 0, 0.0
+        accepted, weight_total, clipping = 0, 0.0, Clipping()
         for _, group in sorted(groups.items(), key=lambda item: item[0]):
             window = windows[next(iter(group))]
             if len(group) < MIN_DEVICES:
@@ -219,15 +228,18 @@ class SecureAggregation(SyncDriver):
                 continue
             sent = strategy.submodels.reference_of(next(iter(group))) or arrays
             try:
-                summed, weight, weighted_work, survivors = self._group_sum(grid, server_round, group, sent, timeout,
-                                                                           report)
+                sums = self._group_sum(grid, server_round, group, sent, timeout, report)
             except SecureRoundFailed as exc:
                 log.warning("round %d: secure aggregation of width group %s failed (%s); its devices are left out",
                             server_round, window.describe(), exc)
                 continue
-            entries.add(self._apply(sent, summed / weight * (weighted_work / weight)), window, weight)
-            accepted, weight_total = accepted + len(survivors), weight_total + weight
-        metrics = {"accepted": accepted, "failed": len(report.failed), "late": report.late, "weight": weight_total}
+            entries.add(self._apply(sent, sums.summed / sums.weight * (sums.weighted_work / sums.weight)), window,
+                        sums.weight)
+            accepted, weight_total = accepted + len(sums.survivors), weight_total + sums.weight
+            clipping += sums.clipping
+        self._note_clipping(server_round, clipping, report)
+        metrics = {"accepted": accepted, "failed": len(report.failed), "late": report.late, "weight": weight_total,
+                   **clipping.metrics()}
         if not entries.count or accepted < strategy.min_train_replies:
             log.warning("round %d: %d devices in aggregated width groups (min-train-replies %d); global model kept",
                         server_round, accepted, strategy.min_train_replies)
@@ -244,7 +256,7 @@ class SecureAggregation(SyncDriver):
         return self.strategy
 
     def _attempts(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
-                  codecs: tuple[FixedPoint, FixedPoint, FixedPoint], timeout: float,
+                  codecs: _Codecs, timeout: float,
                   report: RoundReport, length: int) -> tuple[Any, list[int]]:
         """:meth:`_protocol`, run again without the devices whose sealed shares did not open.
 
@@ -265,32 +277,66 @@ class SecureAggregation(SyncDriver):
                             "aggregation starts again without them", server_round, sorted(exc.blamed))
         raise SecureRoundFailed(f"bad shares in {RERUNS + 1} attempts in a row")
 
-    def _decoded(self, total: Any, codecs: tuple[FixedPoint, FixedPoint, FixedPoint],
-                 count: int) -> tuple[Any, float, float]:
+    def _decoded(self, total: Any, codecs: _Codecs, survivors: list[int]) -> _Sums:
         """The unmasked sums, checked: a wrong share unmasks to noise, which lands out of range."""
-        values, weights, works = codecs
-        summed = values.decode_sum(total[:-2], count)
-        weight = float(weights.decode_sum(total[-2:-1], count)[0])
-        weighted_work = float(works.decode_sum(total[-1:], count)[0])
-        plausible = (0 < weight <= count * weights.clip * (1 + 1e-6) and weighted_work > 0
-                     and np.all(np.isfinite(summed)) and np.abs(summed).max(initial=0.0) <= count * values.clip)
+        count = len(survivors)
+        summed = codecs.values.decode_sum(total[:-TAIL], count)
+        weight = float(codecs.weights.decode_sum(total[-TAIL:-TAIL + 1], count)[0])
+        weighted_work = float(codecs.works.decode_sum(total[-TAIL + 1:-TAIL + 2], count)[0])
+        entries, devices, capped = (int(c) for c in codecs.counts.decode_sum(total[-TAIL + 2:], count))
+        plausible = (0 < weight <= count * codecs.weights.clip * (1 + 1e-6) and weighted_work > 0
+                     and np.all(np.isfinite(summed))
+                     and np.abs(summed).max(initial=0.0) <= count * codecs.values.clip
+                     and 0 <= entries <= count * codecs.counts.clip and 0 <= devices <= min(count, entries)
+                     and 0 <= capped <= count)
         if not plausible:
             raise SecureRoundFailed("the unmasked sum is out of range (a wrong share or a tampered input)")
-        return summed, weight, weighted_work
+        return _Sums(summed, weight, weighted_work, survivors, Clipping(entries, devices, capped))
 
-    def _codecs(self, selected: int) -> tuple[FixedPoint, FixedPoint, FixedPoint]:
-        """Fixed point for the update (from ``precision``), for ``w`` and ``w * a`` (as fine as fits)."""
-        values = FixedPoint(self.clip, 1.0 / self.precision, self.bits)
-        if not values.fits(max(selected, 1)):
+    def _codecs(self, selected: int, entries: int) -> _Codecs:
+        """Fixed point for the weighted update, for ``w`` and ``w * a`` (as fine as fits), for the counts.
+
+        The update's step is ``precision``; its range is what a device may send, ``clip x
+        weight_clip`` (devices clip ``delta / a`` at ``clip``, then weight it by ``w <=
+        weight_clip``), or the ring's whole range shared by the selected devices if that is
+        less: then a device with many examples and a large update is clipped there (and counts
+        it). The ring must hold at least ``clip`` per device (:func:`fedge.secagg.bits_needed`, the
+        check at start).
+        """
+        scale = 1.0 / self.precision
+        if not FixedPoint(self.clip, scale, self.bits).fits(max(selected, 1)):
             raise ConfigError(f"secagg-bits = {self.bits} is too small for {selected} devices: it needs "
                               f"{bits_needed(selected, self.clip, self.precision)} bits")
+        values = FixedPoint(min(self.clip * self.weight_clip, ring_range(selected, scale, self.bits)), scale,
+                            self.bits)
+        counted = min(max(entries, 1), ring_range(selected, 1.0, self.bits))  # entries clipped, 0/1 flags
+        if counted < 1:
+            raise ConfigError(f"secagg-bits = {self.bits} is too small for {selected} devices to count what they "
+                              "clip (one per device)")
         work_clip = self.weight_clip * self.work_cap
         def finest(clip: float) -> FixedPoint:
             return FixedPoint(clip, (2 ** (self.bits - 1) - 1) / (max(selected, 1) * clip) * (1 - 1e-9), self.bits)
-        return values, finest(self.weight_clip), finest(work_clip)
+        return _Codecs(values, finest(self.weight_clip), finest(work_clip), FixedPoint(counted, 1.0, self.bits))
+
+    def _note_clipping(self, server_round: int, clipping: Clipping, report: RoundReport) -> None:
+        """Keep the round's clipping counts (:attr:`clipping`, the round report where it has the
+        fields) and say so on the console when anything was clipped."""
+        self.clipping[server_round] = clipping
+        have = {field.name for field in dataclasses.fields(report)}
+        for name, value in clipping.report_fields().items():  # RoundReport's columns, once it declares them
+            if name in have:
+                setattr(report, name, value)
+        if clipping.entries:
+            log.warning("round %d: secure aggregation clipped %d update entries on %d device(s) (|delta| above "
+                        "secagg-clip = %g, or |w * delta| above the ring's range at secagg-bits = %d): the model "
+                        "differs from plaintext aggregation there; raise secagg-clip (or secagg-bits)", server_round,
+                        clipping.entries, clipping.devices, self.clip, self.bits)
+        if clipping.weights:
+            log.warning("round %d: secure aggregation capped %d device weight(s) at %g examples (max-num-examples)",
+                        server_round, clipping.weights, self.weight_clip)
 
     def _protocol(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
-                  codecs: tuple[FixedPoint, FixedPoint, FixedPoint], timeout: float,
+                  codecs: _Codecs, timeout: float,
                   report: RoundReport, length: int) -> tuple[Any, list[int]]:
         """Run the five steps; the masked vectors' sum without masks (``length`` entries), and who is in it.
 
@@ -415,7 +461,7 @@ class SecureAggregation(SyncDriver):
             folded.received[node] = read[1]
 
     def _masked_step(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
-                     inboxes: dict[int, ConfigRecord], codecs: tuple[FixedPoint, FixedPoint, FixedPoint],
+                     inboxes: dict[int, ConfigRecord], codecs: _Codecs,
                      timeout: float, report: RoundReport) -> tuple[Iterator[Message], dict[int, Received]]:
         """Train and send masked inputs, under the round policy (late or dropped: a dropout).
 
@@ -423,8 +469,9 @@ class SecureAggregation(SyncDriver):
         to fold in and let go: the coordinator never holds a round's masked inputs. And the
         digests of what each device was sent, which it must sign back.
         """
-        values, weights, works = codecs
+        values, weights, works = codecs.values, codecs.weights, codecs.works
         params = ConfigRecord({"clip": values.clip, "scale": values.scale, "bits": self.bits,
+                               "update-clip": self.clip, "count-clip": codecs.counts.clip,
                                "weight-clip": weights.clip, "weight-scale": weights.scale,
                                "work-clip": works.clip, "work-scale": works.scale, "work-cap": self.work_cap,
                                "work-momentum": _work_momentum(self._strategy)})
@@ -489,6 +536,51 @@ class SecureAggregation(SyncDriver):
 
 MIN_DEVICES = 3  # with 2, each device learns the other's update from the sum
 RERUNS = 2  # times a round starts again without devices whose shares did not open
+TAIL = 5  # ring elements after the update: w, w * a and the clipping counts (fedge.clients.secagg_device.COUNTS)
+
+
+@dataclass(frozen=True)
+class Clipping:
+    """What the devices' encodings clipped in one round: totals over the devices in the sum (each
+    device's counts travel masked, like its weight, so no device's own is revealed)."""
+
+    entries: int = 0  # update entries clipped: |delta / a| above secagg-clip, or |w delta / a| above the range
+    devices: int = 0  # devices that clipped at least one entry
+    weights: int = 0  # devices whose weight was capped at weight_clip (max-num-examples)
+
+    def __add__(self, other: Clipping) -> Clipping:
+        return Clipping(self.entries + other.entries, self.devices + other.devices, self.weights + other.weights)
+
+    def metrics(self) -> dict[str, int]:
+        """The round's train metrics' keys for these counts."""
+        return {"secagg-clipped-entries": self.entries, "secagg-clipped-devices": self.devices,
+                "secagg-capped-weights": self.weights}
+
+    def report_fields(self) -> dict[str, int]:
+        """:class:`~fedge.strategies.drivers.base.RoundReport`'s fields (metrics.jsonl's columns) for these counts."""
+        return {"secagg_clipped_entries": self.entries, "secagg_clipped_devices": self.devices,
+                "secagg_capped_weights": self.weights}
+
+
+@dataclass(frozen=True)
+class _Codecs:
+    """A protocol instance's fixed-point encodings: the weighted update, ``w``, ``w * a``, the counts."""
+
+    values: FixedPoint
+    weights: FixedPoint
+    works: FixedPoint
+    counts: FixedPoint
+
+
+@dataclass(frozen=True)
+class _Sums:
+    """One protocol instance's unmasked, decoded sums and who is in them."""
+
+    summed: Any
+    weight: float
+    weighted_work: float
+    survivors: list[int]
+    clipping: Clipping
 
 
 @dataclass(frozen=True)
