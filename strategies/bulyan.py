@@ -10,7 +10,7 @@ from flwr.serverapp.strategy import Bulyan as FlowerBulyan
 from fedge.aggregate import bulyan
 from fedge.errors import ConfigError
 from fedge.strategies.fedavg import FedAvg
-from fedge.strategies.flower_args import flower_constructor
+from fedge.strategies.flower_args import RuleSetting, flower_constructor
 from fedge.strategies.registry import register
 from fedge.strategies.rule import Arrays, EachUpdateRule, Update
 
@@ -52,6 +52,9 @@ class Bulyan(FedAvg):
         f, the Byzantine updates to tolerate per round (Flower's ``num_malicious_nodes``).
     """
 
+    num_byzantine = RuleSetting[int]()  # read at each aggregation, under fedge's name and Flower's
+    num_malicious_nodes = RuleSetting[int]("num_byzantine")
+
     def __init__(self, *, num_byzantine: int = 0, selection_rule: Any = None, **kwargs: Any) -> None:
         if selection_rule is not None:
             raise ConfigError("Bulyan(selection_rule=...) is Flower's hook on its own records; fedge's Bulyan selects "
@@ -65,4 +68,3 @@ class Bulyan(FedAvg):
                               f"round, but clients-per-round = {per_round}: every round would keep the model; raise "
                               "clients-per-round or lower num-byzantine")
         super().__init__(rule=BulyanSelection(num_byzantine=num_byzantine), **kwargs)
-        self.num_byzantine = num_byzantine

@@ -24,4 +24,4 @@ class FedAdagrad(FedAdam):
     kind = "adagrad"
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(beta1=0.0, **kwargs)
+        super().__init__(beta1=0.0, beta2=0.0, **kwargs)  # beta2 unused; Flower's FedAdagrad holds 0 too

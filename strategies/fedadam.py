@@ -11,7 +11,7 @@ from numpy.typing import NDArray
 
 from fedge.aggregate import State, adaptive_step, with_statistics
 from fedge.strategies.fedavg import FedAvg
-from fedge.strategies.flower_args import flower_constructor
+from fedge.strategies.flower_args import RuleSetting, flower_constructor
 from fedge.strategies.registry import register
 from fedge.strategies.rule import Arrays, LinearRule
 
@@ -75,10 +75,38 @@ class FedAdam(FedAvg):
     """
 
     kind = "adam"
+    rule: Adaptive
+    current_arrays_as_numpy = True  # as Flower's FedOpt keeps it
+
+    # The step's settings, read at each step (as Flower's are), under fedge's names and Flower's
+    server_learning_rate = RuleSetting[float]()
+    eta = RuleSetting[float]("server_learning_rate")
+    beta1 = RuleSetting[float]()
+    beta_1 = RuleSetting[float]("beta1")
+    beta2 = RuleSetting[float]()
+    beta_2 = RuleSetting[float]("beta2")
+    tau = RuleSetting[float]()
 
     def __init__(self, *, server_learning_rate: float = 0.1, eta_l: float = 0.1, beta1: float = 0.9,
                  beta2: float = 0.99, tau: float = 1e-3, **kwargs: Any) -> None:
         super().__init__(rule=Adaptive(kind=self.kind, server_learning_rate=server_learning_rate, beta1=beta1,
                                        beta2=beta2, tau=tau), **kwargs)
         self.eta_l = eta_l
-        self.server_learning_rate, self.beta1, self.beta2, self.tau = server_learning_rate, beta1, beta2, tau
+
+    @property
+    def m_t(self) -> dict[str, NDArray[np.float64]] | None:
+        """Flower's first moment (None before the first step)."""
+        return dict(self.rule.first) or None
+
+    @m_t.setter
+    def m_t(self, moments: Mapping[str, NDArray[Any]] | None) -> None:
+        self.rule.first = {name: np.asarray(value, np.float64) for name, value in (moments or {}).items()}
+
+    @property
+    def v_t(self) -> dict[str, NDArray[np.float64]] | None:
+        """Flower's second moment (None before the first step; fedge's starts at ``tau**2``)."""
+        return dict(self.rule.second) or None
+
+    @v_t.setter
+    def v_t(self, moments: Mapping[str, NDArray[Any]] | None) -> None:
+        self.rule.second = {name: np.asarray(value, np.float64) for name, value in (moments or {}).items()}

@@ -15,7 +15,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -194,6 +194,48 @@ class FedAvg(FlowerFedAvg):
     def needs_global_model(self) -> bool:
         """Whether the rule steps from the global model ``configure_train`` sent."""
         return self.rule.needs_global_model
+
+    current_arrays_as_numpy: bool = False  # Flower's FedOpt family keeps a dict of numpy arrays, others an ArrayRecord
+
+    @property
+    def current_arrays(self) -> ArrayRecord | dict[str, NDArray[Any]] | None:
+        """Flower's name for the global model: the arrays the next ``aggregate_train`` checks replies
+        against and steps from (:attr:`global_arrays`; ``configure_train`` sets it each round).
+
+        Set it, as Flower's own tests do, to call ``aggregate_train`` without ``configure_train``;
+        an ``ArrayRecord`` or a mapping of names to numpy arrays. It reads back as Flower's class
+        keeps it: a ``dict`` of numpy arrays (a copy) for FedAdam, FedYogi and FedAdagrad, the
+        ``ArrayRecord`` otherwise.
+        """
+        if self.global_arrays is None or not self.current_arrays_as_numpy:
+            return self.global_arrays
+        return {name: array.numpy() for name, array in self.global_arrays.items()}
+
+    @current_arrays.setter
+    def current_arrays(self, arrays: ArrayRecord | Mapping[str, Any] | None) -> None:
+        if arrays is None or isinstance(arrays, ArrayRecord):
+            self.global_arrays = arrays
+        elif isinstance(arrays, Mapping):
+            self.global_arrays = ArrayRecord({name: value if isinstance(value, Array) else
+                                              Array(c_contiguous(np.asarray(value)))
+                                              for name, value in arrays.items()})
+        else:
+            raise TypeError(f"current_arrays takes an ArrayRecord or a dict of numpy arrays by name, got "
+                            f"{type(arrays).__name__}")
+
+    @property
+    def weighted_by_key(self) -> str:
+        """Flower's ``weighted_by_key``: the train metric a reply's weight is read from (set after
+        construction too: the validator reads the new key)."""
+        return self._weighted_by_key
+
+    @weighted_by_key.setter
+    def weighted_by_key(self, key: str) -> None:
+        self._weighted_by_key = key
+        validator: ReplyValidator | None = self.__dict__.get("validator")  # None while Flower's __init__ runs
+        if validator is not None and validator.weight_key != key:
+            self.validator = copy.copy(validator)  # a validator the caller shares stays as it was
+            self.validator.weight_key = key
 
     def start(  # type: ignore[override]
         self,
@@ -387,7 +429,8 @@ class FedAvg(FlowerFedAvg):
         ``weighted_by_key`` unless given) over the accepted replies' metrics; what was
         accepted, rejected and failed is in :attr:`reports`, not mixed into the metrics.
         Called without :meth:`configure_train` (Flower's tests, custom loops), replies are
-        checked against the array names, shapes and dtypes most of them share.
+        checked against :attr:`current_arrays` when the caller set it (and a server step starts
+        from it), otherwise against the array names, shapes and dtypes most of them share.
         """
         replies, reference = self._reference(replies)
         report = self.report_for(server_round)
@@ -463,7 +506,8 @@ class FedAvg(FlowerFedAvg):
             return replies, self.global_arrays
         if self.needs_global_model:
             raise AggregationError(f"{type(self).__name__} steps from the global model configure_train sent: "
-                                   "call configure_train before aggregate_train")
+                                   "call configure_train before aggregate_train (or set current_arrays, Flower's "
+                                   "name for the global model)")
         replies = list(replies)
         return replies, _shared_arrays(replies)
 

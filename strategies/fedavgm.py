@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvgM as FlowerFedAvgM
 from numpy.typing import NDArray
 
 from fedge.aggregate import State, fedavgm_step, with_statistics
 from fedge.strategies.fedavg import FedAvg
-from fedge.strategies.flower_args import flower_constructor
+from fedge.strategies.flower_args import RuleSetting, flower_constructor
 from fedge.strategies.registry import register
 from fedge.strategies.rule import Arrays, LinearRule
 
@@ -56,8 +57,39 @@ class FedAvgM(FedAvg):
     and like Flower's it then aggregates without ``configure_train``.
     """
 
+    rule: Momentum
+    server_learning_rate = RuleSetting[float]()  # read at each step, as Flower's FedAvgM reads its own
+    server_momentum = RuleSetting[float]()
+
     def __init__(self, *, server_learning_rate: float = 1.0, server_momentum: float = 0.0,
                  **kwargs: Any) -> None:
         super().__init__(rule=Momentum(server_learning_rate=server_learning_rate, server_momentum=server_momentum),
                          **kwargs)
-        self.server_learning_rate, self.server_momentum = server_learning_rate, server_momentum
+
+    @property
+    def momentum_vector(self) -> list[NDArray[np.float64]] | None:
+        """Flower's momentum buffer (``server_momentum * buffer + (old - new)``, in the model's array
+        order; None before the first step): the negated velocity fedge keeps."""
+        return [-velocity for velocity in self.rule.velocity.values()] or None
+
+    @momentum_vector.setter
+    def momentum_vector(self, vectors: list[NDArray[Any]] | None) -> None:
+        if vectors is None:
+            self.rule.velocity = {}
+            return
+        names = list(self.rule.velocity or (self.global_arrays or {}))
+        if len(names) != len(vectors):
+            raise ValueError(f"momentum_vector holds {len(vectors)} arrays for a model of {len(names)} "
+                             "(set current_arrays first: its names order the buffer)")
+        self.rule.velocity = {name: -np.asarray(vector, np.float64)
+                              for name, vector in zip(names, vectors, strict=True)}
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """FedAvg's, then, as Flower's FedAvgM, a server step's result is the model the next step
+        starts from (:attr:`current_arrays`) until ``configure_train`` sends another."""
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is not None and self.rule.needs_global_model:
+            self.global_arrays = arrays
+        return arrays, metrics

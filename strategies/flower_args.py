@@ -10,6 +10,10 @@ subclass Flower's ``FedAvg`` (its constructor and defaults are inherited as they
 fedge ``FedAdam`` is a ``FedAvg`` with an adaptive server step, not Flower's ``FedAdam``,
 so its constructor is read from Flower's class (:func:`flower_constructor`) and never copied:
 a Flower release that changes a default changes fedge's with it.
+
+Flower's public attributes are kept as well: a setting is its rule's (:class:`RuleSetting`,
+read and written under fedge's name or Flower's), so changing it after construction changes
+the next aggregation, as it does Flower's.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, cast, overload
 
 from fedge.errors import ConfigError
 
@@ -94,3 +98,41 @@ def flower_constructor(flower_class: type, **renames: str) -> Callable[[T], T]:
         cls.flower_class = flower_class  # type: ignore[attr-defined]
         return cls
     return decorate
+
+
+V = TypeVar("V")
+
+
+class RuleSetting(Generic[V]):
+    """A strategy attribute that is its rule's setting, under fedge's name or Flower's.
+
+    Flower's strategies read their settings (``server_momentum``, ``eta``, ``beta``, ...) when
+    they aggregate, so an app may change one after construction, as Flower's own tests do
+    (``strategy.server_learning_rate = ...``). fedge's rule holds the setting it uses; this
+    attribute reads it from the rule and writes it there, so both names mean the one value.
+
+    Parameters
+    ----------
+    name : str, optional
+        The rule's attribute (default: the strategy attribute's own name).
+    """
+
+    def __init__(self, name: str | None = None) -> None:
+        self.rule_name = name or ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.rule_name = self.rule_name or name
+
+    @overload
+    def __get__(self, strategy: None, owner: type | None = None) -> RuleSetting[V]: ...
+
+    @overload
+    def __get__(self, strategy: object, owner: type | None = None) -> V: ...
+
+    def __get__(self, strategy: object | None, owner: type | None = None) -> V | RuleSetting[V]:
+        if strategy is None:
+            return self
+        return cast(V, getattr(strategy.rule, self.rule_name))  # type: ignore[attr-defined]
+
+    def __set__(self, strategy: object, value: V) -> None:
+        setattr(strategy.rule, self.rule_name, value)  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ from flwr.serverapp.strategy import MultiKrum as FlowerMultiKrum
 
 from fedge.aggregate import multi_krum
 from fedge.strategies.fedavg import FedAvg
-from fedge.strategies.flower_args import flower_constructor
+from fedge.strategies.flower_args import RuleSetting, flower_constructor
 from fedge.strategies.registry import register
 from fedge.strategies.rule import Arrays, EachUpdateRule, Update
 
@@ -54,10 +54,14 @@ class Krum(FedAvg):
         m, how many lowest-score updates to average (1: Krum; >1: Multi-Krum).
     """
 
+    # read at each aggregation, under fedge's names and Flower's
+    num_byzantine = RuleSetting[int]()
+    num_malicious_nodes = RuleSetting[int]("num_byzantine")
+    num_selected = RuleSetting[int]()
+    num_nodes_to_select = RuleSetting[int]("num_selected")
+
     def __init__(self, *, num_byzantine: int = 0, num_selected: int = 1, **kwargs: Any) -> None:
         super().__init__(rule=KrumSelection(num_byzantine=num_byzantine, num_selected=num_selected), **kwargs)
-        self.num_byzantine = num_byzantine
-        self.num_selected = num_selected
 
 
 @flower_constructor(FlowerMultiKrum, num_malicious_nodes="num_byzantine", num_nodes_to_select="num_selected")

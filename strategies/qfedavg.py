@@ -12,7 +12,7 @@ from fedge import wire
 from fedge.aggregate import QFedAvgAccumulator, WeightedMeanAccumulator
 from fedge.errors import ConfigError
 from fedge.strategies.fedavg import FedAvg
-from fedge.strategies.flower_args import flower_constructor
+from fedge.strategies.flower_args import RuleSetting, flower_constructor
 from fedge.strategies.registry import register
 from fedge.strategies.rule import Arrays, RoundContext, Rule, Update
 
@@ -84,6 +84,11 @@ class QFedAvg(FedAvg):
         the step (logged), where Flower's would stop the round with an error.
     """
 
+    # read at each step, as Flower's QFedAvg reads its own
+    client_learning_rate = RuleSetting[float]()
+    q = RuleSetting[float]()
+    train_loss_key = RuleSetting[str]()
+
     def __init__(self, *, client_learning_rate: float, q: float = 0.1, train_loss_key: str = "train_loss",
                  **kwargs: Any) -> None:
         if not client_learning_rate > 0 or not q >= 0:
@@ -91,4 +96,3 @@ class QFedAvg(FedAvg):
                               ">= 0 (0: FedAvg's objective)")
         super().__init__(rule=FairStep(client_learning_rate=client_learning_rate, q=q, train_loss_key=train_loss_key),
                          **kwargs)
-        self.client_learning_rate, self.q, self.train_loss_key = client_learning_rate, q, train_loss_key

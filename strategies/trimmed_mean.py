@@ -9,7 +9,7 @@ from flwr.serverapp.strategy import FedTrimmedAvg as FlowerFedTrimmedAvg
 from fedge.aggregate import trimmed_mean
 from fedge.errors import ConfigError
 from fedge.strategies.fedavg import FedAvg
-from fedge.strategies.flower_args import flower_constructor
+from fedge.strategies.flower_args import RuleSetting, flower_constructor
 from fedge.strategies.registry import register
 from fedge.strategies.rule import Arrays, EachUpdateRule, Update
 
@@ -41,12 +41,14 @@ class TrimmedMean(FedAvg):
         beta in [0, 0.5): the fraction cut from each end of every coordinate (Flower's ``beta``).
     """
 
+    trim_fraction = RuleSetting[float]()  # read at each aggregation, under fedge's name and Flower's
+    beta = RuleSetting[float]("trim_fraction")
+
     def __init__(self, *, trim_fraction: float = 0.2, **kwargs: Any) -> None:
         if not 0 <= trim_fraction < 0.5:
             raise ConfigError(f"trim-fraction (Flower's beta) = {trim_fraction}: give a fraction in [0, 0.5), "
                               "the share cut from each end of every coordinate")
         super().__init__(rule=Trimmed(trim_fraction=trim_fraction), **kwargs)
-        self.trim_fraction = trim_fraction
 
 
 FedTrimmedAvg = TrimmedMean  # Flower's name (Yin et al.'s trimmed mean)
