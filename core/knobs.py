@@ -177,7 +177,8 @@ KNOBS: dict[str, Knob] = {
                              "strategies", check=within(0.5, 1, note="devices refuse half their neighbours or less")),
     "secagg-neighbours": Knob(0, "neighbours per device (0: all pairs)", "strategies",
                               check=((lambda v: v == 0 or v >= 2), "0 (all pairs) or >= 2")),
-    "secagg-clip": Knob(1000.0, "largest |w * delta / a| a device sends", "strategies", check=above(0)),
+    "secagg-clip": Knob(1000.0, "largest |delta / a| per entry a device sends (clipped there, then weighted; "
+                        "clipping is counted)", "strategies", check=above(0)),
     "secagg-precision": Knob(0.0001, "quantisation step of w * delta / a", "strategies", check=above(0)),
     "secagg-bits": Knob(32, "ring width: arithmetic in Z_2^bits", "strategies", check=within(8, 64)),
     # ---- differential privacy

@@ -96,6 +96,9 @@ class RoundRecorder:
             "clipped_gateways": report.clipped_gateways if report else 0,
             "clipped_devices": report.clipped_devices if report else 0,
             "capped_devices": report.capped_devices if report else 0,
+            "secagg_clipped_entries": report.secagg_clipped_entries if report else 0,
+            "secagg_clipped_devices": report.secagg_clipped_devices if report else 0,
+            "secagg_capped_weights": report.secagg_capped_weights if report else 0,
             "train_loss": report.train_loss if report else None,
             "aggregated": report.aggregated if report else False,
         }
