@@ -8,9 +8,10 @@ writes the run directory (see :mod:`fedge.server.report`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,30 +99,53 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_na
         extra["driver"] = SecureAggregation(**secure_options(config, build_policy(config).selection_size(per_round)))
     if config["asynchronous"]:
         extra["driver"] = AsynchronousDriver.from_config(config, num_nodes)
-    strategy: FedAvg = spec.cls(
-        clients_per_round=per_round,
-        policy=build_policy(config),
-        validator=ReplyValidator(max_num_examples=config.integer("max-num-examples"),
-                                 max_local_steps=local_step_limit(config),
-                                 accepts_aggregates=bool(config["gateways"]),
-                                 secure_pool=MIN_DEVICES if config["gateways"] and config["secure-aggregation"] else 0,
-                                 device_tier=device_tier_bounds(config)),
-        selector=build_selector(config),
-        min_train_replies=min(config.integer("min-train-replies"), per_round),
-        wait_for_nodes_s=config.number("round-timeout"),
-        straggler_fraction=config.number("straggler-fraction"),
-        flower_lines=False,  # fedge's console has its own round lines
-        fraction_evaluate=config.number("fraction-evaluate"),
-        min_evaluate_nodes=0 if not config["fraction-evaluate"] else 1,
-        buffer_names=buffer_names,
-        privacy=privacy,
-        downlink=downlink,
-        submodels=submodels,
-        **extra,
-    )
+    validator = ReplyValidator(max_num_examples=config.integer("max-num-examples"),
+                               max_local_steps=local_step_limit(config),
+                               accepts_aggregates=bool(config["gateways"]),
+                               secure_pool=MIN_DEVICES if config["gateways"] and config["secure-aggregation"] else 0,
+                               device_tier=device_tier_bounds(config))
+    with _without_flower(FRACTION_EVALUATE_WARNING):
+        strategy: FedAvg = spec.cls(
+            clients_per_round=per_round,
+            policy=build_policy(config),
+            validator=validator,
+            selector=build_selector(config),
+            min_train_replies=min(config.integer("min-train-replies"), per_round),
+            wait_for_nodes_s=config.number("round-timeout"),
+            straggler_fraction=config.number("straggler-fraction"),
+            flower_lines=False,  # fedge's console has its own round lines
+            fraction_evaluate=config.number("fraction-evaluate"),
+            min_evaluate_nodes=0 if not config["fraction-evaluate"] else 1,
+            min_available_nodes=1,  # evaluation rounds run with the nodes connected (Flower waits for 2 by default)
+            buffer_names=buffer_names,
+            privacy=privacy,
+            downlink=downlink,
+            submodels=submodels,
+            **extra,
+        )
     if config["gateways"]:
         check_hierarchical(config, strategy)
     return strategy
+
+
+# Flower's FedAvg warns at construction that fraction_evaluate = 0 skips federated evaluation. fedge then
+# evaluates centrally (a task without central data turns federated evaluation on: with_evaluation), and every
+# process that builds the strategy (the check at start, the ServerApp) said so again on the coordinator's console.
+FRACTION_EVALUATE_WARNING = "fraction_evaluate is set to 0.0"
+
+
+@contextlib.contextmanager
+def _without_flower(message: str) -> Iterator[None]:
+    """Drop Flower's log records that start with ``message`` while the block runs."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(message)
+
+    flower = logging.getLogger("flwr")
+    flower.addFilter(keep)
+    try:
+        yield
+    finally:
+        flower.removeFilter(keep)
 
 
 GATEWAY_STRATEGIES = "fedavg, fedprox, fedavgm, fedadam, fedyogi or fedadagrad"
@@ -267,12 +291,17 @@ def check_deployment(config: RunConfig, *, registered: int | None) -> None:
         One line naming the problem and the fix.
     """
     per_round = config.integer("clients-per-round")
+    # with gateways = true the registered nodes are gateways: each replies once a round, for all its devices
+    nodes = "gateways" if config["gateways"] else "devices"
+    why = " (each gateway replies once a round, for all its devices)" if config["gateways"] else ""
     if registered is not None and per_round > registered:
-        raise ConfigError(f"clients-per-round = {per_round} but only {registered} device(s) are registered; register "
-                          "more with `fedge keys add-device NAME` or lower --clients-per-round")
+        raise ConfigError(f"clients-per-round = {per_round} but only {registered} {nodes[:-1]}(s) are registered{why}; "
+                          f"register more with `fedge keys add-device NAME` or lower --clients-per-round (to "
+                          f"{registered})")
     if registered is not None and config.integer("min-train-replies") > registered:
-        raise ConfigError(f"min-train-replies = {config['min-train-replies']} but only {registered} device(s) are "
-                          "registered; lower min-train-replies or register more devices")
+        raise ConfigError(f"min-train-replies = {config['min-train-replies']} but only {registered} {nodes[:-1]}(s) "
+                          f"are registered{why}; lower it (--run-config 'min-train-replies={registered}') or register "
+                          f"more {nodes}")
     fleet = fleet_of(config)
     task = load_task(config)
     check_task(task, config)

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import secrets
+import signal
 import socket
 import ssl
 import subprocess
@@ -42,7 +43,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
-from fedge.config import DEFAULTS, Scalar
+from fedge.config import DEFAULTS, Scalar, resolve_run_config
 from fedge.edge.signing import ensure_private_dir
 from fedge.errors import ConfigError, FedgeError
 from fedge.files import open_private_append
@@ -405,14 +406,14 @@ class Coordinator:
         """
         if self.keys is None and not stop_stale_runs:
             return []
-        fleet = self.sync_devices(stop_stale_runs=stop_stale_runs)
+        fleet = self.sync_devices(stop_stale_runs=stop_stale_runs, announce=False)  # the line below names them all
         if self.keys is None:
             return []
         registered = [p.stem for p in self.keys.device_public_keys() if p.stem not in fleet.revoked_keys]
         log.info("registered devices: %s", ", ".join(registered) or "none")
         return registered
 
-    def sync_devices(self, *, stop_stale_runs: bool = False) -> FleetStatus:
+    def sync_devices(self, *, stop_stale_runs: bool = False, announce: bool = True) -> FleetStatus:
         """One look at the SuperLink's devices, which follow the allow-list ``KEYS/devices/*.pub``.
 
         A key added to the directory is registered, a node whose key left it is unregistered
@@ -426,6 +427,9 @@ class Coordinator:
         reconnect, which then work on a run nobody serves until Flower's heartbeat ends it
         (about 45 s here), before they take the new run's first round.
 
+        ``announce``: log the keys this look registered (``devices registered: ...``); off at start,
+        where :meth:`register_devices` names every registered device in one line.
+
         Raises
         ------
         FedgeError
@@ -438,8 +442,7 @@ class Coordinator:
         try:
             out = json.loads(done.stdout.strip().splitlines()[-1])
         except (json.JSONDecodeError, IndexError):
-            raise FedgeError("listing the coordinator's devices failed: "
-                             f"{(done.stdout + done.stderr).strip()[-300:]}") from None
+            raise FedgeError(f"listing the coordinator's devices failed: {_why_failed(done)}") from None
         if out["failed"]:
             name, why = next(iter(out["failed"].items()))
             raise FedgeError(f"registering device key {name} failed: {why[-300:]}")
@@ -455,7 +458,7 @@ class Coordinator:
             print(f"WARNING: device key {name} was revoked (its node is unregistered) and cannot join again; "
                   f"make a new one (`fedge keys add-device NEW_NAME`) and delete this one", file=sys.stderr, flush=True)
         self._warned.update(out["revoked_keys"])
-        if out["registered"]:
+        if out["registered"] and announce:
             log.info("devices registered: %s", ", ".join(out["registered"]))
         names = {**known, **{n["node_id"]: n["name"] for n in out["nodes"] if n["name"]}}
         if names != known or not self.names_file.exists():
@@ -484,19 +487,26 @@ class Coordinator:
 
         The log goes whole to ``STATE_DIR/run.log``; the console gets it without tracebacks and
         Flower's exit banners (the error they report is kept in the returned :class:`RunOutput`).
+        Until the ServerApp says itself how many devices its round waits for (it starts, builds
+        the task and exports the training graph first: tens of seconds on a loaded machine), this
+        process says it (:class:`DeviceWait`).
         """
         app_dir = self._app_description()
         overrides = " ".join(f"{key}={_toml(value)}" for key, value in run_config.items())
         command = [flower_bin("flwr"), "run", str(app_dir), CONNECTION, "--run-config", overrides, "--stream"]
         with open_private_append(self.state_dir / "run.log", text=True) as log_file:
             output = RunOutput(console or sys.stdout, log_file)
-            self.runner = subprocess.Popen(command, env=self.env(), umask=PRIVATE_UMASK, stdout=subprocess.PIPE,
-                                           stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                           start_new_session=True)
-            assert self.runner.stdout is not None
-            for line in self.runner.stdout:
-                output.feed(line)
-            output.returncode = self.runner.wait()
+            waiting = DeviceWait(self, resolve_run_config(dict(run_config)), output).start()
+            try:
+                self.runner = subprocess.Popen(command, env=self.env(), umask=PRIVATE_UMASK,
+                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                               bufsize=1, start_new_session=True)
+                assert self.runner.stdout is not None
+                for line in self.runner.stdout:
+                    output.feed(line)
+                output.returncode = self.runner.wait()
+            finally:
+                waiting.stop()
         return output
 
     def _app_description(self) -> Path:
@@ -510,7 +520,9 @@ class Coordinator:
         config_lines = "\n".join(f"{key} = {_toml(value)}" for key, value in DEFAULTS.items())
         (app_dir / "pyproject.toml").write_text(
             '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n\n'
-            '[project]\nname = "fedge-run"\nversion = "1.0.0"\ndependencies = []\n\n'
+            '[project]\nname = "fedge-run"\nversion = "1.0.0"\n'
+            'description = "A fedge run: fedge\'s ServerApp and ClientApp, as installed on the coordinator '
+            'and the devices"\nlicense = "Apache-2.0"\ndependencies = []\n\n'
             '[tool.flwr.app]\npublisher = "fedge"\n\n'
             '[tool.flwr.app.components]\nserverapp = "fedge.server.app:app"\n'
             'clientapp = "fedge.clients.app:app"\n\n'
@@ -585,7 +597,11 @@ class FleetWatch:
             self.poll()
 
     def poll(self) -> None:
-        """One sync; a failure is logged once (until the next success) and keeps the last counts."""
+        """One sync; a failure is logged once (until the next success) and keeps the last counts.
+
+        A look that fails because the coordinator is stopping (its SuperLink and the look's helper
+        are being stopped) is no failure: nothing is logged.
+        """
         if self.coordinator.stopped or self.coordinator.superlink is None \
                 or self.coordinator.superlink.poll() is not None:
             return
@@ -593,6 +609,9 @@ class FleetWatch:
             self.coordinator.sync_devices()
             self._failing = False
         except (FedgeError, OSError, subprocess.SubprocessError) as exc:
+            superlink = self.coordinator.superlink
+            if self._stop.is_set() or self.coordinator.stopped or superlink is None or superlink.poll() is not None:
+                return  # the coordinator is stopping (it ends the look's helper): nothing to warn about
             if not self._failing:
                 log.warning("device list unavailable: %s", exc)
             self._failing = True
@@ -611,6 +630,69 @@ class FleetWatch:
         return {"superlink": state, "run": self.outcome,
                 "devices_online": None if status is None else status.count("online"),
                 "devices_registered": None if status is None else status.count("online", "offline", "registered")}
+
+
+def _why_failed(done: subprocess.CompletedProcess[str]) -> str:
+    """Why a helper process gave no answer, in one line: its last error line, else how it ended."""
+    lines = [line.strip() for line in (done.stderr or done.stdout or "").splitlines() if line.strip()]
+    if lines:
+        return lines[-1][-300:]
+    if done.returncode < 0:
+        try:
+            name = signal.Signals(-done.returncode).name
+        except ValueError:
+            name = f"signal {-done.returncode}"
+        return f"its helper process was stopped by {name} before it answered"
+    return f"its helper process exited with status {done.returncode} and printed nothing"
+
+
+class DeviceWait:
+    """The coordinator's own ``waiting for devices: K connected of N needed`` lines, from the run's start.
+
+    The ServerApp logs such a line every 10 s while its round waits, but only once it has
+    started, built the task and the model and exported the training graph: 15 s on a quiet
+    machine, 50 s and more on a loaded one, with nothing on the console meanwhile. This says it
+    at once and every ``every_s`` seconds (counts from :attr:`Coordinator.fleet`, which
+    :class:`FleetWatch` refreshes) until the ServerApp says it itself, enough are connected, or
+    the run ends. With ``gateways = true`` the nodes are gateways, and the line says so.
+    """
+
+    every_s = 10.0
+
+    def __init__(self, coordinator: Coordinator, config: Mapping[str, Any], output: RunOutput) -> None:
+        self.coordinator, self.output = coordinator, output
+        self.needed = int(config["clients-per-round"])
+        self.noun = "gateways" if config.get("gateways") else "devices"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def connected(self) -> int | None:
+        """Nodes online at the last look (None before the first)."""
+        fleet = self.coordinator.fleet
+        return None if fleet is None else fleet.count("online")
+
+    def say(self) -> bool:
+        """One line, unless the wait is over; False once it is."""
+        connected = self.connected()
+        if self.output.waits_itself.is_set() or (connected is not None and connected >= self.needed):
+            return False
+        count = "?" if connected is None else str(connected)
+        self.output.say(f"waiting for {self.noun}: {count} connected of {self.needed} needed; "
+                        "rounds start once they have connected\n")
+        return True
+
+    def start(self) -> DeviceWait:  # noqa: D102
+        if self.say():
+            self._thread = threading.Thread(target=self._follow, name="fedge-device-wait", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:  # noqa: D102
+        self._stop.set()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.every_s) and self.say():
+            pass
 
 
 def read_names(path: Path) -> dict[str, str]:
@@ -643,7 +725,15 @@ class RunOutput:
         self.error: str | None = None
         self.exit_code: int | None = None
         self.returncode: int | None = None
+        self.waits_itself = threading.Event()  # the ServerApp logged its own "waiting for devices" line
         self._mode = ""  # "traceback" or "banner" while such lines are held back from the console
+        self._lock = threading.Lock()  # the run's lines and :class:`DeviceWait`'s share the console
+
+    def say(self, line: str) -> None:
+        """Write one line of fedge's own to the console (not to the run's log)."""
+        with self._lock:
+            self.console.write(line)
+            self.console.flush()
 
     def feed(self, line: str) -> None:  # noqa: D102
         self.log.write(line)
@@ -666,8 +756,9 @@ class RunOutput:
             if "For more information, visit" in text:
                 self._mode = ""
             return
-        self.console.write(line)
-        self.console.flush()
+        if "waiting for devices" in text:
+            self.waits_itself.set()
+        self.say(line)
 
 
 def _free_loopback_port() -> int:

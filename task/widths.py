@@ -21,6 +21,7 @@ sub-model's size, so a small device never allocates the full model).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -252,6 +253,20 @@ def training_memory_bytes(task: Task, model: nn.Module, batch_size: int, *, opti
     return weights * (1 + optimizer_copies) + 2 * sum(saved.values())
 
 
+KINETO_LOG_LEVEL = "KINETO_LOG_LEVEL"
+KINETO_QUIET = "6"  # above kineto's USDT level (5), its highest: profiler_start / profiler_stop lines included
+
+
+def quiet_profiler() -> None:
+    """Keep torch's profiler (kineto) from writing ``USDT: ... profiler_start`` lines to stderr.
+
+    Kineto reads ``KINETO_LOG_LEVEL`` when the profiler first starts in a process; it is set
+    (unless the user set it) before then. Only kineto's own lines go: stderr stays open to
+    everything else (fedge's lines, warnings, errors).
+    """
+    os.environ.setdefault(KINETO_LOG_LEVEL, KINETO_QUIET)
+
+
 def measured_training_bytes(task: Task, model: nn.Module, batch_size: int, *, optimizer_copies: int = 3) -> int:
     """The memory one training step of ``model`` at ``batch_size`` takes on this machine's CPU kernels, in bytes.
 
@@ -261,6 +276,7 @@ def measured_training_bytes(task: Task, model: nn.Module, batch_size: int, *, op
     """
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415 - loads the profiler only when asked
 
+    quiet_profiler()
     data = task.train_data()
     index = np.arange(batch_size) % len(data)
     inputs = tuple(torch.as_tensor(np.asarray(array[index])) for array in data.inputs)
