@@ -160,7 +160,7 @@ def test_three_browsers_and_a_python_device_train_like_an_all_python_fleet(feder
     # Assert: every round aggregated the gateway's 4 device results (the reloaded tab counted once)
     assert [row["round"] for row in rows] == list(range(ROUNDS + 1)), federation.log("coordinator")
     assert all(row["aggregated"] and row["participants"] == 1 and row["rejected"] == 0 for row in rows[1:]), rows
-    assert gateway_log.count("4 device results (0 rejected)") == ROUNDS, gateway_log
+    assert gateway_log.count("4 device results (0 rejected, 0 clipped") == ROUNDS, gateway_log
     assert all(state["error"] is None for state in states.values()), states
     assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.3
     # ... and learned like the all-Python fleet: within 0.5 accuracy points, round for round
