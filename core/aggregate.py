@@ -89,12 +89,14 @@ def c_contiguous(array: NDArray[np.generic]) -> NDArray[np.generic]:
 
 
 def update_norm(trained: Arrays, reference: Arrays) -> float:
-    """The L2 norm of ``trained - reference`` over every floating-point tensor (in float64)."""
+    """The L2 norm of ``trained - reference`` over every floating-point tensor (each tensor's squared norm in
+    its own precision, their sum in float64)."""
     total = 0.0
     for name, value in trained.items():
-        if np.issubdtype(np.asarray(value).dtype, np.floating):
-            delta = np.asarray(value, np.float64) - np.asarray(reference[name], np.float64)
-            total += float(np.dot(delta.ravel(), delta.ravel()))
+        array = np.asarray(value)
+        if np.issubdtype(array.dtype, np.floating):  # the difference in the tensor's own precision, summed in float64
+            delta = (array - np.asarray(reference[name], array.dtype)).ravel()
+            total += float(np.dot(delta, delta))
     return float(np.sqrt(total))
 
 
