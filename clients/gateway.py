@@ -18,6 +18,14 @@ coordinator's SuperLink keeps one node per gateway instead of one per phone).
 State: everything of a round lives in this process's memory; a restarted gateway loses only
 the round in flight (the coordinator counts the gateway as failed for that round), and its
 devices check in again on the 401 they get.
+
+The run's end: Flower tells a SuperNode nothing when its run finishes; the coordinator stops
+its SuperLink. A gateway that was handed the run's last round (``num-rounds``, which its
+ClientApp passes on) and then finds the coordinator's port closed knows the run is over
+(:func:`watch_run_end`); so does one whose node stopped because the coordinator stayed away
+(``fedge device``'s offline limit). From then on every poll is answered
+``{"kind": "done", ...}`` (docs/device-protocol.md), and the gateway stops only once each
+device seen lately has heard it, or after a short grace period.
 """
 
 from __future__ import annotations
@@ -82,6 +90,8 @@ CONTROL_TOKEN = "control-token"  # in the gateway's state directory, 0600: what 
 DEVICE_LIMITS = ListenerLimits(per_address=256, concurrency=20_000, idle_timeout_s=5, body_timeout_s=30.0,
                                handshake_timeout_s=10.0)
 MAX_RESULT_SLACK = 2 << 20  # bytes a result may hold beyond 8 per model element (frame header, secure records)
+RUN_OVER_NEXT_IN_S = 600.0  # "done": when an app that wants to join a later run may ask again
+RUN_END_PROBE_S = 1.0  # after the run's last round, how often the gateway checks whether the coordinator closed
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,14 @@ class Gateway:
         self.in_flight_by: Counter[str] = Counter()  # requests in progress per client address
         self.model_elements = 0  # the open round's model size: what bounds a result's body
         self.rounds_done = 0
+        self.last_round = 0  # the run's last round (its num-rounds), as the coordinator's instructions say
+        self.final_round_seen = False  # the coordinator handed this gateway the run's last round
+        self.over: str | None = None  # why the run is over, once it is: every poll is answered "done"
+        self.run_over = threading.Event()  # set with ``over``
+        self.all_heard = threading.Event()  # every device seen lately when the run ended has been told
+        self._expecting: set[str] = set()  # those devices
+        self._told: set[str] = set()  # devices answered "done"
+        self._over_lock = threading.Lock()
         self._rng = random.Random()
 
     def next_in_s(self, device: str | None = None) -> float:
@@ -132,6 +150,61 @@ class Gateway:
         if busy:
             return round(self._rng.uniform(0.2, 1.0), 2)
         return round(self.settings.idle_poll_s * self._rng.uniform(0.5, 1.5), 2)
+
+    def note_round(self, header: dict[str, Any]) -> None:
+        """Record where in the run the coordinator's instruction ``header`` is (its last round or not).
+
+        A round that comes after the run was declared over (the coordinator came back, or
+        started a new run on this node) puts the gateway back to serving rounds.
+        """
+        server_round, total = header.get("server-round"), header.get("num-rounds")
+        known = all(isinstance(value, int) and not isinstance(value, bool) for value in (server_round, total))
+        self.last_round = int(total) if known else 0  # type: ignore[arg-type]
+        self.final_round_seen = known and 0 < int(total) <= int(server_round)  # type: ignore[arg-type]
+        with self._over_lock:
+            if self.over is None:
+                return
+            self.over = None
+            self.run_over.clear()
+            self.all_heard.clear()
+        log.info("round %s: the coordinator sent a round after this gateway took its run to be over; serving rounds "
+                 "again", server_round)
+
+    def finish(self, reason: str, *, seen_within_s: float | None = None) -> bool:
+        """Declare the run over (once): from now on polls are answered ``done`` with ``reason``.
+
+        The devices that made a request in the last ``seen_within_s`` seconds (default: three
+        poll intervals, at least 30 s) are the ones :attr:`all_heard` waits for. Returns whether
+        this call declared it.
+        """
+        window = seen_within_s if seen_within_s is not None else max(30.0, 3 * self.settings.idle_poll_s)
+        with self._over_lock:
+            if self.over is not None:
+                return False
+            self._expecting, self._told = set(self.sessions.live_devices(window)), set()
+            self.over = reason
+            self.run_over.set()
+            if not self._expecting:
+                self.all_heard.set()
+        print(f"the run is over ({reason}); this gateway tells its devices so when they poll "
+              f"({len(self._expecting)} seen in the last {window:.0f} s)", flush=True)
+        return True
+
+    def done_answer(self, device: str) -> dict[str, Any] | None:
+        """The ``done`` answer to a poll of ``device`` once the run is over (``None`` before)."""
+        with self._over_lock:
+            reason = self.over
+            if reason is None:
+                return None
+            self._told.add(device)
+            if self._expecting <= self._told:
+                self.all_heard.set()
+        return {"kind": "done", "reason": reason, "next-in-s": RUN_OVER_NEXT_IN_S}
+
+    def heard(self) -> tuple[int, int]:
+        """(devices told the run is over, of those seen lately when it ended)."""
+        with self._over_lock:
+            return len(self._expecting & self._told), len(self._expecting)
 
     def task_for(self, session: Any) -> bytes | None:
         """The frame of the open round's task for ``session``, or ``None`` (nothing for it now)."""
@@ -152,6 +225,9 @@ class Gateway:
         current = self.round
         open_round = self.exchange is not None or (current is not None and not current.closed)
         if not open_round or not self.model_elements:
+            if current is not None and current.closed and self.exchange is None:
+                raise refused(409, f"round {current.server_round} closed before this result arrived (it had its "
+                                   "results, or its deadline passed); it was not counted")
             raise refused(409, "no round is open; ask for a task first (GET /v1/task)")
         return 8 * self.model_elements + MAX_RESULT_SLACK
 
@@ -166,6 +242,7 @@ class Gateway:
         kind = header.get("kind")
         if kind not in ("train", "evaluate"):
             raise refused(400, f"control: kind must be train or evaluate, got {kind!r:.20}")
+        self.note_round(header)
         if kind == "train" and header.get("secure") is not None:
             self.model_elements = sum(math.prod(np.shape(value)) for value in frame_tensors.values())
             return await asyncio.to_thread(self.run_secure_round, header, frame_tensors)
@@ -315,6 +392,8 @@ def device_app(gateway: Gateway, *, max_body: int = 64 << 20, web: WebSite | Non
 
     async def task(request: Any) -> Any:
         session = await session_of(request, await _body(request, 0))
+        if (done := gateway.done_answer(session.device)) is not None:  # the run is over: the gateway's last word
+            return _json(done)
         frame = gateway.task_for(session)
         if frame is None:
             return _json({"kind": "wait", "next-in-s": gateway.next_in_s(session.device)})
@@ -322,6 +401,9 @@ def device_app(gateway: Gateway, *, max_body: int = 64 << 20, web: WebSite | Non
 
     async def result(request: Any) -> Any:
         headers_session(request)  # an unauthenticated or stale request is refused before its body is read
+        if gateway.over is not None:
+            raise refused(409, f"the run is over ({gateway.over}); this result is dropped: poll (GET /v1/task) for "
+                               "the gateway's last word")
         body = await _body(request, min(max_body, gateway.result_limit()))
         session = await session_of(request, body)
         current = gateway.round
@@ -387,7 +469,7 @@ def control_app(gateway: Gateway, token: str) -> Any:
         current = gateway.round
         return _json({"sessions": len(gateway.sessions), "allowed": len(gateway.allow), "in-flight": gateway.in_flight,
                       "rounds-done": gateway.rounds_done,
-                      "round-open": current is not None and not current.closed,
+                      "round-open": current is not None and not current.closed, "run-over": gateway.over,
                       "round-answered": 0 if current is None else current.answered})
 
     return Starlette(routes=[Route("/control/round", run_round, methods=["POST"]),
@@ -547,36 +629,95 @@ def run_gateway(options: GatewayOptions) -> int:
         if (warning := demo_page_warning(options.host)) is not None:
             print(warning, file=sys.stderr, flush=True)
     stop = threading.Event()
-    threading.Thread(target=relay_inference_bundles, args=(options, node_state, stop), daemon=True,
+    threading.Thread(target=relay_inference_bundles, args=(options, node_state, stop, gateway), daemon=True,
                      name="fedge-gateway-inference").start()
+    threading.Thread(target=watch_run_end, args=(gateway, options.coordinator, stop), daemon=True,
+                     name="fedge-gateway-run-end").start()
     try:
-        return run_device(DeviceOptions(
+        code = run_device(DeviceOptions(
             coordinator=options.coordinator, profile=options.profile, data=Path("."), key=options.key, ca=options.ca,
             insecure=options.insecure, max_wait_s=options.max_wait_s, state_dir=node_state, runtime="onnx",
             trust=options.trust, bundles=options.bundles, gateway_control=f"127.0.0.1:{control.port}",
             gateway_token=token_file))
+        if gateway.over is None and not coordinator_reachable(options.coordinator):
+            gateway.finish("the coordinator has gone away: its run is over, or it stopped")
+        if gateway.over is not None:
+            tell_devices(gateway)
+        return code
     finally:
         stop.set()
         devices.stop()
         control.stop()
 
 
+def coordinator_reachable(coordinator: str, timeout_s: float = 5.0) -> bool:
+    """Whether a TCP connection to the coordinator's ``HOST:PORT`` opens now."""
+    import socket  # noqa: PLC0415
+
+    from fedge.clients.device import split_address  # noqa: PLC0415
+
+    try:
+        with socket.create_connection(split_address(coordinator), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def watch_run_end(gateway: Gateway, coordinator: str, stop: threading.Event,
+                  reachable: Callable[[str], bool] = coordinator_reachable, every_s: float = RUN_END_PROBE_S) -> None:
+    """Declare the run over once the gateway was handed its last round and the coordinator then closed.
+
+    Flower tells a SuperNode nothing when the run finishes: the coordinator stops its
+    SuperLink. Only after the run's last round does a closed port mean the run is over (before
+    it, the coordinator may be restarting; ``fedge device``'s offline limit covers that).
+    """
+    while not stop.wait(every_s):
+        if gateway.over is None and gateway.final_round_seen and not reachable(coordinator):
+            gateway.finish(f"round {gateway.last_round} of {gateway.last_round} was its last and the coordinator "
+                           "has closed")
+
+
+def tell_devices(gateway: Gateway, grace_s: float | None = None) -> None:
+    """Before the listener goes: wait until every device seen lately heard ``done``, at most ``grace_s``
+    (default: three poll intervals plus 10 s, the longest a polling device stays away)."""
+    grace = grace_s if grace_s is not None else 3 * gateway.settings.idle_poll_s + 10.0
+    gateway.all_heard.wait(grace)
+    told, expected = gateway.heard()
+    print(f"gateway '{gateway.settings.name}' stops: {told} of {expected} devices heard that the run is over",
+          flush=True)
+
+
 INFERENCE_PULL_S = 30.0
 
 
-def relay_inference_bundles(options: GatewayOptions, node_state: Path, stop: threading.Event) -> None:
+def relay_inference_bundles(options: GatewayOptions, node_state: Path, stop: threading.Event,
+                            gateway: Gateway | None = None) -> None:
     """Keep the coordinator's latest inference bundle for devices (``GET /v1/bundles/inference``).
 
     Pulled every :data:`INFERENCE_PULL_S` seconds as the gateway's node, with the same
     checks a device makes (:func:`fedge.edge.delivery.pull`: signature by the trusted key,
     hashes, expiry, and no rollback to an older version): a gateway never relays a bundle it
-    would refuse itself, and devices verify it again.
+    would refuse itself, and devices verify it again. Once ``gateway``'s run is over it
+    stops; after the run's last round, a bundle service that went away is expected (the
+    coordinator is closing) and not warned about.
     """
     from fedge.clients.device import bundle_service  # noqa: PLC0415
     from fedge.edge.delivery import DeliveryError, NotPublished, pull  # noqa: PLC0415
 
     assert options.trust is not None
+
+    def over() -> bool:
+        return gateway is not None and gateway.over is not None
+
+    said = False
     while not stop.is_set():
+        if over():  # nothing to relay; a round that comes after all (a new run) wakes it again
+            if not said:
+                log.info("the run is over: this gateway pulls no further inference bundles")
+            said = True
+            stop.wait(1.0)
+            continue
+        said = False
         try:
             result = pull(url_or_address=options.bundles or bundle_service(options.coordinator), kind="inference",
                           directory=node_state / "bundles", device_key=options.key, ca=options.ca,
@@ -587,9 +728,14 @@ def relay_inference_bundles(options: GatewayOptions, node_state: Path, stop: thr
         except NotPublished:
             pass  # not yet: the coordinator exports every export-every rounds and at the end
         except (DeliveryError, OSError) as exc:
-            log.warning("could not pull the coordinator's inference bundle: %s; trying again in %.0f s", exc,
-                        INFERENCE_PULL_S)
-        stop.wait(INFERENCE_PULL_S)
+            if over() or (gateway is not None and gateway.final_round_seen):
+                log.debug("inference bundle not pulled after the run's last round: %s", exc)
+            else:
+                log.warning("could not pull the coordinator's inference bundle: %s; trying again in %.0f s", exc,
+                            INFERENCE_PULL_S)
+        deadline = time.monotonic() + INFERENCE_PULL_S
+        while not stop.is_set() and not over() and (left := deadline - time.monotonic()) > 0:
+            stop.wait(min(1.0, left))
 
 
 def add_protocol_device(directory: Path, name: str, *, force: bool = False) -> tuple[Path, Path]:

@@ -6,7 +6,8 @@ gateway's loopback control address and the file holding the control token
 (``gateway-control``, ``gateway-token``), which :func:`is_gateway` looks for. The reply
 carries the weighted mean of the devices' trained weights (fp32), ``num-examples`` = the
 examples behind it, and the summed work, so the coordinator's FedAvg weights the gateway as
-the devices it stands for.
+the devices it stands for. Each round also tells the gateway the run's ``num-rounds``: how it
+knows, once the coordinator has closed after the last one, that the run is over.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def gateway_content(msg: Message, context: Context, config: RunConfig, kind: str
     instruction = msg.content.config_records.get(wire.CONFIG)
     server_round = int(instruction.get(wire.SERVER_ROUND, 0)) if instruction is not None else 0  # type: ignore[arg-type]
     graph = str(instruction.get(wire.TRAINING_GRAPH, "")) if instruction is not None else ""
-    header = {"kind": kind, "server-round": server_round, "graph": graph,
+    header = {"kind": kind, "server-round": server_round, "num-rounds": config.integer("num-rounds"), "graph": graph,
               "config": _config_of(msg, context, config, kind),
               "secure": secure_settings(config) if kind == "train" else None}
     result, arrays = ask_gateway(context, header, weights)

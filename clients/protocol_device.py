@@ -10,7 +10,11 @@ time and a nonce; returns a session token and key), then ``task`` polls. A task 
 the global weights and the training settings; the device trains them with the run's signed
 training graph on onnxruntime (:class:`fedge.edge.trainer.OnnxTrainer`, the same trainer an
 onnx device under a SuperNode runs, so both send the same update) and posts the result.
-Every answer says when to come back (``next-in-s``): the gateway's pace steering.
+Every answer says when to come back (``next-in-s``): the gateway's pace steering. Each round
+it took part in is one log line (``round 3: trained on 240 examples, loss 0.41, sent``); a
+result that came after its round closed (409) is a normal outcome, logged as such. When the
+gateway answers a poll with ``done`` (the run is over) the device logs one line and
+:meth:`ProtocolDevice.run` returns.
 
 Threat model (device side): the gateway is authenticated by TLS against the CA the device
 was given, and the gateway name the device signs at check-in is the one in that verified
@@ -88,12 +92,23 @@ def _common_name(certificate: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one poll did: ``wait``, ``train`` or ``evaluate``; when to come back."""
+    """What one poll did, and when to come back.
+
+    ``kind``: ``wait``, ``train``, ``evaluate``, ``secagg`` (a secure step), ``refused``,
+    ``late`` (the result came after its round closed: 409, normal) or ``done`` (the run is
+    over; ``note`` says why, in the gateway's words).
+    """
 
     kind: str
     next_in_s: float
     server_round: int | None = None
     loss: float | None = None
+    note: str | None = None
+
+
+def _printable(text: object, limit: int = 300) -> str:
+    """A gateway's free text, fit for one log line (no control characters, at most ``limit`` characters)."""
+    return "".join(c if c.isprintable() else " " for c in str(text))[:limit]
 
 
 def load_private_key(path: Path) -> PrivateKey:
@@ -175,6 +190,8 @@ class ProtocolDevice:
         self.secure = secure
         self._secagg: dict[str, Any] | None = None  # this round's secure-aggregation secrets
         self._unmasked: int | None = None  # the last round this device unmasked in
+        self.run_over: str | None = None  # once the gateway said the run is over: why (its words)
+        self._work: tuple[int, float] | None = None  # (examples, loss) of the masked step just trained
 
     # ----------------------------------------------------------------------- transport
     def _connect(self) -> http.client.HTTPConnection:
@@ -357,6 +374,9 @@ class ProtocolDevice:
         status, kind, body = self._authenticated("GET", f"{PREFIX}/task")
         if status != 200 or not kind.startswith(FRAME_TYPE):
             answer = self._json(status, body, "task")
+            if answer.get("kind") == "done":  # the run is over: the gateway's last word
+                return Outcome("done", float(answer.get("next-in-s", 0.0)),
+                               note=_printable(answer.get("reason") or "the gateway's run is over"))
             return Outcome("wait", float(answer.get("next-in-s", 1.0)))
         frame, _ = decode_frame(body)
         task = frame.header
@@ -369,15 +389,26 @@ class ProtocolDevice:
             return Outcome("refused", 5.0, int(task.get("server-round", 0)))
         weights = {name: np.array(value) for name, value in frame.tensors.items()}  # writable copies
         trainer, (inputs, targets) = self._ready(str(task.get("graph", "")))
+        server_round = int(task["server-round"])
         if task["kind"] == "evaluate":
             scores = trainer.evaluate(weights, inputs, targets)
             result = encode_frame({"task": task["task"], "kind": "evaluate", "num-examples": len(targets),
                                    "metrics": {k: float(v) for k, v in scores.items()}}, {})
-            answer = self._result(result)
-            return Outcome("evaluate", float(answer.get("next-in-s", 1.0)), int(task["server-round"]))
-        trained, result = self.train(task, weights, trainer, inputs, targets)
-        answer = self._result(result)
-        return Outcome("train", float(answer.get("next-in-s", 1.0)), int(task["server-round"]), trained)
+            shown = ", ".join(f"{k} {float(v):.4f}" for k, v in scores.items())
+            return self._sent(result, "evaluate", server_round, f"evaluated on {len(targets)} examples, {shown}")
+        loss, result = self.train(task, weights, trainer, inputs, targets)
+        return self._sent(result, "train", server_round, f"trained on {len(targets)} examples, loss {loss:.4f}",
+                          loss)
+
+    def _sent(self, result: bytes, kind: str, server_round: int, work: str, loss: float | None = None) -> Outcome:
+        """Send a round's result; its one line (sent, or the round had closed: 409, a normal outcome)."""
+        status, answer = self._result_answer(result)
+        if status == 409:
+            log.info("device %s: round %d: %s; not counted: the round closed before it arrived (%s)", self.name,
+                     server_round, work, _printable(answer.get("error", "409")))
+            return Outcome("late", float(answer.get("next-in-s", 1.0)), server_round, loss)
+        log.info("device %s: round %d: %s, sent", self.name, server_round, work)
+        return Outcome(kind, float(answer.get("next-in-s", 1.0)), server_round, loss)
 
     def train(self, task: dict[str, Any], weights: dict[str, np.ndarray], trainer: OnnxTrainer,
               inputs: tuple[np.ndarray, ...], targets: np.ndarray) -> tuple[float, bytes]:
@@ -404,6 +435,7 @@ class ProtocolDevice:
         """
         action, server_round = str(task.get("action", "")), task.get("server-round")
         out_tensors: dict[str, np.ndarray] = {}
+        self._work = None
         try:
             if isinstance(server_round, bool) or not isinstance(server_round, int):
                 raise DeviceProtocolError(f"malformed {action} step: 'server-round' is not a whole number")
@@ -416,10 +448,18 @@ class ProtocolDevice:
                 f"malformed {action} step ({type(exc).__name__}: {exc})"
             log.warning("device %s: %s", self.name, reason)
             reply = {"task": task.get("task"), "kind": "secagg", "error": reason}
-        answer = self._result(encode_frame(reply, out_tensors))
+        known_round = server_round if isinstance(server_round, int) else None
+        status, answer = self._result_answer(encode_frame(reply, out_tensors))
+        if status == 409:  # the step was over (this device counts as its dropout): normal, not an error
+            log.info("device %s: round %s: the %s step closed before this device's answer arrived (%s)", self.name,
+                     known_round, action, _printable(answer.get("error", "409")))
+            return Outcome("late", float(answer.get("next-in-s", 0.5)), known_round)
+        if action == "secagg_masked" and "error" not in reply and self._work is not None:
+            examples, loss = self._work
+            log.info("device %s: round %s: trained on %d examples, loss %.4f, sent masked (secure aggregation)",
+                     self.name, known_round, examples, loss)
         # a round counts as trained once this device's update is in an unmasked sum (its last step)
         kind = "train" if action == "secagg_unmask" and "error" not in reply else "secagg"
-        known_round = server_round if isinstance(server_round, int) else None
         return Outcome(kind, float(answer.get("next-in-s", 0.5)), known_round)
 
     def _secure_answer(self, action: str, task: dict[str, Any], records: dict[str, dict[str, Any]],
@@ -462,6 +502,7 @@ class ProtocolDevice:
                 epochs=int(config["local-epochs"]), batch_size=int(config["batch-size"]),
                 learning_rate=float(config["learning-rate"]), momentum=float(config["momentum"]),
                 seed=int(task["seed"]), proximal_mu=float(config.get("proximal-mu", 0.0)), max_steps=None)
+            self._work = (work.num_examples, float(work.loss))
             return secagg_device.Trained(arrays=trained, num_examples=work.num_examples, steps=work.steps)
 
         answer = secagg_device.masked(state, inbox=records["inbox"], params=records["secagg"], config=config,
@@ -473,15 +514,25 @@ class ProtocolDevice:
         return ({"secagg-received": answer.received, "fedge": {"server-round": int(state["round"])}},
                 {"masked/vector": answer.vector})
 
-    def _result(self, frame: bytes) -> dict[str, Any]:
+    def _result_answer(self, frame: bytes) -> tuple[int, dict[str, Any]]:
+        """POST a result: (200, the answer), or (409, the answer) when its round or step had closed;
+        any other status raises :class:`DeviceProtocolError`."""
         status, _, body = self._authenticated("POST", f"{PREFIX}/result", frame)
-        return self._json(status, body, "result")
+        if status == 409:
+            try:
+                answer = json.loads(body)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                answer = None
+            return 409, dict(answer) if isinstance(answer, dict) else {}
+        return 200, self._json(status, body, "result")
 
     def run(self, *, stop: threading.Event | None = None, rounds: int | None = None, max_wait_s: float = 30.0) -> int:
-        """Poll until ``stop`` is set or ``rounds`` train tasks are done; how many were trained.
+        """Poll until ``stop`` is set, ``rounds`` train tasks are done or the gateway says the run is over;
+        how many were trained.
 
         Waits what the gateway says between polls (at most ``max_wait_s``), and closes the
-        connection while it waits.
+        connection while it waits. The gateway's ``done`` ends it with one log line, and
+        :attr:`run_over` keeps the gateway's reason.
         """
         stop = stop or threading.Event()
         trained = 0
@@ -499,6 +550,11 @@ class ProtocolDevice:
                 log.warning("device %s: %s", self.name, exc)
                 self.close()
                 outcome = Outcome("wait", 2.0)
+            if outcome.kind == "done":
+                self.run_over = outcome.note or "the gateway's run is over"
+                log.info("device %s: the run is over: %s; %d rounds trained, stopping", self.name, self.run_over,
+                         trained)
+                break
             trained += outcome.kind == "train"
             if outcome.next_in_s > 0:
                 self.close()

@@ -5,11 +5,16 @@ two `fedge gateway start` processes (each a SuperNode node plus an HTTPS device 
 six reference protocol devices (no Flower, no torch in what they run: their modules are
 checked in tests/test_gateway.py) on the digits task, and the inline simulation of the same
 six devices for the flat baseline.
+
+The devices run until their gateway tells them the run is over (``done``, once the coordinator
+closed after the run's last round): a test ends because they were told, whatever the machine's
+load, never because a wait ran out.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,10 +73,11 @@ WITHOUT_FLOWER_OR_TORCH = (
 
 class ProtocolFleet:
     """Six protocol devices, three per gateway: threads of this process, and the last ``processes`` of them
-    as `fedge protocol-device` processes that cannot import Flower or torch."""
+    as `fedge protocol-device` processes that cannot import Flower or torch. Each runs until its gateway
+    says the run is over."""
 
     def __init__(self, federation: LoopbackFederation, ports: list[int], *, processes: int = 0,
-                 rounds: int = 0, secure: bool = False) -> None:
+                 secure: bool = False) -> None:
         config = resolve_run_config({"partitioner": "iid"})
         task = load_task(config)
         shards = [task.partition(index, DEVICES, config) for index in range(DEVICES)]
@@ -93,22 +99,53 @@ class ProtocolFleet:
                     f"phone{index}", "--key", str(federation.root / "allow" / f"phone{index}.key"), "--data",
                     str(federation.root / f"phone{index}.npz"), "--trust", str(federation.bundle_signing_key),
                     "--ca", str(federation.keys.ca_cert), "--state-dir", str(federation.root / f"phone{index}"),
-                    "--rounds", str(rounds), *(["--secure-aggregation"] if secure else [])]
+                    *(["--secure-aggregation"] if secure else [])]
             with (federation.root / f"phone{index}.log").open("wb") as out:
                 self.processes[index] = subprocess.Popen([sys.executable, "-c", WITHOUT_FLOWER_OR_TORCH, *argv],
                                                          stdout=out, stderr=subprocess.STDOUT)
+        self.codes: dict[int, int | None] = {}
 
     def _run(self, index: int) -> None:
         self.trained[index] = self.devices[index].run(stop=self.stop, max_wait_s=1.0)
 
+    def told(self) -> bool:
+        """Whether every device has stopped on its own (its gateway said the run is over)."""
+        return not any(thread.is_alive() for thread in self.threads) and \
+            all(process.poll() is not None for process in self.processes.values())
+
     def close(self) -> None:
+        """Stop whatever still runs (a device that was not told: the test then fails on it) and collect counts."""
         self.stop.set()
         for thread in self.threads:
             thread.join(60)
         for index, process in self.processes.items():
-            if process.wait(120) == 0:
-                log = self.federation.log(f"phone{index}")
+            if process.poll() is None:
+                process.kill()
+            self.codes[index] = process.wait()
+            log = self.federation.log(f"phone{index}")
+            if self.codes[index] == 0 and "stopped after " in log:
                 self.trained[index] = int(log.rsplit("stopped after ", 1)[1].split()[0])
+
+    def check_told(self, rounds: int) -> None:
+        """Every device stopped because its gateway told it the run was over after round ``rounds``, with one
+        line; the processes exit 0 having logged one line per round they trained; each gateway said so."""
+        over = f"round {rounds} of {rounds} was its last and the coordinator has closed"
+        for device in self.devices[:len(self.threads)]:
+            assert device.run_over == over, (device.name, device.run_over)
+        for index in self.processes:
+            log = self.federation.log(f"phone{index}")
+            assert self.codes[index] == 0 and log.count("the run is over: ") == 1 and over in log, log
+            sent = re.findall(rf"device phone{index}: round \d+: trained on \d+ examples, loss [0-9.]+, sent", log)
+            assert len(sent) >= self.trained[index] > 0, log
+        for index in range(2):
+            assert f"the run is over ({over})" in self.federation.log(f"gateway{index}")
+
+
+def _summary_then_devices_told(federation: LoopbackFederation, fleet: ProtocolFleet) -> None:
+    """Wait for the run's summary, then for every device to stop on its own: events, with bounds that only
+    catch a broken run (a device never told would otherwise hang the test)."""
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
+    federation.wait_for(fleet.told, 300, "the devices to hear from their gateways that the run is over")
 
 
 def _start(federation: LoopbackFederation, rounds: int, run_config: str = RUN) -> list[int]:
@@ -128,11 +165,12 @@ def test_two_gateways_train_protocol_devices_to_the_accuracy_of_a_flat_federatio
     # Prepare: six devices' keys; the coordinator and two gateways
     ports = _start(federation, ROUNDS)
     # Execute: six protocol devices, three per gateway (one a `fedge protocol-device` without Flower or torch)
-    fleet = ProtocolFleet(federation, ports, processes=1, rounds=ROUNDS)
+    fleet = ProtocolFleet(federation, ports, processes=1)
     try:
-        federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
+        _summary_then_devices_told(federation, fleet)
     finally:
         fleet.close()
+    fleet.check_told(ROUNDS)
     trained = fleet.trained
     rows = federation.rows()
     # the flat baseline: the same six devices, the same settings, in the inline simulation
@@ -167,9 +205,10 @@ def test_a_gateway_restart_loses_at_most_its_round_in_flight(federation: Loopbac
         gateway.wait()
         federation._kill_marked(str(federation.root / "gw0"))
         _start_gateway(federation, 0, ports[0])
-        federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
+        _summary_then_devices_told(federation, fleet)
     finally:
         fleet.close()
+    fleet.check_told(rounds)
     rows = federation.rows()
     # Assert: every round ran and aggregated; at most one round lacked gateway 0; the model still learned
     assert [row["round"] for row in rows] == list(range(rounds + 1)), federation.log("coordinator")
@@ -184,11 +223,12 @@ def test_secure_aggregation_through_two_gateways_trains_protocol_devices(federat
     # Prepare: the coordinator asks for secure aggregation; every device requires it (one without Flower or torch)
     ports = _start(federation, ROUNDS, RUN + " secure-aggregation=true")
     # Execute
-    fleet = ProtocolFleet(federation, ports, processes=1, rounds=ROUNDS, secure=True)
+    fleet = ProtocolFleet(federation, ports, processes=1, secure=True)
     try:
-        federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
+        _summary_then_devices_told(federation, fleet)
     finally:
         fleet.close()
+    fleet.check_told(ROUNDS)
     rows = federation.rows()
     # Assert: every round took both gateways' secure pool sums (three devices each) and the model learned
     assert [row["round"] for row in rows] == list(range(ROUNDS + 1)), federation.log("coordinator")

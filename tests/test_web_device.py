@@ -27,7 +27,7 @@ from google.protobuf.internal import encoder
 
 from fedge.batching import batch_order
 from fedge.clients.gateway import GatewaySettings, Served, device_app
-from fedge.clients.gateway_pool import device_seed
+from fedge.clients.gateway_pool import GatewayRound, device_seed
 from fedge.clients.gateway_web import WebSite
 from fedge.config import resolve_run_config
 from fedge.edge.trainer import OnnxTrainer
@@ -36,7 +36,7 @@ from fedge.errors import FedgeError
 from fedge.listeners import ListenerLimits
 from fedge.server.bundles import run_signing_key
 from fedge.web import ORT_FILES
-from tests.live_gateway import LiveGateway
+from tests.live_gateway import CONFIG, LiveGateway
 from tests.ort_polyglot import HIDDEN_SCALE, hidden_ort_model, polyglot
 from tests.tiny_bundles import MODEL_ID, tiny_bundle, tiny_model, write_zip
 
@@ -137,6 +137,55 @@ def test_a_browser_tab_trains_a_gateway_round_as_the_python_device_would(tmp_pat
         step = float(np.max(np.abs(python[name] - run["weights"][name]))) / 127 if uplink == "int8-delta" else 0.0
         assert float(np.max(np.abs(arrays[name] - python[name]))) <= step + 1e-5, name
     assert min(float(np.max(np.abs(arrays[k] - run["weights"][k]))) for k in python) > 1e-3  # it trained
+
+
+def _page_when(driver: Any, condition: str) -> dict[str, Any]:
+    """The demo page's state once ``condition`` (JavaScript over its state ``s``) holds: an event, not a pause."""
+    return dict(driver.execute_async_script(
+        "const done = arguments[0];"
+        "(function wait() { const s = window.__fedge; const status = document.getElementById('status');"
+        f" if ({condition}) done({{done: s.done, error: s.error, outcome: s.outcome || null, trained: s.trained || 0,"
+        "  kinds: s.progress.map((e) => e.kind), status: status.textContent, statusClass: status.className,"
+        "  errorLines: document.querySelectorAll('#log li.error').length,"
+        "  lines: Array.from(document.querySelectorAll('#log li'), (li) => li.textContent)});"
+        " else setTimeout(wait, 100); })();"))
+
+
+def test_the_page_shows_a_result_that_missed_its_closed_round_as_normal_and_says_when_the_run_is_over(
+        tmp_path: Path, run: dict[str, Any], chromium: Any) -> None:
+    # Prepare: a round that closes right after handing the tab its task (as a deadline would), the tab joined
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=1, idle_poll_s=0.2))
+    current = GatewayRound(kind="train", server_round=2, config=CONFIG, graph=run["architecture"],
+                           weights=run["weights"], target=1, max_num_examples=100_000)
+    handed = gateway.gateway.task_for
+
+    def close_after_handing(session: Any) -> bytes | None:
+        frame = handed(session)
+        current.close()
+        return frame
+
+    try:
+        _open_device(chromium, gateway, "browser0")
+        gateway.gateway.round = current
+        gateway.gateway.model_elements = sum(int(np.size(value)) for value in run["weights"].values())
+        gateway.gateway.task_for = close_after_handing  # type: ignore[method-assign]
+        chromium.execute_script("window.fedgeJoin(3)")
+        # Execute: the tab's result reaches a closed round (409); then the run ends
+        late = _page_when(chromium, "s.progress.some((e) => e.kind === 'late' || e.kind === 'error')")
+        gateway.gateway.finish("round 2 of 2 was its last and the coordinator has closed")
+        over = _page_when(chromium, "s.done || s.error")
+    finally:
+        gateway.close()
+    # Assert: the late result is a normal outcome (no error, nothing red); the run's end resolves run() with "done"
+    # and the page says so
+    assert "error" not in late["kinds"] and late["errorLines"] == 0 and late["statusClass"] != "error", late
+    assert "round 2 closed before this tab's result arrived" in late["status"], late
+    assert any("had closed when this tab's result arrived" in line for line in late["lines"]), late
+    assert over["done"] and over["outcome"] == "done" and over["error"] is None and over["trained"] == 0, over
+    assert over["status"] == ("the run is over: round 2 of 2 was its last and the coordinator has closed "
+                              "(0 rounds trained here)"), over
+    assert over["kinds"][-1] == "done" and over["errorLines"] == 0 and over["statusClass"] != "error", over
+    assert gateway.gateway.heard() == (1, 1)
 
 
 def _unanswered_round(gateway: WebGateway) -> None:

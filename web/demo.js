@@ -1,7 +1,8 @@
 // The demo page's logic: a FedgeDevice on the examples the operator left for this device name
 // (data/NAME.json: {"inputs": [{"dtype", "dims", "b64"}], "targets": {"dtype", "dims", "b64"}}), which the
 // gateway hands only to this device's session: fetched after check-in, with the session's MAC.
-// window.__fedge exposes the state (the public key, progress events, errors) to scripts and tests.
+// window.__fedge exposes the state (the public key, progress events, errors, and once run() resolved: done, trained,
+// outcome: "done" when the gateway said the run is over) to scripts and tests.
 import {FedgeDevice} from "./fedge-device.js";
 import {DTYPES} from "./frame.js";
 
@@ -14,14 +15,34 @@ function array(entry) {
   return {data: new DTYPES[entry.dtype](bytes.buffer), dims: entry.dims};
 }
 
+// What the page says of each outcome: "late" (the round closed before this tab's result arrived: 409) is normal,
+// "done" is the gateway's word that the run is over; only "error" is shown as one.
+const STATUS = {
+  wait: () => "waiting for a round",
+  train: (e) => "round " + e.round + ": trained and sent",
+  evaluate: (e) => "round " + e.round + ": evaluated and sent",
+  late: (e) => "round " + e.round + " closed before this tab's result arrived (not counted); waiting for the next",
+  refused: (e) => "round " + e.round + ": refused (secure aggregation is not implemented in the browser)",
+  done: (e) => "the run is over: " + e.reason,
+  error: (e) => "error: " + e.error,
+};
+
 function render(event) {
   const line = document.createElement("li");
-  line.textContent = event.kind + (event.round ? " round " + event.round : "") +
-    (event.loss !== undefined ? ", loss " + event.loss.toFixed(4) : "") + (event.error ? ": " + event.error : "");
+  if (event.kind === "late") {
+    line.textContent = "round " + event.round + " had closed when this tab's result arrived: not counted (normal)" +
+      (event.loss !== undefined ? ", loss " + event.loss.toFixed(4) : "");
+  } else if (event.kind === "done") {
+    line.textContent = "the run is over: " + event.reason;
+  } else {
+    line.textContent = event.kind + (event.round ? " round " + event.round : "") +
+      (event.loss !== undefined ? ", loss " + event.loss.toFixed(4) : "") + (event.error ? ": " + event.error : "");
+  }
   if (event.kind === "error") line.className = "error";
   $("log").prepend(line);
   $("progress").value = event.trained || 0;
-  $("status").textContent = event.kind === "wait" ? "waiting for a round" : event.kind;
+  $("status").textContent = (STATUS[event.kind] || ((e) => e.kind))(event);
+  $("status").className = event.kind === "error" ? "error" : "";
 }
 
 async function join(rounds) {
@@ -33,9 +54,15 @@ async function join(rounds) {
   device.data = {inputs: data.inputs.map(array), targets: array(data.targets)};
   state.device = device;
   $("progress").max = rounds;
-  state.trained = await device.run({rounds: rounds, maxWaitS: 2, onProgress: (event) => { state.progress.push(event); render(event); }});
+  const outcome = await device.run({rounds: rounds, maxWaitS: 2,
+                                    onProgress: (event) => { state.progress.push(event); render(event); }});
+  state.trained = outcome.trained;
+  state.outcome = outcome.kind;
   state.done = true;
-  $("status").textContent = "done: " + state.trained + " rounds trained";
+  $("status").className = "";
+  $("status").textContent = outcome.kind === "done"
+    ? "the run is over: " + outcome.reason + " (" + outcome.trained + " rounds trained here)"
+    : "done: " + outcome.trained + " rounds trained";
 }
 
 window.fedgeJoin = (rounds) => join(rounds).catch((error) => {

@@ -9,7 +9,8 @@
 //   const identity = await FedgeDevice.identity("phone-017");   // once: the operator admits identity.publicKeyPem
 //   const device = new FedgeDevice({gateway: "https://gw1.example.org:9443", name: "phone-017",
 //                                   bundleKeyPem: SIGNING_PUB, data: {inputs, targets}});
-//   await device.run({rounds: 3, onProgress: (event) => ...});
+//   const outcome = await device.run({rounds: 3, onProgress: (event) => ...});
+//     // outcome: {kind: "done" (the gateway said the run is over; outcome.reason says why) | "rounds" | "stopped", trained}
 //   const scores = await device.predict({data, dims});  // the coordinator's latest signed inference model
 //
 // Threat model (device side): the gateway is authenticated by TLS (the browser's trust store);
@@ -38,6 +39,8 @@ function b64(bytes) {
   return btoa(raw);
 }
 function unb64(text) { return Uint8Array.from(atob(text), (c) => c.charCodeAt(0)); }
+// A gateway's free text, fit for one line of a page: no control characters, at most 300 characters.
+function printable(text) { return String(text).replace(/[\u0000-\u001f\u007f-\u009f]/g, " ").slice(0, 300); }
 async function sha256Hex(data) {
   const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", data));
   return Array.from(digest, (b) => b.toString(16).padStart(2, "0")).join("");
@@ -200,10 +203,15 @@ export class FedgeDevice {
   }
 
   // ---------------------------------------------------------------- one poll
+  // What it did: {kind, nextInS, round, ...}. kind: "wait"; "train" (loss) or "evaluate" (metrics), sent;
+  // "late": the result came after its round closed (409, a normal outcome: it was not counted; reason says why);
+  // "refused" (a secure step); "done": the run is over (reason: the gateway's words).
   async poll() {
     const answer = await this.authenticated("GET", PREFIX + "/task");
     if (answer.status !== 200 || !answer.type.startsWith(FRAME_TYPE)) {
-      return {kind: "wait", nextInS: FedgeDevice.json(answer, "task")["next-in-s"] || 1};
+      const body = FedgeDevice.json(answer, "task");
+      if (body.kind === "done") return {kind: "done", nextInS: 0, reason: printable(body.reason || "the run is over")};
+      return {kind: "wait", nextInS: body["next-in-s"] || 1};
     }
     const {header: task, tensors} = decodeFrame(answer.body.buffer);
     if (task.kind === "secagg") return this.refuseSecure(task);
@@ -214,7 +222,9 @@ export class FedgeDevice {
       const result = await this.call({type: "evaluate", weights: weights, ...this.data});
       const sent = await this.result(encodeFrame({task: task.task, kind: "evaluate", "num-examples": result.numExamples,
                                                   metrics: result.metrics}));
-      return {kind: "evaluate", nextInS: sent["next-in-s"], round: task["server-round"], metrics: result.metrics};
+      const kind = sent.late ? "late" : "evaluate";
+      return {kind: kind, nextInS: sent["next-in-s"], round: task["server-round"], metrics: result.metrics,
+              ...(sent.late ? {reason: sent.reason} : {})};
     }
     const trained = await this.call({type: "train", weights: weights, config: task.config, seed: String(task.seed), ...this.data});
     const header = {task: task.task, kind: "train", "num-examples": trained.stats.numExamples,
@@ -231,7 +241,8 @@ export class FedgeDevice {
       }
     }
     const sent = await this.result(encodeFrame(header, out));
-    return {kind: "train", nextInS: sent["next-in-s"], round: task["server-round"], loss: trained.stats.loss};
+    return {kind: sent.late ? "late" : "train", nextInS: sent["next-in-s"], round: task["server-round"],
+            loss: trained.stats.loss, numExamples: trained.stats.numExamples, ...(sent.late ? {reason: sent.reason} : {})};
   }
 
   async refuseSecure(task) {
@@ -240,11 +251,19 @@ export class FedgeDevice {
     return {kind: "refused", nextInS: sent["next-in-s"] || 1, round: task["server-round"]};
   }
 
+  // The gateway's answer to a result; {late: true, reason} when it came after its round closed (409): normal.
   async result(frame) {
-    return FedgeDevice.json(await this.authenticated("POST", PREFIX + "/result", frame), "result");
+    const answer = await this.authenticated("POST", PREFIX + "/result", frame);
+    if (answer.status === 409) {
+      let body = {};
+      try { body = JSON.parse(new TextDecoder().decode(answer.body)) || {}; } catch (e) { body = {}; }
+      return {late: true, reason: printable(body.error || "the round had closed"), "next-in-s": body["next-in-s"] || 1};
+    }
+    return FedgeDevice.json(answer, "result");
   }
 
-  // Poll until `rounds` train tasks are done (or stop() is called), waiting what the gateway says.
+  // Poll until `rounds` train tasks are done, stop() is called or the gateway says the run is over, waiting
+  // what the gateway says. Resolves with {kind: "done" | "rounds" | "stopped", trained, reason (for "done")}.
   async run({rounds = Infinity, maxWaitS = 30, onProgress = () => {}} = {}) {
     let trained = 0;
     this.stopped = false;
@@ -258,9 +277,10 @@ export class FedgeDevice {
       }
       if (outcome.kind === "train") trained++;
       onProgress({...outcome, trained: trained});
+      if (outcome.kind === "done") return {kind: "done", trained: trained, reason: outcome.reason};
       await new Promise((resolve) => setTimeout(resolve, 1000 * Math.min(outcome.nextInS || 0, maxWaitS)));
     }
-    return trained;
+    return {kind: this.stopped ? "stopped" : "rounds", trained: trained};
   }
 
   stop() { this.stopped = true; }
