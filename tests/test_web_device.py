@@ -530,3 +530,32 @@ def test_the_browser_refuses_an_older_or_another_lineages_training_graph(tmp_pat
     assert f'training bundle refused: it is of model "chars-training", but this device follows model "{lineage}"' \
         in crossed.get("error", ""), crossed
     assert named == {"model_id": "chars-training", "version": version + 1}, named
+
+
+CHECK_IN = """
+const [options, done] = arguments;
+(async () => {
+  const {FedgeDevice} = await import("./fedge-device.js");
+  const device = new FedgeDevice({gateway: location.origin, name: "browser0", data: null, bundleKeyPem: "",
+                                  ...options});
+  await device.checkIn();
+  done({session: Boolean(device.session), signed: device.gatewayName});
+})().catch((error) => done({error: String(error.message || error)}));
+"""
+
+
+def test_an_app_that_names_its_gateway_signs_no_check_in_for_another(tmp_path: Path, run: dict[str, Any],
+                                                                    chromium: Any) -> None:
+    # Prepare: gateway gw-test serves the page; the tab's key admitted
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=1, round_deadline_s=60,
+                                                        idle_poll_s=0.2))
+    try:
+        _open_device(chromium, gateway, "browser0")
+        # Execute: an app expecting another gateway's name, then one expecting this one's
+        other = dict(chromium.execute_async_script(CHECK_IN, {"gatewayName": "gw-b"}))
+        own = dict(chromium.execute_async_script(CHECK_IN, {"gatewayName": "gw-test"}))
+    finally:
+        gateway.close()
+    # Assert: the first refuses before signing anything, naming both; the second checks in
+    assert "announces 'gw-test', but this app expects gateway 'gw-b'" in other["error"]
+    assert own == {"session": True, "signed": "gw-test"}

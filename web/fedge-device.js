@@ -80,8 +80,12 @@ export class FedgeDevice {
 
   // modelId / trainingModelId: the lineage (signed model_id) of the inference / training bundles to accept;
   // without them, the first lineage this device accepts of each kind is the only one it accepts.
-  constructor({gateway, name, bundleKeyPem, data, ortBase, workerUrl, modelId, trainingModelId}) {
+  // gatewayName: the gateway's name (`fedge keys add-gateway NAME`) this app expects. A page cannot read the
+  // TLS certificate, so without it the device signs whatever name `hello` announces, and a gateway could
+  // relay that check-in to another gateway; with it, a `hello` naming another gateway is refused.
+  constructor({gateway, name, bundleKeyPem, data, ortBase, workerUrl, modelId, trainingModelId, gatewayName}) {
     this.gateway = gateway.replace(/\/$/, "");
+    this.expectedGateway = gatewayName ?? null;
     this.name = name;
     this.bundleKeyPem = bundleKeyPem;
     this.lineage = {inference: modelId ?? null, training: trainingModelId ?? null};
@@ -122,7 +126,14 @@ export class FedgeDevice {
   }
 
   async checkIn() {
-    if (!this.gatewayName) this.gatewayName = FedgeDevice.json(await this.send("GET", PREFIX + "/hello"), "hello").gateway;
+    if (!this.gatewayName) {
+      const announced = FedgeDevice.json(await this.send("GET", PREFIX + "/hello"), "hello").gateway;
+      if (this.expectedGateway !== null && announced !== this.expectedGateway) {
+        throw new Error("the gateway at " + this.gateway + " announces '" + announced + "', but this app expects gateway '" +
+                        this.expectedGateway + "': no check-in is signed for it (it could relay one to another gateway)");
+      }
+      this.gatewayName = announced;
+    }
     const {keys} = await FedgeDevice.identity(this.name);
     const issued = Math.floor(Date.now() / 1000), nonce = b64(crypto.getRandomValues(new Uint8Array(16)));
     const message = enc.encode(["fedge-check-in/1", this.name, this.gatewayName, String(issued), nonce].join("\n"));
