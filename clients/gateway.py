@@ -243,10 +243,9 @@ class Gateway:
         if kind not in ("train", "evaluate"):
             raise refused(400, f"control: kind must be train or evaluate, got {kind!r:.20}")
         self.note_round(header)
+        self.model_elements = sum(math.prod(np.shape(value)) for value in frame_tensors.values())  # bounds results
         if kind == "train" and header.get("secure") is not None:
-            self.model_elements = sum(math.prod(np.shape(value)) for value in frame_tensors.values())
             return await asyncio.to_thread(self.run_secure_round, header, frame_tensors)
-        self.model_elements = sum(math.prod(np.shape(value)) for value in frame_tensors.values())
         current = GatewayRound(kind=str(kind), server_round=int(header.get("server-round", 0)),
                                config=dict(header.get("config", {})), graph=str(header.get("graph", "")),
                                weights=frame_tensors, target=self.round_target(),
