@@ -431,6 +431,7 @@ class GatewayRound:
         self._examples = self._samples = self._steps = self._devices = self._rejected = 0
         self._clipped = self._capped = 0
         self._answered: set[str] = set()  # device names whose result is in the sum
+        self._taken: set[str] = set()  # device names handed this round's task
         self._lock = threading.Lock()
         self.complete = threading.Event()
         self.closed = False
@@ -552,6 +553,17 @@ class GatewayRound:
                                metrics=dict(self._metric_means), samples_processed=self._samples, steps=self._steps,
                                devices=self._devices, rejected=self._rejected, clipped=self._clipped,
                                capped=self._capped)
+
+    def hand_out(self, device: str) -> None:
+        """Note that ``device`` was handed this round's task (what the gateway's waiting line counts)."""
+        with self._lock:
+            self._taken.add(device)
+
+    @property
+    def taken(self) -> int:
+        """Devices handed this round's task so far."""
+        with self._lock:
+            return len(self._taken)
 
     def has_answered(self, device: str) -> bool:
         """Whether ``device``'s result is already in this round (under any session of it)."""
