@@ -125,6 +125,7 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_na
         )
     if config["gateways"]:
         check_hierarchical(config, strategy)
+        strategy.node_word = "gateways"  # its nodes are gateways: its lines say so
     return strategy
 
 

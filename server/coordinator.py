@@ -725,7 +725,7 @@ class RunOutput:
         self.error: str | None = None
         self.exit_code: int | None = None
         self.returncode: int | None = None
-        self.waits_itself = threading.Event()  # the ServerApp logged its own "waiting for devices" line
+        self.waits_itself = threading.Event()  # the ServerApp logged its own "waiting for devices/gateways" line
         self._mode = ""  # "traceback" or "banner" while such lines are held back from the console
         self._lock = threading.Lock()  # the run's lines and :class:`DeviceWait`'s share the console
 
@@ -756,7 +756,7 @@ class RunOutput:
             if "For more information, visit" in text:
                 self._mode = ""
             return
-        if "waiting for devices" in text:
+        if "waiting for devices" in text or "waiting for gateways" in text:  # under gateways = true, the latter
             self.waits_itself.set()
         self.say(line)
 

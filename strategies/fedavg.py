@@ -155,6 +155,7 @@ class FedAvg(FlowerFedAvg):
         if clients_per_round is not None and clients_per_round < 1:
             raise ConfigError(f"clients_per_round must be >= 1, got {clients_per_round}")
         super().__init__(**kwargs)
+        self.node_word = "devices"  # what its nodes are, in its lines: "gateways" under gateways = true
         self.clients_per_round = clients_per_round
         self.round_target = clients_per_round or self.min_train_nodes  # devices the current round wants
         self.validator = validator or ReplyValidator(require_round_tag=False)
@@ -392,11 +393,18 @@ class FedAvg(FlowerFedAvg):
         if self.submodels is not None:  # `exclude`: devices too small for the model sit out
             nodes = self.submodels.eligible(nodes, grid)
         if len(nodes) < self.min_train_replies:
-            log.warning("round %d: only %d devices connected (< min-train-replies %d); round skipped",
-                        server_round, len(nodes), self.min_train_replies)
+            log.warning("round %d: only %d %s connected (< min-train-replies %d); round skipped%s",
+                        server_round, len(nodes), self.node_word, self.min_train_replies, self._replies_hint())
             return []
         self.round_target = min(self.round_size(len(nodes)), len(nodes))
         return self.selector.select(server_round, nodes, self.policy.selection_size(self.round_target))
+
+    def _replies_hint(self) -> str:
+        """Under gateways, how a run with fewer gateways than ``min-train-replies`` changes the model."""
+        if self.node_word != "gateways":
+            return ""
+        return (f" (each gateway is one reply a round, for all its devices: with fewer than {self.min_train_replies} "
+                "gateways, lower min-train-replies, e.g. --run-config 'min-train-replies=1' for one gateway)")
 
     def wait_for_devices(self, server_round: int, grid: Grid) -> list[int]:
         """The connected devices, once :meth:`devices_needed` are, or whoever is at ``wait_for_nodes_s``.
@@ -413,8 +421,8 @@ class FedAvg(FlowerFedAvg):
             if now >= deadline:
                 break
             if now >= next_log:  # through Flower's logger: `flwr run` and the coordinator stream show it
-                flower_log(logging.INFO, "round %d: waiting for devices: %d connected of %d needed%s",
-                           server_round, len(nodes), needed,
+                flower_log(logging.INFO, "round %d: waiting for %s: %d connected of %d needed%s",
+                           server_round, self.node_word, len(nodes), needed,
                            "" if math.isinf(deadline) else f" ({deadline - now:.0f} s left)")
                 next_log = now + self.wait_log_every_s
             time.sleep(min(0.5, max(deadline - now, 0.0)))  # inf - now is inf: 0.5
@@ -476,8 +484,9 @@ class FedAvg(FlowerFedAvg):
                       server_round)
             aggregate = None
         if aggregate is None or report.accepted < self.min_train_replies:
-            log.warning("round %d: %d accepted updates (< min-train-replies %d); global model "
-                        "kept as it was", server_round, report.accepted, self.min_train_replies)
+            log.warning("round %d: %d accepted updates from %s (< min-train-replies %d); global model "
+                        "kept as it was%s", server_round, report.accepted, self.node_word, self.min_train_replies,
+                        self._replies_hint())
             return None, metrics
         report.aggregated = True
         if self.privacy is not None:
