@@ -80,7 +80,7 @@ CHECK_IN_SEED = bytes(range(32))  # the device's Ed25519 private key (raw seed)
 SIGNING_SEED = bytes(range(100, 132))  # the coordinator's bundle signing key (raw seed)
 SESSION_KEY = bytes(range(200, 232))  # a check-in's session key
 X25519_A = bytes.fromhex("77076d0a7318a57d3c16c17251b26645df4c2f87ebc0992ab177fba51db92c2a")  # RFC 7748 §6.1
-X25519_B = bytes.fromhex("5dab087e624a8a4b79e17f8b83800ee66f3bb1292618de3cd23a9b5c31e3fc34")
+X25519_B = bytes.fromhex("5dab087e624a8a4b79e17f8b83800ee66f3bb1292618b6fd1c2f8b27ff88e0eb")
 G_SEED = bytes(range(50, 82))  # a device's round signing key (Ed25519 seed)
 
 
