@@ -25,6 +25,7 @@ from fedge.clients.common import evaluation_content, received_weights, train_ord
 from fedge.config import RunConfig
 from fedge.device_protocol import FRAME_TYPE, decode_frame, encode_frame
 from fedge.errors import FedgeError
+from fedge.strategies.validation import POOL_CLIPPING
 
 CONTROL = "gateway-control"
 TOKEN_FILE = "gateway-token"
@@ -78,6 +79,15 @@ def ask_gateway(context: Context, header: dict[str, Any], weights: dict[str, np.
     return frame.header, dict(frame.tensors)
 
 
+def pool_clipping(result: dict[str, Any]) -> dict[str, int]:
+    """A secure pool round's clipping counts for the reply meta (what the coordinator's metrics.jsonl shows
+    as ``secagg_clipped_entries/devices``, ``secagg_capped_weights``); none for a plain round."""
+    if not int(result.get("secure-pool", 0)):
+        return {}
+    counts = dict(result.get("pool-clipping", {}))
+    return {key: int(counts.get(key, 0)) for key in POOL_CLIPPING}
+
+
 def gateway_content(msg: Message, context: Context, config: RunConfig, kind: str) -> RecordDict:
     """The reply of a gateway node: its devices' aggregate for ``msg`` (train or evaluate)."""
     weights = received_weights(msg.content.array_records[wire.ARRAYS])
@@ -96,7 +106,8 @@ def gateway_content(msg: Message, context: Context, config: RunConfig, kind: str
                          wire.SAMPLES_PROCESSED: int(result["samples-processed"]),
                          wire.STEPS: max(1, int(result["steps"])), wire.AGGREGATE_OF: int(result["devices"]),
                          wire.SECURE_POOL: int(result.get("secure-pool", 0)), wire.GATEWAY: str(result["gateway"]),
-                         wire.CLIPPED: int(result.get("clipped", 0)), wire.CAPPED: int(result.get("capped", 0))})
+                         wire.CLIPPED: int(result.get("clipped", 0)), wire.CAPPED: int(result.get("capped", 0)),
+                         **pool_clipping(result)})
     reply_metrics = MetricRecord({wire.TRAIN_LOSS: metrics.get("train-loss", 0.0),
                                   wire.NUM_EXAMPLES: int(result["num-examples"])})
     return RecordDict({wire.ARRAYS: record, wire.METRICS: reply_metrics, wire.REPLY_META: meta})

@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -355,6 +355,8 @@ class RoundResult:
     secure: bool = False  # the arrays are the unmasked sum of a secure-aggregation round over the pool
     clipped: int = 0  # device updates clipped to the run's max-update-norm
     capped: int = 0  # device weights capped at the run's max-device-examples
+    pool_clipping: Mapping[str, int] = field(default_factory=dict)  # a secure round: what the devices' encodings
+    # clipped, totals over the pool (fedge.strategies.validation.POOL_CLIPPING)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from uuid import uuid4
 
@@ -46,6 +46,7 @@ from fedge.errors import ConfigError
 from fedge.strategies.drivers.secure import MIN_DEVICES, SecureAggregation
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.selection import RandomSelector
+from fedge.strategies.validation import POOL_CLIPPING
 
 log = logging.getLogger("fedge.gateway")
 DEVICE_ERROR = 1  # the code of a device's refusal as the driver sees it (Flower's ClientApp exception)
@@ -238,6 +239,7 @@ class PoolSum:
     arrays: dict[str, np.ndarray]
     weight: float
     devices: int
+    clipping: dict[str, int] = field(default_factory=dict)  # what the devices' encodings clipped (POOL_CLIPPING)
 
 
 def check_secure_settings(raw: object) -> dict[str, float]:
@@ -282,6 +284,7 @@ def secure_pool_round(exchange: SecureExchange, devices: Mapping[int, str], *, s
         failures = "; ".join(f"{r.node_id}: {r.reason}" for r in strategy.reports[-1].failed[:3])
         raise refused(503, f"round {server_round}: secure aggregation over this gateway's pool did not finish "
                             f"({failures or 'too few devices finished'}); the coordinator keeps its model")
+    clipping = {key: int(metrics.get(key, 0)) for key in POOL_CLIPPING}  # type: ignore[call-overload]
     return PoolSum({name: array.numpy() for name, array in new.items()}, float(metrics["weight"]),  # type: ignore[arg-type]
-                   int(metrics["accepted"]))  # type: ignore[arg-type]
+                   int(metrics["accepted"]), clipping)  # type: ignore[arg-type]
 

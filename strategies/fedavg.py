@@ -473,6 +473,12 @@ class FedAvg(FlowerFedAvg):
             log.warning("round %d: bounds applied: %d gateway update(s) clipped to max-update-norm here; gateways "
                         "clipped %d device update(s) and capped %d device weight(s) at max-device-examples",
                         server_round, report.clipped_gateways, report.clipped_devices, report.capped_devices)
+        if report.secagg_clipped_entries or report.secagg_capped_weights:
+            log.warning("round %d: the gateways' secure pools clipped %d update entries on %d device(s) (above "
+                        "secagg-clip, or the ring's range at secagg-bits) and capped %d device weight(s) at "
+                        "max-device-examples: raise secagg-clip (or secagg-bits) if entries are clipped every round",
+                        server_round, report.secagg_clipped_entries, report.secagg_clipped_devices,
+                        report.secagg_capped_weights)
         if report.inputs_outside:
             log.warning("round %d: %d of %d accepted updates come from devices whose inputs fall outside the task's "
                         "declared range (their logs name the file): check those devices' data (units, scaling)",
@@ -524,6 +530,9 @@ class FedAvg(FlowerFedAvg):
     def _count_bounds(report: RoundReport, update: AcceptedUpdate) -> None:
         """What the device tier's bounds did to this update (its gateway's counts, and the coordinator's clip)."""
         report.clipped_gateways += update.clipped
+        for key, count in update.pool_clipping.items():  # a gateway's secure pool: its devices' encodings' clips
+            name = key.replace("-", "_")
+            setattr(report, name, getattr(report, name) + count)
         if update.meta is not None:
             report.clipped_devices += update.meta.clipped
             report.capped_devices += update.meta.capped

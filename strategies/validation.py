@@ -16,7 +16,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
@@ -44,6 +44,11 @@ class Rejection:
     reason: str
 
 
+# a gateway's secure pool reply: what the devices' encodings clipped in its pool (the driver's
+# Clipping.metrics(), totals over the pool's devices), in its reply meta; RoundReport's fields with "_" for "-"
+POOL_CLIPPING = ("secagg-clipped-entries", "secagg-clipped-devices", "secagg-capped-weights")
+
+
 @dataclass(frozen=True)
 class AcceptedUpdate:
     """A reply that passed validation, decoded."""
@@ -54,6 +59,7 @@ class AcceptedUpdate:
     content: RecordDict
     meta: wire.ReplyMeta | None = None
     clipped: bool = False  # a gateway's update, clipped to max-update-norm here
+    pool_clipping: Mapping[str, int] = field(default_factory=dict)  # a secure pool's counts (POOL_CLIPPING)
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,7 @@ class CheckedReply:
     meta: wire.ReplyMeta | None
     metrics: wire.TrainMetrics
     clipped: bool = False
+    pool_clipping: Mapping[str, int] = field(default_factory=dict)
 
 
 class ReplyValidator:
@@ -217,7 +224,8 @@ class ReplyValidator:
         clipped = False
         if pooled and reference is not None:
             arrays, clipped = self._bound_gateway(arrays, reference, meta, node_id, server_round)
-        return CheckedReply(arrays, float(metrics.num_examples), meta, metrics, clipped)
+        counts = pool_clipping(content, meta, sum(value.size for value in arrays.values()))
+        return CheckedReply(arrays, float(metrics.num_examples), meta, metrics, clipped, counts)
 
     def _check_gateway(self, meta: wire.ReplyMeta, node_id: int | None) -> None:
         """A pooled reply stands for at most max-gateway-devices devices, under a name no other node uses."""
@@ -300,7 +308,33 @@ class ReplyValidator:
                 yield Rejection(node_id, exc.reason)
                 continue
             yield AcceptedUpdate(node_id, checked.arrays, checked.weight, message.content, checked.meta,
-                                 checked.clipped)
+                                 checked.clipped, checked.pool_clipping)
+
+
+def pool_clipping(content: RecordDict, meta: wire.ReplyMeta | None, model_elements: int) -> dict[str, int]:
+    """A secure pool reply's clipping counts (:data:`POOL_CLIPPING`; {} for any other reply).
+
+    Each must be a whole number: at most the pool's devices for the device counts, at most the
+    pool's devices times the model's elements for the entries.
+
+    Raises
+    ------
+    UpdateRejected
+        Naming the count that has the wrong type or is out of range.
+    """
+    if meta is None or not meta.secure_pool:
+        return {}
+    record = wire.reply_meta(content)
+    assert record is not None  # meta was read from it
+    counts = {}
+    for key in POOL_CLIPPING:
+        value = record.get(key, 0)
+        high = meta.secure_pool * (model_elements if key == "secagg-clipped-entries" else 1)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+            raise UpdateRejected(f"reply meta '{key}' must be a whole number in [0, {high}] (the gateway's pool of "
+                                 f"{meta.secure_pool} devices), got {value!r:.40}")
+        counts[key] = value
+    return counts
 
 
 def decode_arrays(record: ArrayRecord, spec: ArraySpec) -> dict[str, NDArray[np.generic]]:
