@@ -479,6 +479,64 @@ def test_secagg_digests_and_signatures_follow_the_spec() -> None:
                                       "keys": {"c-pk": {"b64": "AAA="}, "n": [1, 2]}}
 
 
+# --------------------------------------------------------------------------- sessions, as documented
+def _sessions(tmp_path: Path, *, now: float) -> tuple[Any, str, bytes]:
+    """A gateway's sessions (gateway ``gw1``) that admitted the check-in vector's device; (sessions, token, key)."""
+    from fedge.clients.gateway_pool import AllowList, Sessions  # noqa: PLC0415 - the gateway's side, not the port's
+
+    vector = _vector("check-in")
+    (tmp_path / f"{vector['device']}.pub").write_text(vector["public_key_pem"], encoding="utf-8")
+    sessions = Sessions(AllowList(tmp_path), vector["gateway"])
+    token, key, _ = sessions.check_in(vector["body"], now=now)
+    return sessions, token, key
+
+
+def _signed(key: bytes, counter: int, path: str = "/v1/task") -> dict[str, Any]:
+    message = "\n".join(["fedge-request/1", "GET", path, str(counter), hashlib.sha256(b"").hexdigest()]).encode()
+    return {"authorization": "", "counter": str(counter), "method": "GET", "path": path, "body": b"",
+            "mac": base64.b64encode(hmac.new(key, message, hashlib.sha256).digest()).decode()}
+
+
+def test_a_gateway_admits_the_check_in_vector_and_a_bad_mac_spends_nothing(tmp_path: Path) -> None:
+    # Prepare: the check-in vector, at its own time; a request with a wrong MAC
+    from fedge.errors import DeviceProtocolError  # noqa: PLC0415
+
+    vector = _vector("check-in")
+    sessions, token, key = _sessions(tmp_path, now=vector["time"])
+    header = f"Fedge-Session {token}"
+    bad = {**_signed(key, 1), "mac": _signed(bytes(32), 1)["mac"], "authorization": header}
+
+    # Execute
+    with pytest.raises(DeviceProtocolError) as refusal:
+        sessions.authenticate(**bad, now=vector["time"])
+    first = sessions.authenticate(**{**_signed(key, 1), "authorization": header}, now=vector["time"]).counter
+    with pytest.raises(DeviceProtocolError) as replay:
+        sessions.authenticate(**{**_signed(key, 1), "authorization": header}, now=vector["time"])
+    later = sessions.authenticate(**{**_signed(key, 7), "authorization": header}, now=vector["time"])
+
+    # Assert: the bad MAC got 401 and kept the session and counter 1; a verified request spent it; gaps are fine
+    assert refusal.value.status == 401 and "MAC does not verify" in str(refusal.value)
+    assert first == 1
+    assert replay.value.status == 401 and "counter 1 was used before" in str(replay.value)
+    assert later.device == vector["device"] and later.counter == 7
+
+
+def test_the_clock_answer_the_document_quotes_is_the_gateways(tmp_path: Path) -> None:
+    # Prepare
+    from fedge.errors import DeviceProtocolError  # noqa: PLC0415
+
+    vector = _vector("check-in")
+
+    # Execute: the device's clock 301 s behind the gateway's
+    with pytest.raises(DeviceProtocolError) as refusal:
+        _sessions(tmp_path, now=vector["time"] + 301)
+
+    # Assert
+    assert refusal.value.status == 401
+    quoted = re.search(r"gets `401` with the error `([^`]+)`", SPEC.read_text(encoding="utf-8"))
+    assert quoted is not None and " ".join(quoted.group(1).split()) == str(refusal.value)
+
+
 # --------------------------------------------------------------------------- the document's index
 def test_the_document_indexes_every_shipped_vector() -> None:
     # Prepare
