@@ -309,7 +309,7 @@ def test_the_training_vectors_update_and_result_follow_the_spec() -> None:
     vector = _vector("training")
     config = vector["task"]["config"]
     start = {k: np.array(v["values"], np.float32) for k, v in vector["global"].items()}
-    state, velocity = dict(start), {}
+    state, velocity = dict(start), dict[str, np.ndarray | None]()
 
     for step in vector["steps"]:
         # Execute: the documented update from each step's gradients (exact: numpy, float32)

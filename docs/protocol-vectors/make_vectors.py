@@ -336,7 +336,7 @@ def secagg_signatures_vector() -> dict[str, Any]:
     """The digests and messages a device signs (masked step, consistency check), with its round key."""
 
     key = Ed25519PrivateKey.from_private_bytes(G_SEED)
-    arrays = {"b": np.array([0.5, -0.5], np.float32), "a": np.array([[1, 2]], np.int64)}
+    arrays: dict[str, np.ndarray] = {"b": np.array([0.5, -0.5], np.float32), "a": np.array([[1, 2]], np.int64)}
     config = {"server-round": 3, "local-epochs": 2, "batch-size": 32, "learning-rate": 0.05, "momentum": 0.9,
               "proximal-mu": 0.0, "note": "x", "flag": True}
     received = Received(arrays_digest(arrays), config_digest(config, SECAGG_PARAMS))
@@ -391,7 +391,8 @@ def make_bundle() -> None:
             self.register_buffer("shift", torch.zeros(3))
 
         def forward(self, features: torch.Tensor) -> torch.Tensor:
-            return nn.functional.linear(features - self.shift, self.weight, self.bias)
+            shift: torch.Tensor = self.shift  # type: ignore[assignment]  # a registered buffer
+            return nn.functional.linear(features - shift, self.weight, self.bias)
 
     weights, raw, targets = training_data()
     model = Tiny()
