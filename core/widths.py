@@ -12,15 +12,17 @@ hidden axis of size ``S``, a window of ``r * S`` consecutive indices (mod ``S``)
   sub-models are nested.
 * FedRolex (Alam, Liu, Yan and Zhang, "FedRolex: Model-Heterogeneous Federated Learning with
   Rolling Sub-Model Extraction", NeurIPS 2022) rolls the window from round to round, so every
-  part of the global model is trained. The paper moves it one index a round; here it moves by
-  its own length (offset ``t * r`` mod 1 in round ``t``), so every entry is trained within
-  ``ceil(1 / r)`` rounds whatever the layer's size.
+  part of the global model is trained: as in the paper's Algorithm 1, the window of a layer of
+  ``K`` units starts at unit ``t mod K`` in round ``t`` (``Offset(index=t * stride)``; stride 1
+  is the paper's). fedge also offers a window that moves by its own length
+  (``Offset(fraction=t * r mod 1)``), which trains every entry within ``ceil(1 / r)`` rounds.
 
-Every hidden axis of a model takes the same *fraction* as its window, which is what keeps
-connected layers consistent without knowing the data flow: an axis of the same size gets
-the same indices, and a channel-major flattened axis (``C * H * W`` features from ``C``
-channels) gets exactly the features of the channels' window, because ``offset * C`` is an
-integer. :class:`CoverageMean` then averages each entry over the devices whose window holds
+An axis is made of :class:`Segment` s: a layer's own units, a channel-major flatten of them
+(``C * H * W`` features from ``C`` channels: ``C`` units of ``H * W`` entries), or several of
+those concatenated (two branches joined by ``torch.cat``; an unscaled input joined to hidden
+features). A window takes the same units of every scaled segment, so a segment fed by a layer
+holds exactly that layer's window, wherever it lands in the concatenation; fixed segments are
+whole. :class:`CoverageMean` then averages each entry over the devices whose window holds
 it, weighted by their examples (HeteroFL's aggregation, the same for FedRolex); entries no
 device held keep the global model's value.
 """
@@ -28,7 +30,7 @@ device held keep the global model's value.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 import numpy as np
@@ -55,9 +57,53 @@ def as_fraction(width: float) -> Fraction:
     return Fraction(width).limit_denominator(MAX_DENOMINATOR)
 
 
-def rolling_offset(width: float, server_round: int) -> Fraction:
-    """FedRolex's window start in round ``server_round`` (1, 2, ...): ``(round - 1) * width`` mod 1."""
-    return (max(server_round - 1, 0) * as_fraction(width)) % 1
+@dataclass(frozen=True)
+class Offset:
+    """Where a window starts on every scaled segment: at ``fraction`` of its units, then ``index`` units
+    further (mod its units). HeteroFL's is ``Offset()``: the leading units."""
+
+    fraction: Fraction = Fraction(0)
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.fraction < 1 or self.index < 0:
+            raise ValueError(f"window offset {self.fraction} + {self.index} units must have a fraction in [0, 1) "
+                             "and a whole number of units >= 0")
+
+    def start(self, units: int) -> int:
+        """The first unit of a segment of ``units`` units (a whole number: the width's check makes it one)."""
+        return (int(self.fraction * units) + self.index) % units
+
+    def __str__(self) -> str:
+        parts = [str(self.fraction)] if self.fraction or not self.index else []
+        return " + ".join([*parts, *([f"{self.index} units"] if self.index else [])])
+
+
+def rolling_offset(width: float, server_round: int, stride: int = 0) -> Offset:
+    """FedRolex's window start in round ``server_round`` (1, 2, ...).
+
+    ``stride`` units a round (the paper's Algorithm 1 is ``stride = 1``: unit ``round - 1`` mod the
+    layer's units); ``stride = 0``: the window moves by its own length, ``(round - 1) * width`` mod 1.
+    """
+    steps = max(server_round - 1, 0)
+    if stride:
+        return Offset(index=steps * stride)
+    return Offset(fraction=(steps * as_fraction(width)) % 1)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of one axis fed by one source: ``units`` units of ``size // units`` consecutive entries
+    each (a flatten of ``units`` channels is channel-major), scaled with the width unless it is ``fixed``
+    (the model's input joined to hidden features)."""
+
+    size: int
+    units: int
+    fixed: bool = False
+
+    def scaled_size(self, width: Fraction) -> int:
+        """Entries a device of ``width`` holds of this segment."""
+        return self.size if self.fixed else int(width * self.units) * (self.size // self.units)
 
 
 @dataclass(frozen=True)
@@ -67,14 +113,16 @@ class Window:
 
     Attributes
     ----------
-    width, offset : Fraction
-        The width ratio and the window's start, as a fraction of every hidden axis.
+    width : Fraction
+        The width ratio.
+    offset : Offset
+        The window's start on every scaled segment.
     axes : Mapping[str, tuple[AxisIndex | None, ...]]
         Each array's per-axis indices.
     """
 
     width: Fraction
-    offset: Fraction
+    offset: Offset
     axes: Mapping[str, tuple[AxisIndex | None, ...]]
 
     @property
@@ -120,13 +168,22 @@ class WidthPlan:
         The full model's array shapes.
     hidden : Mapping[str, tuple[int, ...]]
         Each array's hidden axes (empty: the array is whole at every width).
+    layouts : Mapping[str, Mapping[int, tuple[Segment, ...]]]
+        The segments of the hidden axes that are more than one layer's own units (a flatten,
+        a concatenation); an axis not named here is one segment of its own entries.
     """
 
     shapes: Mapping[str, tuple[int, ...]]
     hidden: Mapping[str, tuple[int, ...]]
+    layouts: Mapping[str, Mapping[int, tuple[Segment, ...]]] = field(default_factory=dict)
+
+    def segments(self, name: str, axis: int) -> tuple[Segment, ...]:
+        """The segments of hidden ``axis`` of array ``name``."""
+        size = self.shapes[name][axis]
+        return self.layouts.get(name, {}).get(axis, (Segment(size, size),))
 
     def check_width(self, width: float) -> Fraction:
-        """``width`` as a fraction, refused unless it cuts every hidden axis into whole indices.
+        """``width`` as a fraction, refused unless it cuts every hidden axis into whole units.
 
         Raises
         ------
@@ -136,41 +193,67 @@ class WidthPlan:
         ratio = as_fraction(width)
         for name, axes in self.hidden.items():
             for axis in axes:
-                size = self.shapes[name][axis]
-                if (ratio * size).denominator != 1:
-                    raise ConfigError(
-                        f"model width {width:g} gives {float(ratio * size):g} of the {size} entries of axis {axis} of "
-                        f"'{name}'; use a width w with w * {size} a whole number (1/2, 1/4, 1/8 for powers of two)")
+                for segment in self.segments(name, axis):
+                    if not segment.fixed and (ratio * segment.units).denominator != 1:
+                        size = self.shapes[name][axis]
+                        what = (f"the {size} entries" if segment.units == size
+                                else f"the {segment.units} units (of {segment.size} entries)")
+                        raise ConfigError(
+                            f"model width {width:g} gives {float(ratio * segment.units):g} of {what} of axis {axis} of "
+                            f"'{name}'; use a width w with w * {segment.units} a whole number (1/2, 1/4, 1/8 for "
+                            "powers of two)")
         return ratio
 
     def sub_shapes(self, width: float) -> dict[str, tuple[int, ...]]:
         """The shapes a device of ``width`` holds."""
         ratio = self.check_width(width)
-        return {name: tuple(int(ratio * size) if axis in self.hidden[name] else size
-                            for axis, size in enumerate(shape)) for name, shape in self.shapes.items()}
+        return {name: tuple(sum(segment.scaled_size(ratio) for segment in self.segments(name, axis))
+                            if axis in self.hidden[name] else size for axis, size in enumerate(shape))
+                for name, shape in self.shapes.items()}
 
-    def window(self, width: float, offset: Fraction = Fraction(0)) -> Window:
-        """The entries a device of ``width`` holds when its window starts at ``offset`` (a fraction in [0, 1))."""
+    def window(self, width: float, offset: Offset | Fraction = Offset()) -> Window:
+        """The entries a device of ``width`` holds when its window starts at ``offset`` (a Fraction is
+        ``Offset(fraction=...)``).
+
+        Raises
+        ------
+        ValueError
+            An offset that does not start every segment at a whole unit.
+        """
         ratio = self.check_width(width)
-        if not 0 <= offset < 1:
-            raise ValueError(f"window offset {offset} must be in [0, 1)")
-        return Window(ratio, offset, {name: tuple(_axis_window(size, ratio, offset) if axis in self.hidden[name]
-                                                  else None for axis, size in enumerate(shape))
-                                      for name, shape in self.shapes.items()})
+        start = offset if isinstance(offset, Offset) else Offset(fraction=offset)
+        return Window(ratio, start, {name: tuple(_axis_window(self.segments(name, axis), ratio, start)
+                                                 if axis in self.hidden[name] else None
+                                                 for axis, _ in enumerate(shape))
+                                     for name, shape in self.shapes.items()})
 
     def parameters_at(self, width: float) -> int:
         """Entries a device of ``width`` holds."""
         return sum(int(np.prod(shape, dtype=np.int64)) for shape in self.sub_shapes(width).values())
 
 
-def _axis_window(size: int, width: Fraction, offset: Fraction) -> AxisIndex | None:
-    """``width * size`` consecutive indices of ``range(size)`` from ``offset * size``, wrapping around."""
-    count, start = int(width * size), int(offset * size)  # whole numbers: check_width and the offset's rule
-    if count == size:
+def _axis_window(segments: tuple[Segment, ...], width: Fraction, offset: Offset) -> AxisIndex | None:
+    """The entries of an axis a window holds: per scaled segment, ``width * units`` consecutive units from
+    ``offset``'s start (wrapping around), each unit's entries in order; fixed segments whole."""
+    parts, base = [], 0
+    for segment in segments:
+        if segment.fixed:
+            parts.append(base + np.arange(segment.size, dtype=np.intp))
+        else:
+            if (offset.fraction * segment.units).denominator != 1:
+                raise ValueError(f"window offset {offset} does not start a segment of {segment.units} units at a "
+                                 "whole unit")
+            per = segment.size // segment.units
+            units = (offset.start(segment.units) + np.arange(int(width * segment.units), dtype=np.intp)) \
+                % segment.units
+            parts.append(base + (units[:, None] * per + np.arange(per, dtype=np.intp)).ravel())
+        base += segment.size
+    entries = np.concatenate(parts)
+    if entries.size == base and np.array_equal(entries, np.arange(base)):
         return None
-    if start + count <= size:
-        return slice(start, start + count)
-    return (start + np.arange(count, dtype=np.intp)) % size
+    if entries.size and np.array_equal(entries, np.arange(entries[0], entries[0] + entries.size)):
+        return slice(int(entries[0]), int(entries[0]) + entries.size)
+    return entries
 
 
 class CoverageMean:
@@ -227,11 +310,13 @@ class CoverageMean:
         return out
 
 
-def covered_within(plan: WidthPlan, width: float, rounds: Iterable[int]) -> dict[str, NDArray[np.bool_]]:
-    """Which entries FedRolex's window of ``width`` holds in at least one of ``rounds``."""
+def covered_within(plan: WidthPlan, width: float, rounds: Iterable[int],
+                   stride: int = 0) -> dict[str, NDArray[np.bool_]]:
+    """Which entries FedRolex's window of ``width`` (moving ``stride`` units a round, 0: its own length)
+    holds in at least one of ``rounds``."""
     seen = {name: np.zeros(shape, bool) for name, shape in plan.shapes.items()}
     for server_round in rounds:
-        window = plan.window(width, rolling_offset(width, server_round))
+        window = plan.window(width, rolling_offset(width, server_round, stride))
         for name, shape in plan.shapes.items():
             seen[name][window.outer_index(name, shape)] = True
     return seen

@@ -8,9 +8,9 @@ The rule a model follows to be scaled (the built-in ``mlp``, ``cnn`` and ``image
 * the layers that read the model's inputs keep their input size, and the last of the
   ``Linear``/``Conv``/``Embedding`` layers to run is the output layer and keeps its output size;
   every other channel and hidden-unit axis scales by ``r``;
-* hidden features are joined only by elementwise operations (residual sums), pooling or a
-  channel-major flatten, never concatenated; ``forward`` computes no size from constants that
-  a width changes.
+* hidden features are joined only by elementwise operations (residual sums), pooling, a
+  channel-major flatten or ``torch.cat`` (followed: :mod:`fedge.task.feature_layout`), never
+  split; ``forward`` computes no size from constants that a width changes.
 
 A model that breaks the rule is refused when the run starts, with the layer named. Which axes
 are the inputs' and the output's is found by running the model once: a layer whose inputs
@@ -32,7 +32,9 @@ from torch import nn
 
 from fedge.errors import ConfigError
 from fedge.task.api import Task, seeded_model
-from fedge.widths import WidthPlan
+from fedge.task.feature_layout import Layout, LayoutTracer
+from fedge.task.width_check import first_divergent_layer, has_norms
+from fedge.widths import Offset, Segment, WidthPlan
 
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)  # layers with an input and an output axis
 NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm1d,
@@ -49,6 +51,7 @@ class Probe:
     reads_inputs: frozenset[str]
     output_layer: str
     output_shape: tuple[int, ...]
+    layouts: Mapping[str, Layout]
 
 
 def probe_inputs(task: Task, batch: int = 2) -> tuple[torch.Tensor, ...]:
@@ -62,7 +65,8 @@ def probe(task: Task, model: nn.Module, inputs: Sequence[torch.Tensor]) -> Probe
     """Run ``model`` once on ``inputs`` and note which weighted layers read them and which is last."""
     order: list[str] = []
     reads: set[str] = set()
-    handles = []
+    tracer = LayoutTracer()
+    handles = tracer.watch(model)
     for name, module in _weighted_modules(model):
         def hook(module: nn.Module, args: tuple[object, ...], output: object, name: str = name) -> None:
             order.append(name)
@@ -71,7 +75,7 @@ def probe(task: Task, model: nn.Module, inputs: Sequence[torch.Tensor]) -> Probe
                 reads.add(name)
         handles.append(module.register_forward_hook(hook))
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), tracer:
             output = task.forward(model, inputs)
     finally:
         for handle in handles:
@@ -80,7 +84,11 @@ def probe(task: Task, model: nn.Module, inputs: Sequence[torch.Tensor]) -> Probe
     if not layers:
         raise ConfigError(f"task '{task.name}': its model has no {SCALABLE.split(', Embedding')[0]} layer to scale; "
                           "run it without sub-models")
-    return Probe(tuple(dict.fromkeys(order)), frozenset(reads), layers[-1], tuple(output.shape))
+    if tracer.problems:
+        raise ConfigError(f"task '{task.name}': its model cannot be width-scaled: {tracer.problems[0]}; a sub-model "
+                          "would take other units there than the whole model. Give each part its own layer (two Linear "
+                          "layers, not one split in two), or set sub-models = \"off\" (docs/sub-models.md)")
+    return Probe(tuple(dict.fromkeys(order)), frozenset(reads), layers[-1], tuple(output.shape), tracer.inputs)
 
 
 def _weighted_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -117,12 +125,24 @@ def width_plan(task: Task, model: nn.Module, inputs: Sequence[torch.Tensor] | No
     seen = probe(task, model, probe_inputs(task) if inputs is None else inputs)
     state = model.state_dict()
     hidden: dict[str, tuple[int, ...]] = {name: () for name in state}
+    layouts: dict[str, dict[int, tuple[Segment, ...]]] = {}
     for layer, module in _weighted_modules(model):
         prefix = f"{layer}." if layer else ""
         axes = _hidden_axes(module, fixed_in=layer in seen.reads_inputs, fixed_out=_after_output(layer, seen))
-        for array_name, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        for array_name, value in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             hidden[prefix + array_name] = axes.get(array_name, ())
-    return WidthPlan({name: tuple(value.shape) for name, value in state.items()}, hidden)
+            axis = _input_axis(module)
+            layout = seen.layouts.get(layer)
+            if layout is not None and axis in hidden[prefix + array_name] and layout.size == value.shape[axis]:
+                layouts.setdefault(prefix + array_name, {})[axis] = layout.segments
+    return WidthPlan({name: tuple(value.shape) for name, value in state.items()}, hidden, layouts)
+
+
+def _input_axis(module: nn.Module) -> int | None:
+    """The axis of ``module``'s arrays that its input features index (None: its inputs are indices)."""
+    if isinstance(module, nn.Embedding):
+        return None
+    return 0 if isinstance(module, NORMS) else 1
 
 
 def _after_output(layer: str, seen: Probe) -> bool:
@@ -225,6 +245,30 @@ def check_widths(task: Task, model: nn.Module, plan: WidthPlan, widths: Sequence
         if got != expected:
             raise ConfigError(f"task '{task.name}': at width {width:g} the model's output has shape {got}, not "
                               f"{expected}; its output layer must be the last Linear/Conv (docs/sub-models.md)")
+        check_cut(task, model, plan, width, inputs)
+
+
+CHECKED_OFFSETS = (Offset(), Offset(index=1))  # HeteroFL's leading window, and one rolled by a unit (FedRolex)
+
+
+def check_cut(task: Task, model: nn.Module, plan: WidthPlan, width: float, inputs: Sequence[torch.Tensor]) -> None:
+    """Refuse a plan that does not cut a norm-free ``model`` consistently at ``width``: its sub-model must
+    compute what the whole model computes with the entries outside its window zeroed
+    (:func:`fedge.task.width_check.first_divergent_layer`), for the leading window and a rolled one."""
+    if has_norms(model):
+        return
+    state = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
+    for offset in CHECKED_OFFSETS:
+        window = plan.window(width, offset)
+        small = sub_model(task, plan.sub_shapes(width))
+        small.load_state_dict({name: torch.as_tensor(value) for name, value in window.take(state).items()})
+        layer = first_divergent_layer(task, model, small, window, inputs)
+        if layer is not None:
+            raise ConfigError(f"task '{task.name}': at width {width:g} ({window.describe()}) layer '{layer}' of the "
+                              "sub-model computes something else than the whole model on the same units: the "
+                              "model joins or splits hidden features in a way fedge does not follow (e.g. "
+                              "slicing them, or a size computed in forward); follow the scaling rule in "
+                              "docs/sub-models.md, or set sub-models = \"off\"")
 
 
 def training_memory_bytes(task: Task, model: nn.Module, batch_size: int, *, optimizer_copies: int = 3) -> int:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedge.errors import ConfigError
-from fedge.widths import CoverageMean, WidthPlan, as_fraction, covered_within, rolling_offset
+from fedge.widths import CoverageMean, Offset, Segment, WidthPlan, as_fraction, covered_within, rolling_offset
 
 ROWS = WidthPlan({"w": (4, 2)}, {"w": (0,)})  # 4 hidden units (rows), 2 fixed inputs (columns)
 
@@ -85,8 +85,50 @@ def test_fractions_are_the_simple_ones_a_float_stands_for() -> None:
     # Assert
     assert as_fraction(0.25) == Fraction(1, 4)
     assert as_fraction(0.3) == Fraction(3, 10)
-    assert rolling_offset(0.25, 1) == 0 and rolling_offset(0.25, 4) == Fraction(3, 4)
-    assert rolling_offset(0.25, 5) == 0  # round 5 starts the second lap
+    assert rolling_offset(0.25, 1, stride=0) == Offset() and rolling_offset(0.25, 4, stride=0) == Offset(Fraction(3, 4))
+    assert rolling_offset(0.25, 5, stride=0) == Offset()  # round 5 starts the second lap
+
+
+@pytest.mark.parametrize(("server_round", "stride", "rows"), [
+    (1, 1, [0, 1]),   # FedRolex's Algorithm 1: round t's window starts at unit t mod K
+    (2, 1, [1, 2]),
+    (4, 1, [3, 0]),   # wraps around
+    (5, 1, [0, 1]),   # K = 4 rounds make a lap
+    (2, 3, [3, 0]),   # stride 3
+    (2, 0, [2, 3]),   # stride 0: by its own length
+])
+def test_the_papers_rolling_window_moves_one_unit_a_round(server_round: int, stride: int, rows: list[int]) -> None:
+    # Prepare
+    full = np.arange(8.0).reshape(4, 2)
+    # Execute
+    cut = ROWS.window(0.5, rolling_offset(0.5, server_round, stride)).take({"w": full})["w"]
+    # Assert
+    np.testing.assert_array_equal(cut, full[rows])
+
+
+def test_a_rolled_flattened_axis_moves_by_whole_channels() -> None:
+    # Prepare: 4 channels of 3 pixels each, flattened channel-major into a linear layer's 12 inputs
+    plan = WidthPlan({"conv": (4, 1), "linear": (2, 12)}, {"conv": (0,), "linear": (1,)},
+                     {"linear": {1: (Segment(12, 4),)}})
+    # Execute: round 4 at half width, one unit a round: channels 3 and 0
+    window = plan.window(0.5, rolling_offset(0.5, 4, stride=1))
+    linear = window.take({"conv": np.zeros((4, 1)), "linear": np.tile(np.arange(12.0), (2, 1))})["linear"]
+    # Assert: channel 3's pixels 9..11, then channel 0's 0..2
+    np.testing.assert_array_equal(linear[0], [9.0, 10.0, 11.0, 0.0, 1.0, 2.0])
+
+
+def test_a_concatenated_axis_windows_each_segment_at_its_own_columns() -> None:
+    # Prepare: a head reading [4 conv features (2 channels of 2 pixels) | 2 raw inputs | 4 hidden units]
+    segments = (Segment(4, 2), Segment(2, 2, fixed=True), Segment(4, 4))
+    plan = WidthPlan({"head": (1, 10)}, {"head": (1,)}, {"head": {1: segments}})
+    head = {"head": np.arange(10.0).reshape(1, 10)}
+    # Execute
+    leading = plan.window(0.5).take(head)["head"]
+    rolled = plan.window(0.5, Offset(index=1)).take(head)["head"]
+    # Assert: channel 0 (0, 1), the raw inputs whole (4, 5), units 0-1 (6, 7); rolled: channel 1, units 1-2
+    np.testing.assert_array_equal(leading[0], [0.0, 1.0, 4.0, 5.0, 6.0, 7.0])
+    np.testing.assert_array_equal(rolled[0], [2.0, 3.0, 4.0, 5.0, 7.0, 8.0])
+    assert plan.sub_shapes(0.5) == {"head": (1, 6)}
 
 
 @settings(max_examples=60, deadline=None)
@@ -99,8 +141,8 @@ def test_the_rolling_window_trains_every_entry_within_ceil_one_over_r_rounds(exp
     plan = WidthPlan({"a": (size, 3)}, {"a": (0,)})
     first = (lap - 1) * math.ceil(1 / width) + 1
     # Execute
-    laps = covered_within(plan, width, range(first, first + math.ceil(1 / width)))
-    short = covered_within(plan, width, range(first, first + math.ceil(1 / width) - 1))
+    laps = covered_within(plan, width, range(first, first + math.ceil(1 / width)), stride=0)
+    short = covered_within(plan, width, range(first, first + math.ceil(1 / width) - 1), stride=0)
     # Assert: one lap covers everything, one round less does not
     assert laps["a"].all()
     assert not short["a"].all()
