@@ -148,9 +148,13 @@ KNOBS: dict[str, Knob] = {
     "attack-scale": Knob(1.0, "size of the attack", "simulation", check=above(0)),
     # ---- heterogeneous fleets
     "sub-models": Knob("off", "devices too small for the model: heterofl (each trains the leading channels at its "
-                       "profile's width), fedrolex (a rolling window), smallest (all on the fleet's smallest width), "
+                       "profile's width), fedrolex (a rolling window: fedrolex-stride), smallest (all on the fleet's "
+                       "smallest width), "
                        "exclude (they sit out); a profile's model-width, or the widest that fits its memory-mb",
                        "strategies", choices=("off", "heterofl", "fedrolex", "smallest", "exclude")),
+    "fedrolex-stride": Knob(1, "sub-models = fedrolex: units the window moves each round (1: the paper's; 0: by its "
+                            "own length, every entry trained within ceil(1 / width) rounds)", "strategies",
+                            check=at_least(0)),
     "sub-model-scaler": Knob(False, "sub-models: HeteroFL's scaler (a layer reading a scaled hidden input divides it "
                              "by the width); it stalled norm-free models at the default learning rate "
                              "(docs/sub-models.md)", "strategies"),

@@ -117,7 +117,7 @@ def build_sub_models(config: RunConfig, task: Task, model: nn.Module, fleet: Fle
                         "devices sit out; give it more memory-mb or a model-width", found.profile, found.memory_mb,
                         config.integer("batch-size"))
     submodels = SubModels(plan, {w.profile: w.width for w in widths}, extraction(name),
-                          scaler=config.flag("sub-model-scaler"))
+                          scaler=config.flag("sub-model-scaler"), stride=config.integer("fedrolex-stride"))
     log.info("sub-models %s (the fleet's profiles: %s)", submodels.describe(),
              "; ".join(w.describe() for w in widths if w.profile in in_fleet))
     return submodels

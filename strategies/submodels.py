@@ -8,8 +8,9 @@ linear rule averages each entry over the devices that held it
 *extraction*, a registry (:func:`register_extraction`):
 
 * ``heterofl``: HeteroFL's leading channels (Diao, Ding and Tarokh, ICLR 2021);
-* ``fedrolex``: FedRolex's rolling window (Alam et al., NeurIPS 2022), moved by its own length
-  each round, so every entry is trained within ``ceil(1 / r)`` rounds;
+* ``fedrolex``: FedRolex's rolling window (Alam et al., NeurIPS 2022): ``fedrolex-stride`` units a
+  round, 1 as in the paper; 0 moves it by its own length, so every entry is trained within
+  ``ceil(1 / r)`` rounds;
 * ``smallest``: every device trains the fleet's smallest width (leading channels): the fleet
   cut down to the model its smallest device can train;
 * ``exclude``: devices too small for the whole model sit out (what a fleet does without sub-models).
@@ -27,7 +28,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from fedge import wire
 from fedge.errors import ConfigError
 from fedge.strategies.node_profiles import NodeProfiles
-from fedge.widths import WidthPlan, Window, rolling_offset
+from fedge.widths import Offset, WidthPlan, Window, rolling_offset
 
 log = logging.getLogger("fedge.strategies.submodels")
 
@@ -42,8 +43,8 @@ class Extraction:
     ----------
     name : str
         Its ``sub-models`` value.
-    offset : Callable[[Fraction, int], Fraction]
-        The window's start for a width in a round.
+    offset : Callable[[Fraction, int, int], Offset]
+        The window's start for a width in a round, given the run's ``fedrolex-stride``.
     fleet_width : Callable[[Fraction | None, Fraction], Fraction | None]
         The width a profile trains from the one it can hold and the fleet's smallest (None: it sits out).
     unknown_width : Callable[[Fraction], Fraction]
@@ -52,7 +53,7 @@ class Extraction:
     """
 
     name: str
-    offset: Callable[[Fraction, int], Fraction]
+    offset: Callable[[Fraction, int, int], Offset]
     fleet_width: Callable[[Fraction | None, Fraction], Fraction | None]
     unknown_width: Callable[[Fraction], Fraction] = lambda smallest: smallest
 
@@ -66,8 +67,8 @@ def register_extraction(extraction: Extraction) -> Extraction:
     return extraction
 
 
-def _leading(width: Fraction, server_round: int) -> Fraction:
-    return Fraction(0)
+def _leading(width: Fraction, server_round: int, stride: int) -> Offset:
+    return Offset()
 
 
 def _own(width: Fraction | None, smallest: Fraction) -> Fraction | None:
@@ -75,7 +76,7 @@ def _own(width: Fraction | None, smallest: Fraction) -> Fraction | None:
 
 
 register_extraction(Extraction("heterofl", _leading, _own))
-register_extraction(Extraction("fedrolex", lambda width, server_round: rolling_offset(width, server_round), _own))
+register_extraction(Extraction("fedrolex", rolling_offset, _own))
 register_extraction(Extraction("smallest", _leading, lambda width, smallest: None if width is None else smallest))
 # `exclude`: a device not known yet is sent the whole model, as without sub-models (else it would never reply,
 # and never name its profile); once it has, a device too small for the model sits out
@@ -114,21 +115,23 @@ class SubModels:
     scaler : bool
         Whether devices train and evaluate their sub-models with HeteroFL's scaler
         (:func:`fedge.task.widths.add_scaler`; the instruction says so).
+    stride : int
+        ``fedrolex-stride``: units a rolling window moves each round (0: its own length).
     """
 
     def __init__(self, plan: WidthPlan, widths: Mapping[str, float | None], extraction: Extraction,
-                 profiles: NodeProfiles | None = None, *, scaler: bool = False) -> None:
+                 profiles: NodeProfiles | None = None, *, scaler: bool = False, stride: int = 1) -> None:
         held = {name: None if width is None else plan.check_width(width) for name, width in widths.items()}
         known = [width for width in held.values() if width is not None]
         if not known:
             raise ConfigError("sub-models: no profile of the fleet can train even the smallest width; give the "
                               "profiles model-width or more memory-mb")
-        self.plan, self.extraction, self.scaler = plan, extraction, scaler
+        self.plan, self.extraction, self.scaler, self.stride = plan, extraction, scaler, stride
         self.smallest = min(known)
         self.widths = {name: extraction.fleet_width(width, self.smallest) for name, width in held.items()}
         self.profiles = profiles or NodeProfiles()
         self.windows: dict[int, Window] = {}  # this round's training windows, by node
-        self._sent: dict[tuple[int, Fraction, Fraction], tuple[ArrayRecord, ArrayRecord]] = {}
+        self._sent: dict[tuple[int, Fraction, Offset], tuple[ArrayRecord, ArrayRecord]] = {}
         self._sent_to: dict[int, ArrayRecord] = {}
         self.training_graphs: dict[Fraction, str] = {}  # each width's training graph (onnx devices), by width
         self._round = 0
@@ -154,7 +157,7 @@ class SubModels:
         width = self.width_of(node, grid)
         if width is None:
             raise ConfigError(f"node {node} sits out under sub-models = {self.extraction.name}: it was not selectable")
-        return self.plan.window(width, self.extraction.offset(width, server_round))
+        return self.plan.window(width, self.extraction.offset(width, server_round, self.stride))
 
     def record_for(self, node: int, record: RecordDict, grid: object, server_round: int, *,
                    train: bool = True) -> RecordDict:

@@ -313,9 +313,9 @@ def test_fedrolex_sends_the_next_window_each_round() -> None:
     # Execute
     sent = [{m.metadata.dst_node_id: m for m in fedavg.configure_train(r, model, ConfigRecord(), grid)}[2]
             for r in (1, 2, 3)]
-    # Assert: rows 0-1, then 2-3, then 0-1 again
+    # Assert: the paper's rolling, one unit a round: rows 0-1, then 1-2, then 2-3
     rows = [m.content.array_records[wire.ARRAYS]["w"].numpy()[:, 0].tolist() for m in sent]
-    assert rows == [[0.0, 2.0], [4.0, 6.0], [0.0, 2.0]]
+    assert rows == [[0.0, 2.0], [2.0, 4.0], [4.0, 6.0]]
 
 
 def test_exclude_leaves_the_small_devices_out_of_selection() -> None:
