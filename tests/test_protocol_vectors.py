@@ -290,6 +290,21 @@ def test_the_bundle_verifies_as_the_spec_says() -> None:
     assert private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw) == raw
 
 
+def test_fedge_signs_the_shipped_manifest_into_the_shipped_envelope() -> None:
+    # Prepare
+    from fedge.edge.bundle import sign_manifest  # noqa: PLC0415
+
+    with zipfile.ZipFile(VECTORS / "bundle.zip") as archive:
+        manifest, envelope = archive.read("manifest.json"), archive.read("manifest.sig")
+    key = Ed25519PrivateKey.from_private_bytes(bytes.fromhex(_vector("bundle")["signing_private_seed_hex"]))
+
+    # Execute: Ed25519 is deterministic, so signing the raw manifest bytes again gives the same envelope
+    signed = sign_manifest(manifest, key)
+
+    # Assert
+    assert signed == envelope
+
+
 def test_the_bundles_graphs_take_and_give_the_documented_names() -> None:
     # Prepare
     onnxruntime = pytest.importorskip("onnxruntime")
