@@ -1,4 +1,6 @@
-"""``fedge`` command line: simulate, keys, export, verify, predict."""
+"""``fedge`` command line; ``fedge --help`` lists every command (simulate, coordinator, device,
+gateway, keys, init, export, verify, predict, pull, compare, dashboard, ...), each defined in the
+module of its area (:mod:`fedge.cli.deploy`, :mod:`fedge.cli.edge`, :mod:`fedge.cli.gateway`, ...)."""
 
 from __future__ import annotations
 

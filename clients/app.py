@@ -1,6 +1,6 @@
 """The client SDK: turn a task (model, data, loss, metrics) into a Flower ``ClientApp``.
 
-A device app calls :func:`make_client_app` with its :class:`fedge.task.Task` (or none: the
+A device app calls :func:`make_client_app` with its :class:`fedge.task.api.Task` (or none: the
 task the run config names). The returned ``ClientApp`` runs unchanged in fedge's inline
 simulator, on Flower's Ray simulation engine, and under a SuperNode.
 

@@ -1,10 +1,14 @@
 """fedge: federated learning across heterogeneous edge fleets, built on Flower.
 
-The subpackages map to the repository's top-level folders:
-``fedge.server`` (coordinator), ``fedge.clients`` (device SDK), ``fedge.edge``
-(on-device inference), ``fedge.strategies`` (aggregation), ``fedge.simulation``
-(one-machine fleets) and ``fedge.cli``. This package holds only what every side
-shares: the error hierarchy and the run configuration.
+The subpackages map to the repository's top-level folders: ``fedge.server`` (coordinator),
+``fedge.clients`` (device SDK, gateways, the device protocol's reference client),
+``fedge.edge`` (signed bundles, ONNX export and on-device training), ``fedge.strategies``
+(aggregation), ``fedge.task`` / ``fedge.tasks`` (the Task API / the built-in tasks),
+``fedge.web`` (the browser SDK's files), ``fedge.simulation`` (one-machine fleets) and
+``fedge.cli``. This package (the core, folder ``core/``) holds what every side shares: errors,
+the run configuration and its knobs, the wire contract, codecs, fleet profiles, aggregation
+and secure-aggregation math, the batch order, the device protocol's wire format and process
+and listener helpers (ARCHITECTURE.md lists them).
 
 It is also the public API's front door: ``from fedge import Task, TaskData, InputSpec,
 EdgeModel, make_client_app, simulate``. Those names resolve on first use (PEP 562), so

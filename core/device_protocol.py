@@ -4,7 +4,7 @@ Phones, browsers and other devices that cannot run a Flower SuperNode talk to a 
 gateway (:mod:`fedge.clients.gateway`) over HTTPS: JSON for control, and one small binary
 container, the *frame*, for tensors. ``docs/device-protocol.md`` is the specification an
 app developer implements (Kotlin, Swift, JS); this module is its one Python reading, used
-by the gateway and by the reference client (:mod:`fedge.edge.protocol_client`).
+by the gateway and by the reference client (:mod:`fedge.clients.protocol_device`).
 
 Why not Flower's own Fleet API (gRPC, or its HTTP router with protobuf bodies)? Its node
 authentication signs a timestamp header with the SuperNode's ECDSA key on every request,

@@ -1,6 +1,6 @@
 """A model's input signature: names, shapes (with named dynamic axes) and dtypes.
 
-Tasks declare it (:class:`fedge.task.Task`), the ONNX exporter and signed bundles carry it
+Tasks declare it (:class:`fedge.task.api.Task`), the ONNX exporter and signed bundles carry it
 (:mod:`fedge.edge`), and devices check their inputs against it, so it lives in the core.
 """
 

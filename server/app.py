@@ -260,17 +260,11 @@ def with_evaluation(config: RunConfig, task: Task, num_nodes: int | None) -> Run
 
     Without central data the devices evaluate the global model each round: about
     ``clients-per-round`` of them (all, in deployment) unless ``fraction-evaluate`` says otherwise.
-
-    Raises
-    ------
-    ConfigError
-        For strategies that have no evaluation rounds (FedBuff) on such a task.
+    Every round driver runs Flower's federated evaluation (FedBuff's after each server step), so
+    no strategy is refused here.
     """
     if task.central_data() is not None:
         return config
-    if not strategy_spec(config.text("strategy")).cls.federated_evaluation:
-        raise ConfigError(f"task '{task.name}' has no central evaluation data and strategy '{config['strategy']}' "
-                          "runs no federated evaluation; give the task central_data() or use another strategy")
     if config.number("fraction-evaluate") > 0:
         return config
     fraction = 1.0 if num_nodes is None else min(1.0, config.integer("clients-per-round") / num_nodes)

@@ -12,6 +12,8 @@ editable install; reading the files it would analyse is as strict and needs no i
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 import shutil
 import subprocess
 import sys
@@ -183,3 +185,53 @@ def test_every_name_the_facade_offers_is_the_object_its_module_defines() -> None
     for name, module in fedge._PUBLIC_API.items():
         assert name in fedge.__all__ and name in dir(fedge)
         assert getattr(fedge, name) is getattr(importlib.import_module(module), name)
+
+
+def test_every_layer_in_pyproject_is_drawn_in_architecture_md() -> None:
+    # Prepare
+    _, layers = _contract()
+    drawing = (ROOT / "ARCHITECTURE.md").read_text().split("## Layers", 1)[1].split("```")[1]
+    drawn = [line.split("  ")[0].strip() for line in drawing.splitlines() if line.startswith("fedge")]
+    # Assert: each level of the table is a line of the drawing, in the same order (the core is "fedge (core ...")
+    assert [" | ".join(level) for level in layers] == [name.removesuffix(" (core, folder core/)") for name in drawn]
+
+
+REFERENCE = re.compile(r":(mod|func|class|meth|data|attr|exc):`~?(fedge(?:\.\w+)+)`")
+
+
+def _resolves(name: str) -> bool:
+    """Whether dotted ``name`` is a module, or an attribute path inside the longest module it starts with."""
+    parts = name.split(".")
+    for split in range(len(parts), 0, -1):
+        module = ".".join(parts[:split])
+        try:
+            found: object = importlib.import_module(module)
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            if not hasattr(found, attribute):
+                return False
+            found = getattr(found, attribute)
+        return True
+    return False
+
+
+def test_every_fedge_reference_in_a_docstring_resolves() -> None:
+    # Prepare
+    folder_to_package, _ = _contract()
+    references = [(path.relative_to(ROOT), match.group(0), match.group(2))
+                  for folder in folder_to_package for path in sorted((ROOT / folder).rglob("*.py"))
+                  for match in REFERENCE.finditer(path.read_text())]
+    # Execute
+    dangling = [f"{path}: {text}" for path, text, name in references if not _resolves(name)]
+    # Assert
+    assert len(references) > 100 and not dangling
+
+
+@pytest.mark.parametrize(("name", "resolves"), [
+    ("fedge.widths.WidthPlan.window", True), ("fedge.clients.protocol_device", True),
+    ("fedge.edge.protocol_client", False), ("fedge.task.Task", False), ("fedge.widths.NoSuchThing", False),
+])
+def test_the_reference_checker_tells_a_dangling_name(name: str, resolves: bool) -> None:
+    # Assert
+    assert _resolves(name) is resolves
