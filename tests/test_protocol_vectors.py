@@ -612,8 +612,6 @@ def test_the_web_sdk_reads_writes_and_batches_as_the_vectors_say(web: dict[str, 
                                     "prepared": preprocessing["raw"]["prepared"]}
 
 
-@pytest.mark.xfail(strict=True, reason="web/frame.js int8Delta rounds with Math.round (half up: 0.5 -> 1), the "
-                                       "reference device half to even (0.5 -> 0): the worked example's 4th entry")
 def test_the_web_sdks_int8_delta_is_the_vectors(web: dict[str, Any]) -> None:
     # Prepare
     cases = _vector("int8-delta")["cases"]

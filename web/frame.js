@@ -67,12 +67,19 @@ export function decodeFrame(buffer, maxElements = 1 << 28) {
   return {header: header, tensors: tensors};
 }
 
-// int8-delta (the uplink codec): q = round((trained - base) / scale), scale = max|trained - base| / 127
+// round to nearest, halves to even (numpy's rint, what the reference device and fedge.codec do)
+export function roundHalfEven(x) {
+  const r = Math.round(x);  // halves up
+  return Math.abs(x % 1) === 0.5 && r % 2 !== 0 ? r - 1 : r;
+}
+
+// int8-delta (the uplink codec): q = roundHalfEven((trained - base) / scale), scale = max|trained - base| / 127,
+// in float64 (docs/device-protocol.md, "int8-delta, exactly")
 export function int8Delta(trained, base) {
   const q = new Int8Array(trained.length);
   let peak = 0;
   for (let i = 0; i < trained.length; i++) peak = Math.max(peak, Math.abs(trained[i] - base[i]));
   const scale = peak > 0 ? peak / 127 : 0;
-  if (scale > 0) for (let i = 0; i < trained.length; i++) q[i] = Math.round((trained[i] - base[i]) / scale);
+  if (scale > 0) for (let i = 0; i < trained.length; i++) q[i] = roundHalfEven((trained[i] - base[i]) / scale);
   return {data: q, scale: scale};
 }
