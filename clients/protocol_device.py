@@ -336,13 +336,13 @@ class ProtocolDevice:
         except BundleVerificationError as exc:
             raise BundleVerificationError(f"the gateway's training graph is refused: {exc}. This device trains "
                                           "nothing with it and keeps the graph it held") from None
-        ensure_private_dir(self.state_dir)
+        trainer = OnnxTrainer(bundle.train_onnx, bundle.eval_onnx, bundle.manifest)  # its graph checks, first:
+        ensure_private_dir(self.state_dir)  # a signed bundle whose graphs are refused is neither kept nor recorded
         write_bytes_atomic(self.state_dir / "training.zip", body)  # 0600
         ensure_private_dir(self.freshness.directory.parent)
         self.freshness.record(bundle.manifest)
         pin_lineage(self.freshness.directory / LINEAGE_PIN, str(bundle.manifest["model_id"]))
-        self._bundle, self._trainer, self._data = bundle, OnnxTrainer(bundle.train_onnx, bundle.eval_onnx,
-                                                                      bundle.manifest), None
+        self._bundle, self._trainer, self._data = bundle, trainer, None
         return bundle, self._trainer
 
     def _check_lineage(self, offered: str) -> None:

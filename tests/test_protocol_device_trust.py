@@ -13,6 +13,7 @@ signed with the run's key, onnxruntime.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import http.client
 import json
@@ -338,3 +339,28 @@ def test_an_insecure_device_signs_hellos_name_and_says_so_once(tmp_path: Path, p
     # Assert: hello's name signed (the gateway admitted it); one warning saying it is unverified
     warnings = [r.getMessage() for r in caplog.records if "unverified" in r.getMessage()]
     assert device.gateway_name == "gw-plain" and len(warnings) == 1 and "'gw-plain'" in warnings[0]
+
+
+def test_a_signed_graph_that_fails_the_graph_checks_is_neither_kept_nor_recorded(
+        gateway: LiveGateway, run: dict[str, Any], tmp_path: Path) -> None:
+    # Prepare: the run's key signs a bundle, a version newer than the run's, whose train graph is its eval
+    # graph (no gradient outputs): the signature verifies, the graph checks refuse it
+    config = resolve_run_config(run["config"])
+    task = load_task(config)
+    exported, metrics = export_training_graph(task, seeded_model(task, config.integer("seed")), config)
+    current = read_training_bundle(run["bundle"], trusted_keys=[run["trust"]]).manifest
+    broken = dataclasses.replace(exported, train_onnx=exported.eval_onnx)
+    manifest = write_training_bundle(tmp_path / "broken.zip", broken, task=task.name, metrics=metrics,
+                                     model_id=current["model_id"], version=current["version"] + 1,
+                                     private_key=run_signing_key(config, Path(run["config"]["run-dir"])),
+                                     preprocessing=dict(task.preprocessing))
+    graph = {"bundle": tmp_path / "broken.zip", "architecture": manifest["architecture"], "weights": run["weights"]}
+    thread, box = _serve(gateway, graph, 1)
+    device = _device(gateway)
+    # Execute
+    with pytest.raises(FedgeError, match="train.onnx"):
+        device.poll()
+    # Assert: no graph kept, no version recorded (the run's own graph, version N, is still accepted next)
+    assert not (gateway.root / "phone0" / "training.zip").exists()
+    assert not (gateway.root / "phone0" / "freshness" / "training" / "lineage.pin").exists()
+    _end_unanswered(gateway, thread, box)
