@@ -5,7 +5,7 @@ An update is a mapping ``name -> np.ndarray`` (one entry per model tensor).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
@@ -297,16 +297,22 @@ def adaptive_step(
     return new, new_first, new_second
 
 
+SecondMoment = Callable[[NDArray[np.float64], NDArray[np.float64], float], NDArray[np.float64]]
+SECOND_MOMENTS: dict[str, SecondMoment] = {
+    # Reddi et al., ICLR 2021, Algorithm 2: v from the old v, the squared pseudo-gradient and beta2
+    "adagrad": lambda old, squared, beta2: old + squared,
+    "adam": lambda old, squared, beta2: beta2 * old + (1 - beta2) * squared,
+    "yogi": lambda old, squared, beta2: old - (1 - beta2) * squared * np.sign(old - squared),
+}
+"""The adaptive server steps' second-moment updates, by name (a new one is an entry here)."""
+
+
 def _second_moment(rule: str, old: NDArray[np.float64], squared: NDArray[np.float64],
                    beta2: float) -> NDArray[np.float64]:
-    """The adaptive rules' second-moment update (Reddi et al., ICLR 2021, Algorithm 2)."""
-    if rule == "adagrad":
-        return old + squared
-    if rule == "yogi":
-        return old - (1 - beta2) * squared * np.sign(old - squared)
-    if rule == "adam":
-        return beta2 * old + (1 - beta2) * squared
-    raise ValueError(f"unknown adaptive rule '{rule}': use adagrad, adam or yogi")
+    """The adaptive rule ``rule``'s second-moment update (:data:`SECOND_MOMENTS`)."""
+    if rule not in SECOND_MOMENTS:
+        raise ValueError(f"unknown adaptive rule '{rule}': use one of {', '.join(SECOND_MOMENTS)}")
+    return SECOND_MOMENTS[rule](old, squared, beta2)
 
 
 # --------------------------------------------------------------------------- FedNova

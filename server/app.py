@@ -37,6 +37,7 @@ from fedge.strategies.drivers.asynchronous import AsynchronousDriver
 from fedge.strategies.drivers.secure import MIN_DEVICES, SecureAggregation
 from fedge.strategies.fedavg import DownlinkLayer, PrivacyLayer
 from fedge.strategies.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
+from fedge.strategies.registry import names_where
 from fedge.strategies.selection import OortSelector, RandomSelector
 from fedge.strategies.submodels import SubModels
 from fedge.strategies.validation import DeviceTierBounds, ReplyValidator
@@ -149,9 +150,6 @@ def _without_flower(message: str) -> Iterator[None]:
         flower.removeFilter(keep)
 
 
-GATEWAY_STRATEGIES = "fedavg, fedprox, fedavgm, fedadam, fedyogi or fedadagrad"
-
-
 def check_hierarchical(config: RunConfig, strategy: FedAvg) -> None:
     """Refuse, in one line, what cannot run over gateways' pre-aggregated replies (``gateways = true``).
 
@@ -165,9 +163,10 @@ def check_hierarchical(config: RunConfig, strategy: FedAvg) -> None:
     name = config.text("strategy")
     if not strategy.rule.hierarchical:
         raise ConfigError(f"strategy '{name}' ({type(strategy.rule).__name__}) needs each device's update, which "
-                          f"gateways pre-aggregate; with gateways = true run {GATEWAY_STRATEGIES} ({where})")
+                          f"gateways pre-aggregate; with gateways = true run "
+                          f"{names_where(lambda rule: rule.hierarchical)} ({where})")
     refusals = {
-        "asynchronous": (config["asynchronous"] or name == "fedbuff",
+        "asynchronous": (config["asynchronous"] or strategy.driver.asynchronous,
                          "a gateway answers once a round, so per-device staleness is lost"),
         "dp": (config.text("dp") != "off", "DP clips each device's update, and a gateway's reply is a mean of many"),
         "selector": (config.text("selector") == "oort", "Oort ranks devices by their own utility; the coordinator "

@@ -72,7 +72,7 @@ class FedBuff(FedAvg):
 
     def __init__(self, *, concurrency: int = 20, buffer_size: int = 10, server_learning_rate: float = 1.0,
                  staleness_exponent: float = 0.5, driver: Any = None, **kwargs: Any) -> None:
-        if driver is not None and not isinstance(driver, AsynchronousDriver):
+        if driver is not None and not driver.asynchronous:
             raise ConfigError("FedBuff is asynchronous: it takes no other driver (secure aggregation runs synchronous "
                               "rounds); use a synchronous strategy, or give another rule AsynchronousDriver()")
         driver = driver or AsynchronousDriver(concurrency=concurrency, buffer_size=buffer_size,

@@ -61,6 +61,18 @@ def register(name: str, *, options: Options = no_options, dp: bool = False) -> C
     return decorate
 
 
+def names_where(fits: Callable[[Any], bool]) -> str:
+    """The registered strategies whose rule ``fits`` (a predicate on a :class:`fedge.strategies.rule.Rule`),
+    as an error message lists them (``fedavg, fedprox or fedyogi``): each strategy is built as a default
+    run config builds it, so a strategy registered later is listed too."""
+    from fedge.config import resolve_run_config  # noqa: PLC0415 - the knobs load only for a message
+
+    strategy_spec("fedavg")  # every built-in strategy registered
+    defaults = resolve_run_config({})
+    names = sorted(name for name, spec in REGISTRY.items() if fits(spec.cls(**spec.options(defaults, None)).rule))
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
+
+
 def strategy_spec(name: str) -> StrategySpec:
     """The registered strategy ``name``.
 

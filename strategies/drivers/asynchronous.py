@@ -29,6 +29,7 @@ from fedge.aggregate import c_contiguous, staleness_weight
 from fedge.config import Scalar
 from fedge.errors import ConfigError, UpdateRejected
 from fedge.strategies.drivers.base import EvaluateFn, RoundReport
+from fedge.strategies.registry import names_where
 from fedge.strategies.rule import RoundContext, Update
 from fedge.strategies.timing import TimedGrid, timed, virtual
 from fedge.strategies.validation import Rejection, spec_of
@@ -63,6 +64,7 @@ class AsynchronousDriver:
     """
 
     federated_evaluation = True  # after each flush, idle devices evaluate the new model (fraction_evaluate)
+    asynchronous = True
 
     def __init__(self, *, concurrency: int = 20, buffer_size: int = 10, staleness_exponent: float = 0.5) -> None:
         if buffer_size < 1 or concurrency < 1:
@@ -81,7 +83,7 @@ class AsynchronousDriver:
         if not strategy.rule.takes_stale_updates:
             raise ConfigError(f"{type(strategy).__name__}'s rule {type(strategy.rule).__name__} cannot run "
                               "asynchronously (it needs each update, or local steps stale arrivals do not carry); "
-                              "use fedbuff or a linear rule (fedavg, fedavgm, fedadam, fedyogi, fedadagrad, fedprox)")
+                              f"use {names_where(lambda rule: rule.takes_stale_updates)}")
 
     def weight(self, staleness: int) -> float:
         """The weight of an update ``staleness`` versions old."""

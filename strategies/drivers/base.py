@@ -46,6 +46,7 @@ class Driver(Protocol):
     """Runs a strategy's rounds (see :mod:`fedge.strategies.drivers`)."""
 
     federated_evaluation: bool  # runs Flower's federated evaluation after its rounds
+    asynchronous: bool  # folds updates trained from older models (no rounds a device waits for)
 
     def bind(self, strategy: FedAvg) -> None:
         """Check that this driver can run ``strategy`` (its rule, its settings).

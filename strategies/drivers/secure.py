@@ -73,6 +73,7 @@ from fedge.secagg import (
 from fedge.strategies.drivers.base import RoundReport
 from fedge.strategies.drivers.sync import SyncDriver
 from fedge.strategies.policies import let_go
+from fedge.strategies.registry import names_where
 from fedge.strategies.validation import Rejection, decode_arrays
 from fedge.widths import CoverageMean
 
@@ -153,8 +154,8 @@ class SecureAggregation(SyncDriver):
                    "its step is not one on the updates' weighted mean, the only thing secure aggregation reveals")
             raise ConfigError(
                 f"secure-aggregation works with linear rules, not {type(strategy).__name__}'s "
-                f"{type(rule).__name__}: {why}; use fedavg, fedprox, fednova, fedavgm, fedadam, fedyogi or "
-                "fedadagrad, or drop secure-aggregation")
+                f"{type(rule).__name__}: {why}; use {names_where(lambda each: each.linear)}, or drop "
+                "secure-aggregation")
         if strategy.privacy is not None:
             raise ConfigError("dp with secure-aggregation is not supported yet (the coordinator cannot clip updates it "
                               "cannot see, and fedge does not add distributed noise on devices); turn one of them off")

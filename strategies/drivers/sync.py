@@ -30,6 +30,7 @@ class SyncDriver:
     """
 
     federated_evaluation = True
+    asynchronous = False
 
     def bind(self, strategy: FedAvg) -> None:
         """Any rule runs synchronously."""
