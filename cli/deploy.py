@@ -14,6 +14,7 @@ from typing import Any
 
 from fedge.config import parse_run_config_args, resolve_run_config
 from fedge.errors import ConfigError, FedgeError, Stopped
+from fedge.profiles import RUNTIMES
 
 
 def add_parsers(sub: Any) -> None:
@@ -83,9 +84,8 @@ def _device_options(device: argparse.ArgumentParser) -> None:
     device.add_argument("--fleet-file", default="", help="TOML defining custom profiles")
     device.add_argument("--task", default="", help="the task this device runs (a registered name or "
                         "package.module:object); it refuses runs of other tasks (default: the run's built-in)")
-    device.add_argument("--runtime", default="torch", choices=("torch", "onnx"),
-                        help="what trains: torch, or onnx (the coordinator's signed training graph on "
-                             "onnxruntime; needs no torch)")
+    device.add_argument("--runtime", default="torch", choices=tuple(RUNTIMES),
+                        help="what trains: " + "; ".join(f"{name} ({spec.summary})" for name, spec in RUNTIMES.items()))
     device.add_argument("--trust", type=Path, help="the coordinator's bundle signing public key "
                         "(KEYS/bundle-signing/signing.pub; needed with --runtime onnx)")
     device.add_argument("--bundles", default="", help="HOST:PORT of the coordinator's bundle service "

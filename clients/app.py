@@ -4,15 +4,15 @@ A device app calls :func:`make_client_app` with its :class:`fedge.task.api.Task`
 task the run config names). The returned ``ClientApp`` runs unchanged in fedge's inline
 simulator, on Flower's Ray simulation engine, and under a SuperNode.
 
-Each device trains with its runtime (:func:`fedge.clients.common.device_runtime`): torch,
-or the run's signed ONNX training graph on onnxruntime (:mod:`fedge.clients.onnx_client`)
-for devices without torch. Importing this module does not import torch, so the same
+Each device trains with its runtime (:func:`fedge.clients.common.device_runtime`), whose
+handlers the runtime registry holds (:mod:`fedge.clients.runtimes`): torch, or the run's
+signed ONNX training graph on onnxruntime (:mod:`fedge.clients.onnx_client`) for devices
+without torch. Importing this module does not import torch, so the same
 ``fedge.clients.app:app`` serves an onnx device whose install has no torch at all.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import sys
@@ -30,22 +30,17 @@ from fedge.clients.common import (
     device_runtime,
     dp_clipping_mod,
     effective_config,
-    evaluation_content,
     is_deployed,
-    num_partitions,
-    prepared_device_inputs,
     received_weights,
-    reply_content,
     train_order,
 )
 from fedge.clients.gateway_bridge import gateway_content, is_gateway
+from fedge.clients.runtimes import device_task, handlers_for, local_data, onnx_data
 from fedge.clients.secure import add_secure_handlers
-from fedge.config import RunConfig
-from fedge.errors import ConfigError, FedgeError
+from fedge.errors import FedgeError
 
 if TYPE_CHECKING:
-    from fedge.clients.onnx_client import DeviceArrays
-    from fedge.task.api import Task, TaskData
+    from fedge.task.api import Task
 
 log = logging.getLogger("fedge.clients")
 
@@ -82,10 +77,6 @@ def make_client_app(
     """
     app = ClientApp()
 
-    def torch_setup(context: Context, config: RunConfig) -> tuple[Task, TaskData]:
-        chosen = task if task is not None else device_task(context, config)
-        return chosen, local_data(chosen, context, config)
-
     @private_failures
     def train_content(msg: Message, context: Context) -> RecordDict:
         """Train on the instruction in ``msg``; the reply's content (arrays, metrics, meta)."""
@@ -93,16 +84,7 @@ def make_client_app(
         if is_gateway(context):  # a gateway node: its protocol devices train, it sends their aggregate
             return gateway_content(msg, context, config, "train")
         order = train_order(msg, context, config)
-        if device_runtime(context, config) == "onnx":
-            from fedge.clients.onnx_client import current_trainer, onnx_train_content  # noqa: PLC0415
-
-            current_trainer(msg, context, config)  # the run's graph (fetched if new) before the data is read for it
-            return onnx_train_content(msg, context, config, order, onnx_data(task, context, config))
-        from fedge.clients.torch_client import torch_local_work  # noqa: PLC0415 - torch only on torch devices
-
-        chosen, data = torch_setup(context, config)
-        trained, base, work = torch_local_work(msg, config, order, chosen, data)
-        return reply_content(msg, context, order, trained, base, work)
+        return handlers_for(device_runtime(context, config)).train(msg, context, config, order, task)
 
     @app.train(mods=[dp_clipping_mod])  # per handler: app-wide, Flower's DP mods break evaluate replies
     def train(msg: Message, context: Context) -> Message:
@@ -118,16 +100,8 @@ def make_client_app(
         config = effective_config(context, config_defaults)
         if is_gateway(context):
             return Message(gateway_content(msg, context, config, "evaluate"), reply_to=msg)
-        if device_runtime(context, config) == "onnx":
-            from fedge.clients.onnx_client import current_trainer, onnx_evaluate_content  # noqa: PLC0415
-
-            current_trainer(msg, context, config)
-            return Message(onnx_evaluate_content(msg, context, config, onnx_data(task, context, config)),
-                           reply_to=msg)
-        from fedge.clients.torch_client import torch_scores  # noqa: PLC0415
-
-        chosen, data = torch_setup(context, config)
-        return Message(evaluation_content(torch_scores(msg, config, chosen, data), len(data)), reply_to=msg)
+        return Message(handlers_for(device_runtime(context, config)).evaluate(msg, context, config, task),
+                       reply_to=msg)
 
     return app
 
@@ -191,57 +165,6 @@ def device_runtime_label(context: Context) -> str:
     return str(context.node_config.get("runtime", "torch"))
 
 
-def onnx_data(task: Task | None, context: Context, config: RunConfig) -> DeviceArrays:
-    """An onnx device's examples: its own file (read without torch), else the simulated partition."""
-    from fedge.clients.onnx_client import device_arrays, load_trainer  # noqa: PLC0415
-
-    if is_deployed(context):
-        bundle, _ = load_trainer(context, config, None)
-        path = str(context.node_config["data-path"])
-        inputs, targets = device_arrays(path, bundle.manifest)
-        return prepared_device_inputs(inputs, bundle.manifest.get("preprocessing"), source=path,
-                                      context=context), targets
-    chosen = task if task is not None else device_task(context, config)  # simulation: torch is there
-    data = local_data(chosen, context, config)
-    return tuple(data.inputs), data.targets
-
-
-def device_task(context: Context, config: RunConfig) -> Task:
-    """The task this device runs: the run's, checked against the device's own choice.
-
-    Threat model: loading a task runs code. A deployed device (``data-path`` in its node
-    config) runs a ``package.module:object`` task only when its owner named that same task
-    (``fedge device --task``); otherwise only registered (installed, built-in) task names.
-    A coordinator cannot make a device import code the device did not choose.
-
-    Raises
-    ------
-    ConfigError
-        The run names another task than the device's, or an unregistered one the device did not choose.
-    """
-    from fedge.tasks import load_task, task_reference  # noqa: PLC0415 - tasks import torch
-
-    wanted = task_reference(config)
-    own = str(context.node_config.get("task", ""))
-    if own and own != wanted:
-        raise ConfigError(f"this device runs task '{own}', but the run asks for '{wanted}'; start the device "
-                          f"with --task '{wanted}' to join this run")
-    if not own and is_deployed(context) and ":" in wanted:
-        raise ConfigError(f"the run names task '{wanted}', which this device did not choose; start the device "
-                          f"with --task '{wanted}' if you trust that code")
-    return load_task(config)
-
-
-def local_data(task: Task, context: Context, config: RunConfig) -> TaskData:
-    """A real device's own file (``data-path``), else the simulated device's partition."""
-    if is_deployed(context):
-        path = str(context.node_config["data-path"])
-        data = task.device_data(path)
-        inputs = prepared_device_inputs(data.inputs, task.preprocessing, source=path, context=context)
-        return dataclasses.replace(data, inputs=inputs)
-    return task.partition(int(context.node_config.get("partition-id", 0)), num_partitions(context, config), config)
-
-
 def make_default_client_app(config_defaults: Mapping[str, Any] | None = None) -> ClientApp:
     """The ClientApp for the task the run config names (fedge's ``flwr run`` entry point)."""
     return make_client_app(None, config_defaults=config_defaults)
@@ -250,4 +173,4 @@ def make_default_client_app(config_defaults: Mapping[str, Any] | None = None) ->
 app = make_default_client_app()
 
 __all__ = ["RESIDUAL", "app", "compressed", "device_profile_name", "device_task", "local_data", "make_client_app",
-           "make_default_client_app", "received_weights"]
+           "make_default_client_app", "onnx_data", "received_weights"]

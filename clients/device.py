@@ -37,7 +37,7 @@ from fedge.clients.device_session import (
 )
 from fedge.edge.signing import ensure_private_dir
 from fedge.errors import ConfigError, FedgeError, Stopped
-from fedge.profiles import RUNTIMES, parse_fleet
+from fedge.profiles import RUNTIMES, parse_fleet, runtime
 from fedge.task.data import load_local_file
 
 log = logging.getLogger("fedge.clients.device")
@@ -95,7 +95,7 @@ def check_device(options: DeviceOptions) -> None:
         raise ConfigError(f"--task {options.task!r} is not a task name or package.module:object")
     if options.runtime not in RUNTIMES:
         raise ConfigError(f"--runtime {options.runtime!r}: use one of {', '.join(RUNTIMES)}")
-    if options.runtime == "onnx":
+    if runtime(options.runtime).needs_training_graph:
         _check_onnx_options(options)  # its data is checked against the training graph once pulled
     elif options.task:  # the device's own task reads its own data: checked now, not at the first round
         from fedge.config import resolve_run_config  # noqa: PLC0415 - torch only when a task is named
@@ -262,7 +262,7 @@ def supernode_command(options: DeviceOptions, training_bundle: Path | None = Non
         node_config += f' fleet-file="{Path(options.fleet_file).resolve()}"'
     if options.task:
         node_config += f' task="{options.task}"'
-    if options.runtime == "onnx" and training_bundle is not None and options.trust is not None:
+    if training_bundle is not None and options.trust is not None:
         node_config += (f' training-bundle="{training_bundle.resolve()}" '
                         f'trusted-key="{options.trust.resolve()}"')
         node_config += refresh_settings(options, training_bundle)
@@ -345,7 +345,7 @@ def _run_device(options: DeviceOptions, state: Path) -> int:
     if not options.insecure:
         assert options.ca is not None
         check_tls(host, port, options.ca)
-    training_bundle = pull_training_graph(options, state) if options.runtime == "onnx" else None
+    training_bundle = pull_training_graph(options, state) if runtime(options.runtime).needs_training_graph else None
     if not options.verbose:
         print(f"Flower's own log lines go to {state / SUPERNODE_LOG} (--verbose shows them here)", flush=True)
     started = time.monotonic()

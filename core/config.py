@@ -27,7 +27,6 @@ DEFAULTS: dict[str, Scalar] = {key: knob.default for key, knob in KNOBS.items()}
 # name a fleet file may define; empty means the ``.default`` one.
 CODEC_PREFIXES = ("codec.", "downlink.")
 
-CHOICES: dict[str, tuple[str, ...]] = {key: knob.choices for key, knob in KNOBS.items() if knob.choices}
 
 _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {key: knob.check for key, knob in KNOBS.items() if knob.check}
 
@@ -116,11 +115,9 @@ def _checked(key: str, value: Any) -> Scalar:
             f"unknown run-config key {_shown(key)}{hint}; allowed keys: {', '.join(sorted(DEFAULTS))}"
         )
     value = _coerced(key, value, DEFAULTS[key])
-    if key in CHOICES and value not in CHOICES[key]:
-        raise ConfigError(
-            f"run-config '{key}' = {value!r} is not allowed; use one of: "
-            + ", ".join(CHOICES[key])
-        )
+    allowed = KNOBS[key].allowed() if key in KNOBS else ()
+    if allowed and value not in allowed:
+        raise ConfigError(f"run-config '{key}' = {value!r} is not allowed; use one of: {', '.join(allowed)}")
     if key in _RANGES and not _RANGES[key][0](value):
         raise ConfigError(f"run-config '{key}' = {value!r} must be {_RANGES[key][1]}")
     return value

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fedge.profiles import RUNTIMES
+
 Scalar = bool | int | float | str
 Check = tuple[Callable[[Any], bool], str]
 
@@ -52,6 +54,9 @@ class Knob:
         The fedge package that reads it.
     choices : tuple[str, ...]
         Allowed values of a string key (empty: any string).
+    more : Callable, optional
+        Further allowed values, read from a registry when a value is checked (so a name
+        registered later is allowed and listed).
     check : Check | None
         A range check on a number, with its words.
     """
@@ -61,6 +66,11 @@ class Knob:
     owner: str
     choices: tuple[str, ...] = ()
     check: Check | None = None
+    more: Callable[[], tuple[str, ...]] | None = None
+
+    def allowed(self) -> tuple[str, ...]:
+        """Every value a string key allows now (empty: any string)."""
+        return self.choices + (self.more() if self.more else ())
 
 
 KNOBS: dict[str, Knob] = {
@@ -103,9 +113,9 @@ KNOBS: dict[str, Knob] = {
     "fraction-evaluate": Knob(0.0, "share of devices asked for federated evaluation each round", "strategies",
                               check=within(0, 1)),
     "device": Knob("auto", "torch device for training and evaluation", "task", choices=("auto", "cpu", "cuda", "mps")),
-    "runtime": Knob("profile", "what trains on devices: each profile's runtime (built-ins: torch), or torch / onnx "
-                    "(the signed ONNX training graph, no torch) for every device", "clients",
-                    choices=("profile", "torch", "onnx")),
+    "runtime": Knob("profile", "what trains on devices: each profile's runtime (built-ins: torch), or one runtime "
+                    "for every device: " + "; ".join(f"{name} ({spec.summary})" for name, spec in RUNTIMES.items()),
+                    "clients", choices=("profile",), more=lambda: tuple(RUNTIMES)),
     # ---- the run directory, checkpoints, bundles
     "runs-root": Knob("runs", "where run directories are made", "server"),
     "run-name": Knob("", "run directory name (empty: strategy-dataset-timestamp)", "server"),
@@ -210,7 +220,7 @@ KNOBS: dict[str, Knob] = {
 
 def _allowed(knob: Knob) -> str:
     if knob.choices:
-        return " \\| ".join(f"`{c}`" for c in knob.choices)
+        return " \\| ".join(f"`{c}`" for c in knob.allowed())
     return knob.check[1] if knob.check else ""
 
 

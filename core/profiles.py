@@ -25,7 +25,54 @@ from numpy.typing import NDArray
 from fedge.errors import ConfigError
 from fedge.files import read_regular_file
 
-RUNTIMES = ("torch", "onnx")  # what trains on a device (see DeviceProfile.runtime)
+
+@dataclass(frozen=True)
+class Runtime:
+    """What can train on a device, as the coordinator and the CLI know it (its handlers live with the
+    device SDK: :mod:`fedge.clients.runtimes`).
+
+    Attributes
+    ----------
+    name : str
+        Its name (``runtime = "<name>"`` in a profile, the run config, ``fedge device --runtime``).
+    needs_training_graph : bool
+        It trains with the run's signed ONNX training graph, which the coordinator then exports
+        and publishes.
+    summary : str
+        One line for ``--help``.
+    """
+
+    name: str
+    needs_training_graph: bool
+    summary: str
+
+
+RUNTIMES: dict[str, Runtime] = {}
+"""The runtimes there are, by name (:func:`register_runtime`)."""
+
+
+def register_runtime(runtime: Runtime) -> Runtime:
+    """Make ``runtime`` a name profiles, the run config and ``fedge device`` accept."""
+    RUNTIMES[runtime.name] = runtime
+    return runtime
+
+
+def runtime(name: str) -> Runtime:
+    """The runtime ``name``.
+
+    Raises
+    ------
+    ConfigError
+        Naming the runtimes there are.
+    """
+    if name not in RUNTIMES:
+        raise ConfigError(f"runtime {name!r} is not one fedge knows; use one of {', '.join(RUNTIMES)}")
+    return RUNTIMES[name]
+
+
+register_runtime(Runtime("torch", False, "Python + torch"))
+register_runtime(Runtime("onnx", True, "the coordinator's signed ONNX training graph on onnxruntime + numpy, no "
+                                       "torch: phones, browsers"))
 
 
 @dataclass(frozen=True)

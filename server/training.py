@@ -33,7 +33,7 @@ from fedge.edge.training_bundle import (
 )
 from fedge.errors import ConfigError, ExportError
 from fedge.files import write_bytes_atomic
-from fedge.profiles import Fleet
+from fedge.profiles import Fleet, runtime
 from fedge.task.api import Task
 
 if TYPE_CHECKING:  # onnx and onnxruntime load only for a run that exports a training graph (0.7 s)
@@ -48,10 +48,10 @@ METRIC_TOLERANCE = 1e-5  # an onnx device reports a task metric only if it repro
 def wants_training_graph(config: RunConfig, fleet: Fleet, *, simulated: bool) -> bool:
     """Whether this run exports a training graph: some device may train without torch."""
     if config.text("runtime") != "profile":
-        return config.text("runtime") == "onnx"
+        return runtime(config.text("runtime")).needs_training_graph
     if not simulated:
         return True  # deployed devices choose their runtime themselves
-    return any(fleet.profiles[name].runtime == "onnx" for name, count in fleet.mix if count)
+    return any(runtime(fleet.profiles[name].runtime).needs_training_graph for name, count in fleet.mix if count)
 
 
 def export_training_graph(task: Task, model: nn.Module, config: RunConfig) -> tuple[TrainingGraphs, list[str]]:
