@@ -38,7 +38,7 @@ from fedge.strategies.flower_args import flower_constructor
 from fedge.strategies.policies import RoundPolicy, SyncPolicy
 from fedge.strategies.registry import register
 from fedge.strategies.rule import LinearRule, RoundContext, Rule, Update
-from fedge.strategies.selection import RandomSelector
+from fedge.strategies.selection import SELECTOR_STATE, RandomSelector
 from fedge.strategies.submodels import SubModels
 from fedge.strategies.timing import durations
 from fedge.strategies.validation import AcceptedUpdate, Failure, Rejection, ReplyValidator
@@ -305,17 +305,20 @@ class FedAvg(FlowerFedAvg):
         self.rule.load_state_dict(state)
 
     def checkpoint_state(self) -> dict[str, NDArray[np.generic]]:
-        """:meth:`state_dict` plus the privacy accountant's, what a checkpoint keeps."""
-        return {**self.state_dict(), **(self.privacy.state_dict() if self.privacy else {})}
+        """:meth:`state_dict` plus the privacy accountant's and the selector's, what a checkpoint keeps."""
+        return {**self.state_dict(), **(self.privacy.state_dict() if self.privacy else {}),
+                **self.selector.state_dict()}
 
     def restore_state(self, state: dict[str, NDArray[np.generic]]) -> None:
         """Restore :meth:`checkpoint_state`, refusing state neither the rule nor DP keeps (named)."""
         privacy_keys = set(self.privacy.state_dict()) if self.privacy else set()
-        rule_state = {key: value for key, value in state.items() if key not in privacy_keys}
+        rule_state = {key: value for key, value in state.items()
+                      if key not in privacy_keys and not key.startswith(SELECTOR_STATE)}
         self.rule.check_state(rule_state)
         self.load_state_dict(rule_state)
         if self.privacy:
             self.privacy.load_state_dict(state)
+        self.selector.load_state_dict({key: value for key, value in state.items() if key.startswith(SELECTOR_STATE)})
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

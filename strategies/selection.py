@@ -1,7 +1,8 @@
 """Which connected devices train in a round.
 
 Selection is seeded per round (``seed``, round number), so a run and a resumed
-run pick the same devices for the same round.
+run pick the same devices for the same round; what a selector learned from replies
+(Oort's utilities) is its ``state_dict``, which checkpoints keep (``selector/...``).
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from flwr.app import Message
+from numpy.typing import NDArray
 
 from fedge import wire
 from fedge.errors import UpdateRejected
+
+SELECTOR_STATE = "selector/"  # what a selector's checkpointed state's keys start with
 
 
 class RandomSelector:
@@ -30,6 +35,13 @@ class RandomSelector:
 
     def observe(self, server_round: int, replies: Sequence[Message], durations: Mapping[int, float]) -> None:
         """Random selection learns nothing from a round."""
+
+    def state_dict(self) -> dict[str, NDArray[np.generic]]:
+        """What it learned, for a checkpoint (keys start with ``selector/``): nothing."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, NDArray[np.generic]]) -> None:
+        """Restore :meth:`state_dict`."""
 
 
 @dataclass
@@ -103,3 +115,24 @@ class OortSelector(RandomSelector):
             node = reply.metadata.src_node_id
             self.records[node] = _Record(utility=max(metrics.loss, 0.0) * metrics.num_examples,
                                          duration=max(durations.get(node, 0.0), 1e-9), last_round=server_round)
+
+    def state_dict(self) -> dict[str, NDArray[np.generic]]:
+        """Each device's record and when it was last selected (node ids as uint64, as Flower's)."""
+        nodes = sorted(self.records)
+        chosen = sorted(self.last_selected)
+        return {SELECTOR_STATE + "oort/nodes": np.array(nodes, np.uint64),
+                SELECTOR_STATE + "oort/records": np.array([[self.records[n].utility, self.records[n].duration,
+                                                    self.records[n].last_round] for n in nodes],
+                                                  np.float64).reshape(len(nodes), 3),
+                SELECTOR_STATE + "oort/selected": np.array([[n, self.last_selected[n]] for n in chosen],
+                                                   np.uint64).reshape(len(chosen), 2)}
+
+    def load_state_dict(self, state: Mapping[str, NDArray[np.generic]]) -> None:
+        """Restore :meth:`state_dict` (a run resumed with Oort goes on ranking from what it learned)."""
+        prefix = SELECTOR_STATE + "oort/"
+        if prefix + "nodes" not in state:
+            return
+        nodes, records = state[prefix + "nodes"], np.asarray(state[prefix + "records"], np.float64)
+        self.records = {int(node): _Record(float(row[0]), float(row[1]), int(row[2]))
+                        for node, row in zip(nodes, records, strict=True)}
+        self.last_selected = {int(node): int(round_) for node, round_ in state[prefix + "selected"]}

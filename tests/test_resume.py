@@ -89,3 +89,17 @@ def test_a_fresh_run_will_not_overwrite_an_existing_one(
                  "--fleet", "phone=6,laptop=3,gpu-box=1", "--clients-per-round", "4"])
     assert code == 2 and "already holds a run" in capsys.readouterr().err
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
+
+
+def test_a_resumed_oort_run_selects_as_an_uninterrupted_one(config: dict[str, Any], tmp_path: Path) -> None:
+    # Prepare: Oort ranks devices by what it learned from their replies; an uninterrupted 5-round run,
+    # and a 3-round run of the same config
+    oort = {**config, "selector": "oort", "fleet": "phone=8,laptop=4", "clients-per-round": 3}
+    simulate({**oort, "run-dir": str(tmp_path / "straight")}, progress=False)
+    simulate({**oort, "num-rounds": 3, "run-dir": str(tmp_path / "split")}, progress=False)
+    # Execute: continue the 3-round run to 5 rounds
+    simulate({**oort, "run-dir": str(tmp_path / "split"), "resume": True}, progress=False)
+    # Assert: the same devices in rounds 4 and 5 (a selector that forgot its records explores all over again)
+    straight, split = _rows(tmp_path / "straight"), _rows(tmp_path / "split")
+    assert [r["participants_by_profile"] for r in split] == [r["participants_by_profile"] for r in straight]
+    _same_run(split, straight)
