@@ -36,7 +36,7 @@ from fedge.strategies.drivers.base import Driver, RoundReport
 from fedge.strategies.drivers.sync import SyncDriver
 from fedge.strategies.flower_args import flower_constructor
 from fedge.strategies.policies import RoundPolicy, SyncPolicy
-from fedge.strategies.registry import register
+from fedge.strategies.registry import names_where, register
 from fedge.strategies.rule import LinearRule, RoundContext, Rule, Update
 from fedge.strategies.selection import SELECTOR_STATE, RandomSelector
 from fedge.strategies.submodels import SubModels
@@ -181,7 +181,7 @@ class FedAvg(FlowerFedAvg):
         if submodels is not None and not self.rule.takes_sub_models:
             raise ConfigError(f"{type(self).__name__}'s rule {type(self.rule).__name__} needs every update whole "
                               "(order statistics, distances or whole-model normalisation are not per-entry means); "
-                              "sub-models run with fedavg, fedprox, fedavgm, fedadam, fedyogi or fedadagrad")
+                              f"sub-models run with {names_where(lambda rule: rule.takes_sub_models)}")
         if privacy is not None:
             privacy.attach(self)
         self.driver.bind(self)
