@@ -1,18 +1,21 @@
 """``fedge`` command line; ``fedge --help`` lists every command (simulate, coordinator, device,
 gateway, keys, init, export, verify, predict, pull, compare, dashboard, ...), each defined in the
-module of its area (:mod:`fedge.cli.deploy`, :mod:`fedge.cli.edge`, :mod:`fedge.cli.gateway`, ...)."""
+module of its area (:mod:`fedge.cli.deploy`, :mod:`fedge.cli.edge`, :mod:`fedge.cli.keys`, ...):
+:func:`command_modules` finds them, so a new command is one file."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
+import pkgutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from fedge.cli import compare, deploy, edge, gateway, new
 from fedge.cli.catalogue import catalogue, describe, missing_extra, no_abbreviations, strategy_names
+from fedge.cli.edge import size_text
 from fedge.cli.workdir import importable_here
 from fedge.errors import FedgeError, RunFailed
 
@@ -81,7 +84,7 @@ def _simulate_run(args: argparse.Namespace) -> int:
     onnx = summary.get("onnx", {})
     print(f"run directory: {run_dir}")
     print(f"rounds: {summary['rounds']}  simulated time: {summary['sim_time_s']:.1f} s  "
-          f"wall time: {summary['wall_time_s']:.1f} s  uplink: {edge.size_text(summary['bytes_up'])}"
+          f"wall time: {summary['wall_time_s']:.1f} s  uplink: {size_text(summary['bytes_up'])}"
           f"  rejected updates: {summary['rejected']}")
     if onnx:
         print(f"model.onnx parity vs torch: max abs diff {onnx['max_abs_diff']:.1e}")
@@ -135,17 +138,27 @@ def quiet_third_party_logs() -> None:
     logging.getLogger("flwr").propagate = False
 
 
+def command_modules() -> list[Callable[[Any], None]]:
+    """Every module of ``fedge.cli`` that defines commands (an ``add_parsers(sub)``), by name: a new
+    command is one file there."""
+    import fedge.cli  # noqa: PLC0415
+
+    found = []
+    for module in sorted(pkgutil.iter_modules(fedge.cli.__path__), key=lambda info: info.name):
+        loaded = importlib.import_module(f"fedge.cli.{module.name}")
+        if callable(getattr(loaded, "add_parsers", None)):
+            found.append(loaded.add_parsers)
+    return found
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``fedge`` argument parser."""
     parser = argparse.ArgumentParser(prog="fedge", description="Federated learning on edge fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
     _simulate_parser(sub)
     _dashboard_parser(sub)
-    edge.add_parsers(sub)
-    new.add_parsers(sub)
-    compare.add_parsers(sub)
-    deploy.add_parsers(sub)
-    gateway.add_parsers(sub)
+    for add_parsers in command_modules():
+        add_parsers(sub)
     no_abbreviations(parser)
     return parser
 

@@ -3,6 +3,8 @@ needs when its install lacks it (issue 26, items 1, 2 and 9)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -72,3 +74,20 @@ def test_a_command_whose_extra_is_missing_names_the_extra(tmp_path: Any, argv: l
     # Assert: one line, exit 2, no traceback
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"pip install 'fedge[{extra}]'" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_new_command_is_one_file_in_the_cli_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # Prepare: a module beside fedge.cli's own that defines a command
+    import fedge.cli
+
+    (tmp_path / "zz_hello.py").write_text(
+        "def add_parsers(sub):\n"
+        "    hello = sub.add_parser('hello', help='say hello')\n"
+        "    hello.set_defaults(handler=lambda args: print('hello from one file') or 0)\n")
+    monkeypatch.setattr(fedge.cli, "__path__", [*fedge.cli.__path__, str(tmp_path)])
+    # Execute
+    code = main(["hello"])
+    # Assert
+    assert code == 0 and "hello from one file" in capsys.readouterr().out
+    sys.modules.pop("fedge.cli.zz_hello", None)
