@@ -23,19 +23,22 @@ import numpy as np
 import onnx
 import pytest
 from chromium import start_chromium, trust_certificate_flag
+from flwr.app import Context, RecordDict
 from google.protobuf.internal import encoder
 
 from fedge.batching import batch_order
 from fedge.clients.gateway import GatewaySettings, Served, device_app
+from fedge.clients.gateway_bridge import ask_gateway
 from fedge.clients.gateway_pool import GatewayRound, device_seed
-from fedge.clients.gateway_web import WebSite
+from fedge.clients.gateway_web import WebSite, demo_examples
 from fedge.config import resolve_run_config
 from fedge.edge.trainer import OnnxTrainer
 from fedge.edge.training_bundle import architecture_of, pack_training_bundle, read_training_bundle
 from fedge.errors import FedgeError
 from fedge.listeners import ListenerLimits
+from fedge.preprocessing import AS_GIVEN, OUTSIDE, RAW_SCALED, Preprocessing, prepare_device_inputs
 from fedge.server.bundles import run_signing_key
-from fedge.web import ORT_FILES
+from fedge.web import ASSETS, ORT_FILES
 from tests.live_gateway import CONFIG, LiveGateway
 from tests.ort_polyglot import HIDDEN_SCALE, hidden_ort_model, polyglot
 from tests.tiny_bundles import MODEL_ID, tiny_bundle, tiny_model, write_zip
@@ -44,32 +47,40 @@ ROOT = Path(__file__).resolve().parent.parent
 ORT_DIST = ROOT / os.environ.get("FEDGE_ORTWEB_DIR", ".cache/ortweb") / "node_modules" / "onnxruntime-web" / "dist"
 
 
-def demo_examples(inputs: tuple[np.ndarray, ...], targets: np.ndarray) -> dict[str, Any]:
-    """A device's examples as the demo page reads them (data/NAME.json)."""
-    def entry(array: np.ndarray) -> dict[str, Any]:
-        array = np.ascontiguousarray(array)
-        return {"dtype": str(array.dtype), "dims": list(array.shape),
-                "b64": base64.b64encode(array.tobytes()).decode()}
-    return {"inputs": [entry(array) for array in inputs], "targets": entry(targets)}
-
-
 class WebGateway(LiveGateway):
-    """A live gateway whose device listener also serves the web SDK's demo page."""
+    """A live gateway whose device listener also serves the web SDK's demo page.
 
-    def __init__(self, root: Path, run: dict[str, Any], settings: GatewaySettings, bundle: Path | None = None) -> None:
+    ``inputs``: turns each demo device's inputs into what its file holds (the shards are preprocessed);
+    ``allow_origins``: the web apps' origins it allows (``--allow-origin``).
+    """
+
+    def __init__(self, root: Path, run: dict[str, Any], settings: GatewaySettings, bundle: Path | None = None, *,
+                 inputs: Any = None, allow_origins: tuple[str, ...] = ()) -> None:
         super().__init__(root, run, settings)
         self.devices.stop()
         data = root / "demo-data"
-        data.mkdir()
+        data.mkdir(exist_ok=True)
         for index in range(4):
-            inputs, targets = run["shards"][index]
-            (data / f"browser{index}.json").write_text(json.dumps(demo_examples(inputs, targets)))
+            shard_inputs, targets = run["shards"][index]
+            if inputs is not None:
+                shard_inputs = tuple(inputs(array) for array in shard_inputs)
+            (data / f"browser{index}.json").write_text(json.dumps(demo_examples(shard_inputs, targets)))
         if bundle is not None:
             self.gateway.training_bundle = bundle
         site = WebSite(ort=ORT_DIST, bundle_key=run["trust"], data=data)
-        self.devices = Served(device_app(self.gateway, web=site), "127.0.0.1", 0, limits=ListenerLimits(per_address=64),
-                              cert=run["gateway-cert"][0], cert_key=run["gateway-cert"][1])
+        self.devices = Served(device_app(self.gateway, web=site, allow_origins=allow_origins), "127.0.0.1", 0,
+                              limits=ListenerLimits(per_address=64), cert=run["gateway-cert"][0],
+                              cert_key=run["gateway-cert"][1])
         self.url = f"https://127.0.0.1:{self.devices.port}"
+
+    def round_of(self, server_round: int, num_rounds: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Round ``server_round`` of a run of ``num_rounds``, as the gateway's ClientApp hands it on (num-rounds)."""
+        context = Context(run_id=1, node_id=9, state=RecordDict(), run_config={}, node_config={
+            "gateway-control": f"127.0.0.1:{self.control.port}", "gateway-token": str(self.root / "token")})
+        (self.root / "token").write_text(self.token)
+        header = {"kind": "train", "server-round": server_round, "num-rounds": num_rounds,
+                  "graph": self.run["architecture"], "config": CONFIG, "secure": None}
+        return ask_gateway(context, header, self.run["weights"])
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +106,22 @@ def _open_device(driver: Any, gateway: WebGateway, name: str) -> None:
     gateway.gateway.allow.refresh(force=True)
 
 
-def _join_and_wait(driver: Any, rounds: int) -> dict[str, Any]:
-    """Start the page's device for ``rounds`` train rounds; its state once done (or failed)."""
-    return dict(driver.execute_async_script(
-        "const done = arguments[1]; window.fedgeJoin(arguments[0]);"
-        "(function wait() { const s = window.__fedge;"
-        " if (s.done || s.error) done({done: s.done, error: s.error, trained: s.trained || 0,"
-        "  kinds: s.progress.map((e) => e.kind), errors: s.progress.filter((e) => e.error).map((e) => e.error)});"
-        " else setTimeout(wait, 100); })();", rounds))
+def _join_and_wait(driver: Any, gateway: WebGateway, rounds: int) -> dict[str, Any]:
+    """Join the page's device (it follows the run); once it trained ``rounds`` rounds the gateway says the run is
+    over. Its state once done (or failed)."""
+    script = ("const [rounds, done] = arguments;"
+              "(function wait() { const s = window.__fedge;"
+              " const trained = s.progress.filter((e) => e.kind === 'train').length;"
+              " if (s.done || s.error || trained >= rounds) done({done: s.done, error: s.error,"
+              "  trained: s.trained || trained, kinds: s.progress.map((e) => e.kind),"
+              "  errors: s.progress.filter((e) => e.error).map((e) => e.error)});"
+              " else setTimeout(wait, 100); })();")
+    driver.execute_script("window.fedgeJoin()")
+    state = dict(driver.execute_async_script(script, rounds))
+    if state["done"] or state["error"]:
+        return state
+    gateway.gateway.finish("the test's run is over")
+    return dict(driver.execute_async_script(script, rounds + 1))
 
 
 @pytest.mark.parametrize("uplink", ["fp32", "int8-delta"])
@@ -117,7 +136,7 @@ def test_a_browser_tab_trains_a_gateway_round_as_the_python_device_would(tmp_pat
         thread = threading.Thread(target=lambda: box.update(result=gateway.round()), daemon=True)
         thread.start()
         # Execute: the tab joins for one round
-        state = _join_and_wait(chromium, 1)
+        state = _join_and_wait(chromium, gateway, 1)
         thread.join()
     finally:
         gateway.close()
@@ -169,7 +188,7 @@ def test_the_page_shows_a_result_that_missed_its_closed_round_as_normal_and_says
         gateway.gateway.round = current
         gateway.gateway.model_elements = sum(int(np.size(value)) for value in run["weights"].values())
         gateway.gateway.task_for = close_after_handing  # type: ignore[method-assign]
-        chromium.execute_script("window.fedgeJoin(3)")
+        chromium.execute_script("window.fedgeJoin()")
         # Execute: the tab's result reaches a closed round (409); then the run ends
         late = _page_when(chromium, "s.progress.some((e) => e.kind === 'late' || e.kind === 'error')")
         gateway.gateway.finish("round 2 of 2 was its last and the coordinator has closed")
@@ -202,7 +221,7 @@ def _joined_with_bundle(tmp_path: Path, run: dict[str, Any], chromium: Any, bund
     thread.start()
     try:
         _open_device(chromium, gateway, "browser1")
-        state = _join_and_wait(chromium, 1)
+        state = _join_and_wait(chromium, gateway, 1)
     finally:
         while gateway.gateway.round is None:  # the round opens once the control POST lands
             threading.Event().wait(0.02)
@@ -352,7 +371,7 @@ def test_a_secure_run_refuses_a_browser_at_check_in_naming_why(tmp_path: Path, r
     try:
         _open_device(chromium, gateway, "browser3")
         # Execute
-        state = _join_and_wait(chromium, 1)
+        state = _join_and_wait(chromium, gateway, 1)
     finally:
         gateway.close()
     # Assert: refused at check-in with the reason; the page stops instead of retrying
@@ -559,3 +578,246 @@ def test_an_app_that_names_its_gateway_signs_no_check_in_for_another(tmp_path: P
     # Assert: the first refuses before signing anything, naming both; the second checks in
     assert "announces 'gw-test', but this app expects gateway 'gw-b'" in other["error"]
     assert own == {"session": True, "signed": "gw-test"}
+
+
+# ---------------------------------------------------------------------- issue 39 §4: the web developer's first hour
+DIGITS = {"kind": "affine", "scale": 1.0 / 16.0, "offset": 0.0, "raw-range": [0, 16]}
+ODD = {"kind": "affine", "scale": 1.0 / 255.0, "offset": -0.5, "raw-range": [0, 255]}
+FAR = {"kind": "affine", "scale": 1e-7, "offset": 123456789.0, "raw-range": [-3.5, 1e6]}
+PREPROCESS = """
+const [cases, done] = arguments;
+(async () => {
+  const pre = await import("./preprocessing.js");
+  const {DTYPES} = await import("./frame.js");
+  const bytes = (b64) => Uint8Array.from(atob(b64), (c) => c.charCodeAt(0)).buffer;
+  const text = (array) => { let raw = ""; const b = new Uint8Array(array.buffer, array.byteOffset, array.byteLength);
+                            for (const x of b) raw += String.fromCharCode(x); return btoa(raw); };
+  done(cases.map(({spec, inputs}) => {
+    const {inputs: out, verdict} = pre.prepareDeviceInputs(
+      inputs.map((e) => ({data: new DTYPES[e.dtype](bytes(e.b64)), dims: e.dims})), spec);
+    return {verdict, message: pre.inputsMessage(verdict, spec, "device d's data"),
+            outputs: out.map((e) => ({dtype: e.data.constructor.name, b64: text(e.data)}))};
+  }));
+})().catch((error) => done({error: String(error.message || error)}));
+"""
+
+
+def _preprocessing_cases() -> list[tuple[dict[str, Any], list[np.ndarray]]]:
+    rng = np.random.default_rng(3)
+    raw_digits = rng.integers(0, 17, (50, 64)).astype(np.float32)
+    raw_odd = (rng.random((40, 7)) * 255).astype(np.float32)
+    with_nan = raw_digits.copy()
+    with_nan[3, 5] = np.nan
+    return [
+        (DIGITS, [raw_digits]),  # raw 0..16: scaled
+        (DIGITS, [raw_digits / np.float32(16)]),  # preprocessed already: as given
+        (DIGITS, [raw_digits * np.float32(255 / 16)]),  # 0..255: outside both
+        (DIGITS, [raw_digits + np.float32(0.7)]),  # within the 5% overshoot of the raw range: scaled
+        (ODD, [raw_odd, raw_odd.astype(np.float64)]),  # non-integer raw values, float32 and float64
+        (ODD, [raw_odd, rng.integers(0, 9, (40, 3))]),  # an integer input is left as it is
+        (DIGITS, [with_nan]),  # NaN: outside
+        (FAR, [np.array([[-3.5, 2.0], [1e6, 5.25]], np.float32)]),  # ranges worded as Python's %g words them
+        ({"kind": "affine", "scale": 0.5, "offset": 1.0}, [raw_digits]),  # no declared range: nothing guessed
+        ({"kind": "none"}, [raw_digits]),
+    ]
+
+
+def _python_message(verdict: str, spec: dict[str, Any]) -> str | None:
+    """What fedge.clients.common.prepared_device_inputs logs (the browser cannot tell the coordinator: its end)."""
+    ranges = Preprocessing.of(spec).describe_ranges()
+    if verdict == RAW_SCALED:
+        return f"'device d's data' holds raw inputs ({ranges}): the task's preprocessing is applied on this device"
+    if verdict == OUTSIDE:
+        return (f"'device d's data': inputs fall outside the task's declared range ({ranges}); they are used as they "
+                "are: check the data (units, scaling)")
+    return None
+
+
+def test_the_browser_preprocesses_raw_inputs_to_the_python_devices_float32_bytes(tmp_path: Path, run: dict[str, Any],
+                                                                                 chromium: Any) -> None:
+    # Prepare: raw, preprocessed, out-of-range, mixed and NaN inputs under the digits' and other declared preprocessing
+    cases = _preprocessing_cases()
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test"))
+    try:
+        chromium.get(f"{gateway.url}/web/demo.html?name=pre")
+        # Execute: the SDK's preprocessing in the browser, on the same bytes
+        answers = chromium.execute_async_script(PREPROCESS, [
+            {"spec": spec, "inputs": demo_examples(inputs, np.zeros(1, np.int64))["inputs"]} for spec, inputs in cases])
+    finally:
+        gateway.close()
+    # Assert: fedge.preprocessing's verdict and float32 bytes, input for input; the Python device's message
+    assert isinstance(answers, list), answers
+    verdicts = []
+    for (spec, inputs), answer in zip(cases, answers, strict=True):
+        prepared, verdict = prepare_device_inputs(tuple(inputs), spec)
+        verdicts.append(answer["verdict"])
+        assert answer["verdict"] == verdict, (spec, answer)
+        assert answer["message"] == _python_message(verdict, spec), answer["message"]
+        for python, browser in zip(prepared, answer["outputs"], strict=True):
+            assert base64.b64decode(browser["b64"]) == np.ascontiguousarray(python).tobytes(), (spec, browser["dtype"])
+    assert verdicts == [RAW_SCALED, AS_GIVEN, OUTSIDE, RAW_SCALED, RAW_SCALED, RAW_SCALED, OUTSIDE, RAW_SCALED,
+                        AS_GIVEN, AS_GIVEN]
+
+
+def test_a_tab_fed_raw_digits_trains_as_a_python_device_and_one_outside_the_range_is_flagged(
+        tmp_path: Path, run: dict[str, Any], chromium: Any) -> None:
+    # Prepare: demo devices whose files hold raw digits (0..16; the shards are preprocessed), then 0..255 ones
+    pages = {}
+    for name, raw_scale in (("browser0", 16), ("browser1", 255)):
+        (tmp_path / name).mkdir()
+        gateway = WebGateway(tmp_path / name, run, GatewaySettings(
+            name="gw-test", devices_per_round=1, round_deadline_s=600, idle_poll_s=0.2),
+            inputs=lambda x, k=raw_scale: x * np.float32(k))
+        box: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda g=gateway, b=box: b.update(result=g.round()), daemon=True)
+        thread.start()
+        try:
+            # Execute: the tab joins and trains a round on its raw file
+            _open_device(chromium, gateway, name)
+            pages[name] = _join_and_wait(chromium, gateway, 1)
+            thread.join()
+            pages[name].update(
+                result=box["result"], page=_page_when(chromium, "true"),
+                warnings=chromium.execute_script("return document.querySelectorAll('#log li.warning').length"),
+                events=chromium.execute_script("return window.__fedge.progress.filter((e) => e.kind === 'inputs')"))
+        finally:
+            gateway.close()
+    # Assert: browser0 scaled its raw digits and sent exactly the Python device's update on the preprocessed shard
+    raw, outside = pages["browser0"], pages["browser1"]
+    assert raw["error"] is None and raw["trained"] == 1, raw
+    bundle = read_training_bundle(run["bundle"], trusted_keys=[run["trust"]])
+    trainer = OnnxTrainer(bundle.train_onnx, bundle.eval_onnx, bundle.manifest)
+    python, _ = trainer.train(run["weights"], run["shards"][0][0], run["shards"][0][1], epochs=1, batch_size=32,
+                              learning_rate=0.05, momentum=0.9, seed=device_seed(7, 1, "browser0"))
+    header, arrays = raw["result"]
+    assert header["devices"] == 1
+    for name in python:
+        assert float(np.max(np.abs(arrays[name] - python[name]))) <= 1e-5, name
+    assert [e["verdict"] for e in raw["events"]] == [RAW_SCALED], raw["events"]
+    assert any("'device browser0's data' holds raw inputs (raw 0..16, 0..1 after x * 0.0625 + 0)" in line
+               for line in raw["page"]["lines"]) and raw["warnings"] == 0, raw["page"]
+    # ... browser1's 0..255 inputs are flagged, in the page's log as a warning, with the ranges
+    assert [e["verdict"] for e in outside["events"]] == [OUTSIDE], outside["events"]
+    assert outside["events"][0]["message"] == _python_message(OUTSIDE, DIGITS).replace("device d", "device browser1")
+    assert outside["warnings"] == 1 and outside["error"] is None, outside["page"]
+
+
+class AppSite:
+    """A developer's own site on another origin (another 127.0.0.1 port, plain HTTP: a secure context on
+    loopback): the SDK's files and an empty page, served as any static server would."""
+
+    def __init__(self, root: Path) -> None:
+        from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer  # noqa: PLC0415
+
+        root.mkdir()
+        for name in ("fedge-device.js", "frame.js", "bundle.js", "onnx-check.js", "preprocessing.js", "worker.js",
+                     "batch-order.js"):
+            (root / name).write_bytes((ASSETS / name).read_bytes())
+        (root / "app.html").write_text("<!doctype html><title>an app</title><p>an app</p>")
+
+        class Quiet(SimpleHTTPRequestHandler):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, directory=str(root), **kwargs)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+        self.origin = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+APP_IDENTITY = """
+const done = arguments[0];
+import("./fedge-device.js").then(({FedgeDevice}) => FedgeDevice.identity("app0"))
+  .then((identity) => done(identity.publicKeyPem), (error) => done("error: " + String(error.message || error)));
+"""
+APP_RUN = """
+const [gateway, done] = arguments;
+const events = [];
+(async () => {
+  const {FedgeDevice} = await import("./fedge-device.js");
+  const device = new FedgeDevice({gateway, name: "app0", bundleKeyPem: "", data: null, maxNetworkFailures: 3});
+  const outcome = await device.run({maxWaitS: 0.05, onProgress: (event) => {
+    events.push(event.kind); if (event.kind === "wait") device.stop(); }});
+  done({outcome: outcome.kind, kinds: events});
+})().catch((error) => done({error: String(error.message || error), kinds: events}));
+"""
+
+
+def test_an_app_on_another_origin_reaches_an_allowing_gateway_and_stops_clearly_at_another(
+        tmp_path: Path, run: dict[str, Any], chromium: Any) -> None:
+    # Prepare: the app's own site; gateway A allows its origin (--allow-origin), gateway B does not
+    app = AppSite(tmp_path / "app")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    allowing = WebGateway(tmp_path / "a", run, GatewaySettings(name="gw-test", idle_poll_s=0.2),
+                          allow_origins=(app.origin,))
+    other = WebGateway(tmp_path / "b", run, GatewaySettings(name="gw-test", idle_poll_s=0.2))
+    try:
+        chromium.get(f"{app.origin}/app.html")
+        pem = chromium.execute_async_script(APP_IDENTITY)
+        assert pem.startswith("-----BEGIN PUBLIC KEY-----"), pem
+        for gateway in (allowing, other):
+            (gateway.allow / "app0.pub").write_text(pem)
+            gateway.gateway.allow.refresh(force=True)
+        # Execute: the app's device runs against each gateway
+        reached = dict(chromium.execute_async_script(APP_RUN, allowing.url))
+        refused = dict(chromium.execute_async_script(APP_RUN, other.url))
+    finally:
+        allowing.close()
+        other.close()
+        app.close()
+    # Assert: A checked it in and answered its poll; B's answers reach no page: three failures, then a stop that
+    # names the causes and the flag that allows the origin
+    assert reached == {"outcome": "stopped", "kinds": ["wait"]}, reached
+    assert len(allowing.gateway.sessions) == 1 and len(other.gateway.sessions) == 0
+    assert refused["kinds"] == ["error", "error", "error"], refused
+    error = refused.get("error", "")
+    assert f"stopped: 3 requests in a row to the gateway at {other.url} got no answer" in error, error
+    assert f"CORS: the gateway does not allow this page's origin {app.origin}" in error, error
+    assert f"--allow-origin {app.origin}" in error and "TLS trust" in error and "ca.crt" in error, error
+
+
+def test_the_page_follows_the_run_and_lets_the_developer_join_again_after_an_error(
+        tmp_path: Path, run: dict[str, Any], chromium: Any) -> None:
+    # Prepare: a tab admitted as browser9, for which the operator left no examples yet
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=1, round_deadline_s=600,
+                                                       idle_poll_s=0.2))
+    results: list[Any] = []
+
+    def two_rounds() -> None:
+        results.extend(gateway.round_of(server_round, 2) for server_round in (1, 2))
+
+    try:
+        _open_device(chromium, gateway, "browser9")
+        # Execute: Join fails (no examples); the operator adds them; Join again; the run has 2 rounds
+        chromium.find_element("id", "join").click()
+        failed = _page_when(chromium, "s.error")
+        enabled = chromium.execute_script("return !document.getElementById('join').disabled")
+        (tmp_path / "demo-data" / "browser9.json").write_text((tmp_path / "demo-data" / "browser0.json").read_text())
+        thread = threading.Thread(target=two_rounds, daemon=True)
+        thread.start()
+        chromium.find_element("id", "join").click()
+        trained = _page_when(chromium, "s.progress.filter((e) => e.kind === 'train').length >= 2 || s.error")
+        thread.join()
+        gateway.gateway.finish("round 2 of 2 was its last and the coordinator has closed")
+        over = _page_when(chromium, "s.done || s.error")
+        bar = chromium.execute_script("const p = document.getElementById('progress'); return [p.value, p.max]")
+        inputs = chromium.execute_script("return document.querySelectorAll('input').length")
+        rounds = chromium.execute_script(
+            "return window.__fedge.progress.filter((e) => e.kind === 'train').map((e) => [e.round, e.numRounds])")
+    finally:
+        gateway.close()
+    # Assert: the error said what was missing and Join works again; the tab then followed the run to its end
+    assert "no demo examples for 'browser9'" in failed["error"] and failed["statusClass"] == "error", failed
+    assert enabled
+    assert trained["error"] is None and len(results) == 2, trained
+    assert rounds == [[1, 2], [2, 2]] and "round 2 of 2: trained and sent" in trained["status"], (rounds, trained)
+    assert over["outcome"] == "done" and over["status"] == (
+        "the run is over: round 2 of 2 was its last and the coordinator has closed (2 rounds trained here)"), over
+    assert bar == [2, 2] and inputs == 0

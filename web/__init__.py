@@ -8,8 +8,8 @@ from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent
 """Where the SDK's files are."""
-SDK_FILES = ("fedge-device.js", "frame.js", "bundle.js", "onnx-check.js", "worker.js", "batch-order.js", "demo.html",
-             "demo.js")
+SDK_FILES = ("fedge-device.js", "frame.js", "bundle.js", "onnx-check.js", "preprocessing.js", "worker.js",
+             "batch-order.js", "demo.html", "demo.js")
 """What a gateway serves at ``/web/`` (nothing else from this folder)."""
 ORT_FILES = ("ort.wasm.min.js", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
 """The onnxruntime-web files the worker loads, served at ``/web/ort/`` from ``--ort-web DIR``."""

@@ -9,7 +9,7 @@
 //   const identity = await FedgeDevice.identity("phone-017");   // once: the operator admits identity.publicKeyPem
 //   const device = new FedgeDevice({gateway: "https://gw1.example.org:9443", name: "phone-017",
 //                                   bundleKeyPem: SIGNING_PUB, data: {inputs, targets}});
-//   const outcome = await device.run({rounds: 3, onProgress: (event) => ...});
+//   const outcome = await device.run({onProgress: (event) => ...});  // until the gateway says the run is over
 //     // outcome: {kind: "done" (the gateway said the run is over; outcome.reason says why) | "rounds" | "stopped", trained}
 //   const scores = await device.predict({data, dims});  // the coordinator's latest signed inference model
 //
@@ -24,11 +24,17 @@
 // freshness directory can. Every onnxruntime-web session pins the ONNX format. A page reload loses the session
 // and the round's work, not the key: the device checks in again, and the gateway, which counts a
 // device once a round by name, gives it the round's task again only if it had not answered it.
+// Raw inputs get the task's declared preprocessing (preprocessing.js), as the Python devices apply it;
+// inputs outside both declared ranges are used as they are and flagged (an "inputs" event, a console warning).
+// A gateway on another origin must allow the app's origin (`fedge gateway start --allow-origin ORIGIN`); the
+// browser hides why a request failed, so after `maxNetworkFailures` failures in a row run() stops with an
+// error naming the likely causes (the origin, the TLS trust, the address) instead of retrying forever.
 // Secure aggregation is not implemented here: the check-in says so ("capabilities"), a gateway whose
 // run is secure refuses it with the reason, and a secure step that reaches it anyway is refused.
 
 import {FRAME_TYPE, decodeFrame, encodeFrame, int8Delta} from "./frame.js";
 import {importBundleKey, recordAccepted, verifyInferenceBundle, verifyTrainingBundle} from "./bundle.js";
+import {AS_GIVEN, OUTSIDE, inputsMessage, prepareDeviceInputs} from "./preprocessing.js";
 
 const PREFIX = "/v1";
 const enc = new TextEncoder();
@@ -83,13 +89,17 @@ export class FedgeDevice {
   // gatewayName: the gateway's name (`fedge keys add-gateway NAME`) this app expects. A page cannot read the
   // TLS certificate, so without it the device signs whatever name `hello` announces, and a gateway could
   // relay that check-in to another gateway; with it, a `hello` naming another gateway is refused.
-  constructor({gateway, name, bundleKeyPem, data, ortBase, workerUrl, modelId, trainingModelId, gatewayName}) {
+  // maxNetworkFailures: requests in a row that fail to reach the gateway (no answer at all) before run() stops.
+  constructor({gateway, name, bundleKeyPem, data, ortBase, workerUrl, modelId, trainingModelId, gatewayName,
+               maxNetworkFailures = 5}) {
     this.gateway = gateway.replace(/\/$/, "");
     this.expectedGateway = gatewayName ?? null;
     this.name = name;
     this.bundleKeyPem = bundleKeyPem;
     this.lineage = {inference: modelId ?? null, training: trainingModelId ?? null};
-    this.data = data;  // {inputs: [{data, dims}], targets: {data, dims}}: as the manifest's inputs take them
+    this.data = data;  // {inputs: [{data, dims}], targets: {data, dims}}: raw or preprocessed, in the manifest's order
+    this.prepared = null;  // {source, manifest, data, verdict}: this.data as the model takes it
+    this.maxNetworkFailures = maxNetworkFailures;
     this.ortBase = ortBase || new URL("./ort/", import.meta.url).href;
     this.worker = new Worker(workerUrl || new URL("./worker.js", import.meta.url).href);
     this.pending = new Map();
@@ -115,7 +125,14 @@ export class FedgeDevice {
 
   // ---------------------------------------------------------------- transport
   async send(method, path, body, headers = {}) {
-    const response = await fetch(this.gateway + path, {method: method, body: body, headers: headers, cache: "no-store"});
+    let response;
+    try {
+      response = await fetch(this.gateway + path, {method: method, body: body, headers: headers, cache: "no-store"});
+    } catch (error) {  // no answer at all: the browser hides why (a refused origin, an untrusted certificate, no server)
+      const failed = new Error("cannot reach the gateway at " + this.gateway + ": " + String(error.message || error));
+      failed.network = true;
+      throw failed;
+    }
     return {status: response.status, type: response.headers.get("content-type") || "", body: new Uint8Array(await response.arrayBuffer())};
   }
 
@@ -213,10 +230,27 @@ export class FedgeDevice {
     this.graph = bundle.manifest.architecture;
   }
 
+  // this.data as the training graph's manifest takes it (preprocessing.js): the same object for the same data and
+  // manifest; a new verdict other than "preprocessed" is logged once and reported (an "inputs" event from run()).
+  preparedData() {
+    if (!this.data) throw new Error("this device has no examples: give `data` ({inputs, targets}) before it trains");
+    if (this.prepared && this.prepared.source === this.data && this.prepared.manifest === this.manifest) {
+      return this.prepared.data;
+    }
+    const spec = this.manifest.preprocessing;
+    const {inputs, verdict} = prepareDeviceInputs(this.data.inputs, spec);
+    const message = inputsMessage(verdict, spec, "device " + this.name + "'s data");
+    if (verdict === OUTSIDE) console.warn(message); else if (verdict !== AS_GIVEN) console.info(message);
+    this.prepared = {source: this.data, manifest: this.manifest, data: {...this.data, inputs: inputs}, verdict: verdict};
+    if (verdict !== AS_GIVEN) this.inputsNotice = {verdict: verdict, message: message};
+    return this.prepared.data;
+  }
+
   // ---------------------------------------------------------------- one poll
   // What it did: {kind, nextInS, round, ...}. kind: "wait"; "train" (loss) or "evaluate" (metrics), sent;
   // "late": the result came after its round closed (409, a normal outcome: it was not counted; reason says why);
-  // "refused" (a secure step); "done": the run is over (reason: the gateway's words).
+  // "refused" (a secure step); "done": the run is over (reason: the gateway's words). A task's outcome carries
+  // numRounds, the run's number of rounds, when the gateway knows it.
   async poll() {
     const answer = await this.authenticated("GET", PREFIX + "/task");
     if (answer.status !== 200 || !answer.type.startsWith(FRAME_TYPE)) {
@@ -227,17 +261,19 @@ export class FedgeDevice {
     const {header: task, tensors} = decodeFrame(answer.body.buffer);
     if (task.kind === "secagg") return this.refuseSecure(task);
     await this.ready(task.graph);
+    const data = this.preparedData();
+    const numRounds = Number.isInteger(task["num-rounds"]) && task["num-rounds"] > 0 ? {numRounds: task["num-rounds"]} : {};
     const weights = {};
     for (const [name, tensor] of Object.entries(tensors)) weights[name] = tensor.data;
     if (task.kind === "evaluate") {
-      const result = await this.call({type: "evaluate", weights: weights, ...this.data});
+      const result = await this.call({type: "evaluate", weights: weights, ...data});
       const sent = await this.result(encodeFrame({task: task.task, kind: "evaluate", "num-examples": result.numExamples,
                                                   metrics: result.metrics}));
       const kind = sent.late ? "late" : "evaluate";
-      return {kind: kind, nextInS: sent["next-in-s"], round: task["server-round"], metrics: result.metrics,
+      return {kind: kind, nextInS: sent["next-in-s"], round: task["server-round"], metrics: result.metrics, ...numRounds,
               ...(sent.late ? {reason: sent.reason} : {})};
     }
-    const trained = await this.call({type: "train", weights: weights, config: task.config, seed: String(task.seed), ...this.data});
+    const trained = await this.call({type: "train", weights: weights, config: task.config, seed: String(task.seed), ...data});
     const header = {task: task.task, kind: "train", "num-examples": trained.stats.numExamples,
                     "samples-processed": trained.stats.samplesProcessed, steps: trained.stats.steps,
                     metrics: {"train-loss": trained.stats.loss}, encoding: task.uplink || "fp32"};
@@ -253,7 +289,8 @@ export class FedgeDevice {
     }
     const sent = await this.result(encodeFrame(header, out));
     return {kind: sent.late ? "late" : "train", nextInS: sent["next-in-s"], round: task["server-round"],
-            loss: trained.stats.loss, numExamples: trained.stats.numExamples, ...(sent.late ? {reason: sent.reason} : {})};
+            loss: trained.stats.loss, numExamples: trained.stats.numExamples, ...numRounds,
+            ...(sent.late ? {reason: sent.reason} : {})};
   }
 
   async refuseSecure(task) {
@@ -273,18 +310,31 @@ export class FedgeDevice {
     return FedgeDevice.json(answer, "result");
   }
 
-  // Poll until `rounds` train tasks are done, stop() is called or the gateway says the run is over, waiting
-  // what the gateway says. Resolves with {kind: "done" | "rounds" | "stopped", trained, reason (for "done")}.
+  // Poll until the gateway says the run is over, stop() is called or (when given) `rounds` train tasks are done,
+  // waiting what the gateway says. Resolves with {kind: "done" | "rounds" | "stopped", trained, reason (for "done")}.
+  // Rejects on a refused training bundle, a refused check-in, or maxNetworkFailures requests in a row that got no
+  // answer (the error names the likely causes).
   async run({rounds = Infinity, maxWaitS = 30, onProgress = () => {}} = {}) {
-    let trained = 0;
+    let trained = 0, unreachable = 0;
     this.stopped = false;
     while (!this.stopped && trained < rounds) {
       let outcome;
       try {
         outcome = await this.poll();
+        unreachable = 0;
       } catch (error) {
         outcome = {kind: "error", nextInS: 2, error: String(error.message || error)};
         if (/training bundle refused|cannot take part/.test(outcome.error)) { onProgress(outcome); throw error; }
+        unreachable = error.network ? unreachable + 1 : 0;
+        if (unreachable >= this.maxNetworkFailures) {
+          const stop = new Error(this.unreachable(unreachable, outcome.error));
+          onProgress({...outcome, error: stop.message, trained: trained});
+          throw stop;
+        }
+      }
+      if (this.inputsNotice) {  // the data's verdict against the task's declared ranges, once
+        onProgress({kind: "inputs", ...this.inputsNotice, trained: trained});
+        this.inputsNotice = null;
       }
       if (outcome.kind === "train") trained++;
       onProgress({...outcome, trained: trained});
@@ -295,6 +345,20 @@ export class FedgeDevice {
   }
 
   stop() { this.stopped = true; }
+
+  // Why a gateway that never answers is most likely out of reach, and what to do (a browser hides the cause).
+  unreachable(failures, last) {
+    const origin = typeof location !== "undefined" ? location.origin : "this app's origin";
+    const own = typeof location !== "undefined" && new URL(this.gateway).origin === location.origin;
+    return "stopped: " + failures + " requests in a row to the gateway at " + this.gateway + " got no answer (" + last +
+      "). A browser does not say why; the likely causes: " +
+      (own ? "" : "(1) CORS: the gateway does not allow this page's origin " + origin + ": its operator starts it with " +
+                  "`fedge gateway start ... --allow-origin " + origin + "`; ") +
+      (own ? "(1)" : "(2)") + " TLS trust: this browser does not trust the gateway's certificate: install the CA that " +
+      "signed it (the coordinator's ca.crt) in the browser's or the system's trust store, then open " + this.gateway +
+      "/v1/hello once to check; " + (own ? "(2)" : "(3)") + " the gateway is not running at that address, or the " +
+      "network blocks it. The browser's console names the cause.";
+  }
 
   // The coordinator's latest signed inference bundle, relayed by the gateway: verified (signature,
   // hashes, expiry, graph checks), refused if of another lineage than the one this device follows (the
