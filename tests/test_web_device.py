@@ -13,6 +13,7 @@ import base64
 import functools
 import json
 import os
+import re
 import threading
 import zipfile
 from collections.abc import Iterator
@@ -821,3 +822,65 @@ def test_the_page_follows_the_run_and_lets_the_developer_join_again_after_an_err
     assert over["outcome"] == "done" and over["status"] == (
         "the run is over: round 2 of 2 was its last and the coordinator has closed (2 rounds trained here)"), over
     assert bar == [2, 2] and inputs == 0
+
+
+def _documented_app(run: dict[str, Any], gateway_url: str) -> str:
+    """docs/devices.md's JavaScript example as an app's module script, pointed at ``gateway_url``: its data the raw
+    digits of shard 0, its bundle key the run's signing.pub; it publishes its key and its outcome for the test."""
+    text = (ROOT / "docs" / "devices.md").read_text()
+    (example,) = re.findall(r"```javascript\n(.*?)```", text, flags=re.S)
+    training = read_training_bundle(run["bundle"], trusted_keys=[run["trust"]]).manifest["model_id"]
+    replaced = (example.replace('"https://gw1.example.org:9443"', json.dumps(gateway_url))
+                .replace('"digits-training"', json.dumps(training))
+                .replace('gatewayName: "gw1"', 'gatewayName: "gw-test"')
+                .replace("// once; the operator admits identity.publicKeyPem", "window.__key = identity.publicKeyPem;")
+                .replace("console.log(event.kind, event.round, event.loss)",
+                         "(window.__events = window.__events || []).push(event.kind)"))
+    assert replaced.count("window.__key") == 1 and gateway_url in replaced and training in replaced
+    prelude = ("const SIGNING_PUB = await (await fetch('signing.pub')).text();"
+               "const raw = await (await fetch('data.json')).json();"
+               "const n = raw.labels.length, pixels = Float32Array.from(raw.pixels),"
+               " labels = BigInt64Array.from(raw.labels, BigInt);\n")
+    return prelude + replaced + "window.__outcome = outcome;\n"
+
+
+def test_the_documented_app_on_its_own_origin_trains_through_a_gateway_that_allows_it(
+        tmp_path: Path, run: dict[str, Any], chromium: Any) -> None:
+    # Prepare: a gateway allowing the app's origin; the app's site serving the SDK, onnxruntime-web at /ort/, the
+    # bundle key and raw digits (0..16), and docs/devices.md's example as its page's script
+    app = AppSite(tmp_path / "app")
+    (tmp_path / "app" / "ort").mkdir()
+    for name in ORT_FILES:
+        (tmp_path / "app" / "ort" / name).write_bytes((ORT_DIST / name).read_bytes())
+    (tmp_path / "app" / "signing.pub").write_bytes(run["trust"].read_bytes())
+    inputs, targets = run["shards"][0]
+    (tmp_path / "app" / "data.json").write_text(json.dumps(
+        {"pixels": (inputs[0] * 16).ravel().tolist(), "labels": targets.tolist()}))
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=1, round_deadline_s=600,
+                                                       idle_poll_s=0.2), allow_origins=(app.origin,))
+    (tmp_path / "app" / "example.js").write_text(_documented_app(run, gateway.url))
+    (tmp_path / "app" / "example.html").write_text('<!doctype html><script type="module" src="example.js"></script>')
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.update(result=gateway.round_of(1, 1)), daemon=True)
+    thread.start()
+    try:
+        # Execute: the page runs the example; the operator admits the key it shows; the run's one round; its end
+        chromium.get(f"{app.origin}/example.html")
+        pem = chromium.execute_async_script(
+            "const done = arguments[0]; (function wait() { if (window.__key) done(window.__key);"
+            " else setTimeout(wait, 50); })();")
+        (gateway.allow / "tab-017.pub").write_text(pem)
+        gateway.gateway.allow.refresh(force=True)
+        thread.join()
+        gateway.gateway.finish("round 1 of 1 was its last and the coordinator has closed")
+        outcome = chromium.execute_async_script(
+            "const done = arguments[0]; (function wait() { if (window.__outcome) done({...window.__outcome,"
+            " kinds: window.__events}); else setTimeout(wait, 100); })();")
+    finally:
+        gateway.close()
+        app.close()
+    # Assert: the documented app trained the round on its raw digits and heard the run's end
+    header, _ = box["result"]
+    assert header["devices"] == 1 and header["num-examples"] == len(targets)
+    assert outcome["kind"] == "done" and outcome["trained"] == 1, outcome
+    assert "train" in outcome["kinds"] and "inputs" in outcome["kinds"], outcome
