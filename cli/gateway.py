@@ -39,7 +39,8 @@ def _start_options(start: argparse.ArgumentParser) -> None:
     start.add_argument("--port", type=int, default=9443, help="port devices connect to (default 9443)")
     start.add_argument("--name", default="gateway", help="this gateway's name (devices sign it at check-in)")
     start.add_argument("--devices-per-round", type=int, default=0,
-                       help="results that complete a round (default: every device seen in the last poll interval)")
+                       help="results that complete a round (default 0: every device seen in the last two poll "
+                            "intervals, at least --min-devices)")
     start.add_argument("--min-devices", type=int, default=1, help="fewest results a round waits for")
     start.add_argument("--round-deadline", type=float, default=120.0, help="seconds a round waits for its devices")
     start.add_argument("--poll-interval", type=float, default=10.0, help="seconds idle devices are told to wait")
@@ -48,9 +49,12 @@ def _start_options(start: argparse.ArgumentParser) -> None:
                        help="requests in progress one client address may hold (default 32)")
     start.add_argument("--max-num-examples", type=int, default=100_000, help="largest example count one device claims")
     start.add_argument("--uplink", default="fp32", choices=("fp32", "int8-delta"), help="what devices send")
-    start.add_argument("--bundles", default="", help="HOST:PORT of the coordinator's bundle service")
+    start.add_argument("--bundles", default="",
+                       help="HOST:PORT of the coordinator's bundle service (default: the coordinator's port + 1)")
     start.add_argument("--state-dir", type=Path, help="this gateway's working files (default ~/.fedge-gateway)")
-    start.add_argument("--max-wait", type=float, help="give up if the coordinator is unreachable this long")
+    start.add_argument("--max-wait", type=float,
+                       help="give up if the coordinator is unreachable, or its training graph unpublished, this long "
+                            "(default: wait)")
     start.add_argument("--insecure", action="store_true", help="NO TLS to devices or coordinator (throwaway tests)")
     start.add_argument("--demo-page", action="store_true",
                        help="serve the web device SDK's demo page at /web/demo.html?name=NAME (needs --ort-web)")

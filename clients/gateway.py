@@ -92,6 +92,8 @@ DEVICE_LIMITS = ListenerLimits(per_address=256, concurrency=20_000, idle_timeout
 MAX_RESULT_SLACK = 2 << 20  # bytes a result may hold beyond 8 per model element (frame header, secure records)
 RUN_OVER_NEXT_IN_S = 600.0  # "done": when an app that wants to join a later run may ask again
 RUN_END_PROBE_S = 1.0  # after the run's last round, how often the gateway checks whether the coordinator closed
+ROUND_PROGRESS_S = 30.0  # while a round waits for its devices, how often the gateway says how many it has
+GRAPH_WAIT_SAY_S = 300.0  # while the training graph is not published, how often the gateway says it waits
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class GatewaySettings:
     """How a gateway runs its devices' part of each round."""
 
     name: str = "gateway"
-    devices_per_round: int = 0  # 0: every device seen in the last poll interval (at least min_devices)
+    devices_per_round: int = 0  # 0: every device seen in the last two poll intervals (at least min_devices)
     min_devices: int = 1
     round_deadline_s: float = 120.0
     idle_poll_s: float = 10.0
@@ -134,6 +136,24 @@ class Gateway:
         self._told: set[str] = set()  # devices answered "done"
         self._over_lock = threading.Lock()
         self._rng = random.Random()
+        self.progress_every_s = ROUND_PROGRESS_S  # how often a waiting round says how many devices it has
+
+    def say_waiting(self, server_round: int, *, wanted: int, deadline: float, taken: int | None = None,
+                    answered: int = 0, secure: bool = False) -> None:
+        """One line while a round waits for its devices: who is checked in, who took the task, time left.
+
+        Said when the round opens and every :attr:`progress_every_s` seconds after, so a round
+        with no devices ("0 checked in") is visible at the gateway, not a silent wait.
+        """
+        live = len(self.sessions.live_devices(3 * self.settings.idle_poll_s, secure=secure))
+        left = max(0.0, deadline - time.monotonic())
+        checked_in = f"{len(self.sessions)} checked in ({live} polled in the last " \
+                     f"{3 * self.settings.idle_poll_s:.0f} s{', able to run secure aggregation' if secure else ''})"
+        progress = "" if taken is None else f", {taken} took the task, {answered} answered"
+        hint = "; devices check in at this gateway's /v1/check-in (is its address in their configuration, and " \
+               "their key in its allow-list?)" if not len(self.sessions) else ""
+        log.info("round %d: waiting for devices: %s of %d wanted%s, deadline in %.0f s%s", server_round, checked_in,
+                 wanted, progress, left, hint)
 
     def next_in_s(self, device: str | None = None) -> float:
         """Pace steering: when a device should come back, spread over the poll interval.
@@ -218,6 +238,7 @@ class Gateway:
                   "graph": current.graph, "config": current.config, "uplink": self.settings.uplink,
                   "seed": device_seed(int(current.config.get("seed", 0)), current.server_round, session.device),
                   "deadline-s": round(left, 1)}
+        current.hand_out(session.device)
         return assemble_frame(header, *current.tensors)
 
     def result_limit(self) -> int:
@@ -255,7 +276,12 @@ class Gateway:
         log.info("round %d (%s): offered to this gateway's devices, waiting for %d results (deadline %.0f s)",
                  current.server_round, kind, current.target, self.settings.round_deadline_s)
         deadline = time.monotonic() + self.settings.round_deadline_s
+        said = -math.inf
         while not current.complete.is_set() and time.monotonic() < deadline:
+            if time.monotonic() - said >= self.progress_every_s:
+                said = time.monotonic()
+                self.say_waiting(current.server_round, wanted=current.target, deadline=deadline,
+                                 taken=current.taken, answered=current.answered)
             await asyncio.sleep(0.05)
         result = current.close()
         self.rounds_done += 1
@@ -267,7 +293,7 @@ class Gateway:
                  result.capped, result.num_examples)
         return result
 
-    def pool(self) -> dict[int, str]:
+    def pool(self, server_round: int = 0) -> dict[int, str]:
         """A secure round's devices, by pool node id: fixed when it starts (secrets are shared among them).
 
         Waits, up to the round deadline, until ``devices-per-round`` devices (else ``min-devices``
@@ -276,8 +302,12 @@ class Gateway:
         """
         wanted = self.settings.devices_per_round or max(self.settings.min_devices, MIN_DEVICES)
         deadline = time.monotonic() + self.settings.round_deadline_s
+        said = -math.inf
         while len(names := self.sessions.live_devices(3 * self.settings.idle_poll_s, secure=True)) < wanted and \
                 time.monotonic() < deadline:
+            if time.monotonic() - said >= self.progress_every_s:
+                said = time.monotonic()
+                self.say_waiting(server_round, wanted=wanted, deadline=deadline, secure=True)
             time.sleep(0.05)
         if self.settings.devices_per_round:
             names = self._rng.sample(names, min(len(names), self.settings.devices_per_round))
@@ -296,7 +326,7 @@ class Gateway:
         exchange = self.exchange = SecureExchange(lambda device: device_seed(run_seed, server_round, device),
                                                   str(header.get("graph", "")))
         try:
-            devices = self.pool()
+            devices = self.pool(server_round)
             exchange.members.update(devices.values())  # paced to come back soon from now on
             log.info("round %d (train, secure aggregation): %d devices in this gateway's pool", server_round,
                      len(devices))
@@ -306,11 +336,12 @@ class Gateway:
             if self.exchange is exchange:  # only this round's: a later round's exchange is not cleared
                 self.exchange = None
             self.rounds_done += 1
-        log.info("round %d (train, secure aggregation): %d devices' masked inputs summed, weight %.0f", server_round,
-                 pooled.devices, pooled.weight)
+        log.info("round %d (train, secure aggregation): %d devices' masked inputs summed, weight %.0f; clipped %s",
+                 server_round, pooled.devices, pooled.weight,
+                 ", ".join(f"{key} {count}" for key, count in pooled.clipping.items()) or "nothing")
         return RoundResult(kind="train", arrays=pooled.arrays, num_examples=max(1, round(pooled.weight)), metrics={},
                            samples_processed=0, steps=1, devices=pooled.devices,
-                           rejected=len(devices) - pooled.devices, secure=True)
+                           rejected=len(devices) - pooled.devices, secure=True, pool_clipping=pooled.clipping)
 
 
 # --------------------------------------------------------------------------- the HTTP layer
@@ -459,7 +490,7 @@ def control_app(gateway: Gateway, token: str) -> Any:
         header = {"num-examples": result.num_examples, "metrics": result.metrics, "devices": result.devices,
                   "rejected": result.rejected, "samples-processed": result.samples_processed, "steps": result.steps,
                   "secure-pool": result.devices if result.secure else 0, "gateway": gateway.settings.name,
-                  "clipped": result.clipped, "capped": result.capped}
+                  "clipped": result.clipped, "capped": result.capped, "pool-clipping": dict(result.pool_clipping)}
         return Response(encode_frame(header, result.arrays), media_type=FRAME_TYPE)
 
     async def status(request: Any) -> Any:
@@ -633,6 +664,7 @@ def run_gateway(options: GatewayOptions) -> int:
     threading.Thread(target=watch_run_end, args=(gateway, options.coordinator, stop), daemon=True,
                      name="fedge-gateway-run-end").start()
     try:
+        wait_for_training_graph(options, node_state, stop=stop)  # a gateway may start before its coordinator
         code = run_device(DeviceOptions(
             coordinator=options.coordinator, profile=options.profile, data=Path("."), key=options.key, ca=options.ca,
             insecure=options.insecure, max_wait_s=options.max_wait_s, state_dir=node_state, runtime="onnx",
@@ -647,6 +679,55 @@ def run_gateway(options: GatewayOptions) -> int:
         stop.set()
         devices.stop()
         control.stop()
+
+
+def wait_for_training_graph(options: GatewayOptions, node_state: Path, *, fetch: Callable[[], Path] | None = None,
+                            stop: threading.Event | None = None, say_every_s: float = GRAPH_WAIT_SAY_S,
+                            retry_s: tuple[float, float] = (1.0, 10.0),
+                            clock: Callable[[], float] = time.monotonic) -> Path | None:
+    """Pull the coordinator's signed training graph for the devices, waiting as long as it takes.
+
+    A gateway may start before its coordinator (or while the coordinator still exports the
+    graph): it waits, saying so when it starts waiting and every ``say_every_s`` seconds after,
+    instead of giving up. ``--max-wait`` bounds the wait when given. The graph's path, or
+    ``None`` when ``stop`` was set first. ``fetch`` and ``clock`` stand in for the pull and the
+    clock in tests; the retry delay doubles from ``retry_s[0]`` to ``retry_s[1]`` seconds.
+
+    Raises
+    ------
+    FedgeError
+        The graph did not come within ``--max-wait``.
+    """
+    from fedge.clients.device import bundle_service  # noqa: PLC0415
+    from fedge.edge.delivery import DeliveryError, pull  # noqa: PLC0415
+
+    where = options.bundles or bundle_service(options.coordinator)
+
+    def pull_graph() -> Path:
+        assert options.trust is not None
+        return pull(url_or_address=where, kind="training", directory=node_state / "bundles", device_key=options.key,
+                    ca=options.ca, trusted_keys=[options.trust], freshness_dir=node_state / "freshness",
+                    insecure=options.insecure).path
+
+    fetch = fetch or pull_graph
+    stop = stop or threading.Event()
+    started, said, delay = clock(), -math.inf, retry_s[0]
+    while True:
+        try:
+            return fetch()
+        except DeliveryError as exc:
+            waited = clock() - started
+            if options.max_wait_s is not None and waited + delay > options.max_wait_s:
+                raise FedgeError(f"no training graph at {where} within --max-wait {options.max_wait_s:.0f} s "
+                                 f"({exc}); start the coordinator (its run publishes the graph), or drop --max-wait "
+                                 "to wait for it") from None
+            if clock() - said >= say_every_s:
+                said = clock()
+                print(f"waiting for the coordinator's training graph at {where} (start the coordinator first, or "
+                      f"it is still exporting); waited {waited:.0f} s so far: {exc}", flush=True)
+        if stop.wait(delay):
+            return None
+        delay = min(2 * delay, retry_s[1])
 
 
 def coordinator_reachable(coordinator: str, timeout_s: float = 5.0) -> bool:
