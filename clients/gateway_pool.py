@@ -221,10 +221,13 @@ class Sessions:
         if not isinstance(device, str) or not 0 < len(device) <= DEVICE_NAME_MAX:
             raise refused(400, f"'device' must be the device's name (1-{DEVICE_NAME_MAX} characters)")
         issued = body.get("time")
-        if isinstance(issued, bool) or not isinstance(issued, int) or not 0 <= issued < 2**53 or \
-                abs(now - issued) > CLOCK_SKEW_S:
-            raise refused(401, f"'time' must be the device's clock in whole Unix seconds, within {CLOCK_SKEW_S} s "
-                               "of the gateway's; set the device's clock")
+        if isinstance(issued, bool) or not isinstance(issued, int) or not 0 <= issued < 2**53:
+            raise refused(400, "'time' must be the device's clock in whole Unix seconds (an integer)")
+        if abs(now - issued) > CLOCK_SKEW_S:
+            raise refused(401, f"this device's clock is {abs(now - issued):.0f} s "
+                               f"{'behind' if issued < now else 'ahead of'} the gateway's (the limit is "
+                               f"{CLOCK_SKEW_S} s); set the device's clock (NTP, or the platform's network time), "
+                               "then check in again")
         nonce = body.get("nonce")
         unb64(nonce, "nonce", size=NONCE_BYTES)
         signature = unb64(body.get("signature"), "signature", max_size=128)

@@ -254,10 +254,10 @@ def _check_in_text(live: LiveGateway, time_text: str) -> bytes:
 
 
 @pytest.mark.parametrize(("case", "time_text", "status", "reason"), [
-    ("a time of 10**400", "1" + "0" * 400, 401, "whole Unix seconds"),
+    ("a time of 10**400", "1" + "0" * 400, 400, "whole Unix seconds"),
     ("a 5,000-digit number", "9" * 5000, 400, "not valid UTF-8 JSON"),
-    ("a negative time", "-5", 401, "whole Unix seconds"),
-    ("a float time of 1e400", "1e400", 401, "whole Unix seconds"),
+    ("a negative time", "-5", 400, "whole Unix seconds"),
+    ("a float time of 1e400", "1e400", 400, "whole Unix seconds"),
 ])
 def test_malformed_numbers_get_4xx_with_a_reason_and_no_traceback(small: SmallGateway, caplog: pytest.LogCaptureFixture,
                                                                   case: str, time_text: str, status: int,
