@@ -24,6 +24,14 @@ def add_parsers(sub: Any) -> None:
     revoke.add_argument("name")
     revoke.add_argument("--devices", type=Path, required=True, help="the gateway's allow-list directory")
     revoke.set_defaults(handler=_revoke)
+    demo = actions.add_parser("demo-data", help="write a task's examples for the web demo page's devices (--demo-data)")
+    demo.add_argument("--task", default="digits", help="the task whose simulated partitions to write (default digits)")
+    demo.add_argument("--devices", type=int, required=True, help="how many demo devices (files PREFIX0.json ...)")
+    demo.add_argument("--out", type=Path, required=True, help="the folder to write (the gateway's --demo-data)")
+    demo.add_argument("--prefix", default="browser", help="device names: PREFIX0, PREFIX1, ... (default browser)")
+    demo.add_argument("--raw", action="store_true",
+                      help="write raw inputs (before the task's preprocessing), as a sensor gives them")
+    demo.set_defaults(handler=_demo_data)
     _device_options(sub.add_parser("protocol-device", help="the reference protocol device: no Flower, no torch"))
 
 
@@ -60,6 +68,9 @@ def _start_options(start: argparse.ArgumentParser) -> None:
                        help="serve the web device SDK's demo page at /web/demo.html?name=NAME (needs --ort-web)")
     start.add_argument("--ort-web", type=Path, help="onnxruntime-web's dist folder (npm onnxruntime-web@1.31.1)")
     start.add_argument("--demo-data", type=Path, help="NAME.json examples for demo devices (docs/devices.md)")
+    start.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                       help="a web app's origin (https://app.example.org) whose pages may call this gateway (CORS); "
+                            "repeatable; default none: same-origin pages only")
     start.set_defaults(handler=_start)
 
 
@@ -81,7 +92,18 @@ def _start(args: argparse.Namespace) -> int:
     return run_gateway(GatewayOptions(coordinator=args.coordinator, devices=args.devices, key=args.key, ca=args.ca,
                                       trust=args.trust, cert=args.cert, cert_key=args.cert_key, host=args.host,
                                       port=args.port, insecure=args.insecure, state_dir=args.state_dir,
-                                      bundles=args.bundles, max_wait_s=args.max_wait, settings=settings, web=web))
+                                      bundles=args.bundles, max_wait_s=args.max_wait, settings=settings, web=web,
+                                      allow_origins=tuple(args.allow_origin)))
+
+
+def _demo_data(args: argparse.Namespace) -> int:
+    from fedge.clients.gateway_web import write_demo_data  # noqa: PLC0415
+
+    written = write_demo_data(args.task, args.out, args.devices, prefix=args.prefix, raw=args.raw)
+    print(f"wrote {len(written)} demo devices' examples ({written[0].name} .. {written[-1].name}) to {args.out}: "
+          f"start the gateway with --demo-page --demo-data {args.out}, admit each device's key, and open "
+          f"/web/demo.html?name={written[0].stem}", flush=True)
+    return 0
 
 
 def _add_device(args: argparse.Namespace) -> int:

@@ -63,7 +63,7 @@ from fedge.clients.gateway_secure import (
     pool_node_id,
     secure_pool_round,
 )
-from fedge.clients.gateway_web import WebSite, check_web, demo_page_warning, web_routes
+from fedge.clients.gateway_web import WebSite, check_origins, check_web, cors_middleware, demo_page_warning, web_routes
 from fedge.device_protocol import (
     COUNTER_HEADER,
     FRAME_TYPE,
@@ -238,6 +238,8 @@ class Gateway:
                   "graph": current.graph, "config": current.config, "uplink": self.settings.uplink,
                   "seed": device_seed(int(current.config.get("seed", 0)), current.server_round, session.device),
                   "deadline-s": round(left, 1)}
+        if self.last_round > 0:  # the run's number of rounds: a device follows the run (the web demo page's progress)
+            header["num-rounds"] = self.last_round
         current.hand_out(session.device)
         return assemble_frame(header, *current.tensors)
 
@@ -368,8 +370,13 @@ async def _body(request: Any, limit: int) -> bytes:
 Handler = Callable[[Any], Awaitable[Any]]
 
 
-def device_app(gateway: Gateway, *, max_body: int = 64 << 20, web: WebSite | None = None) -> Any:
-    """The Starlette app devices talk to (``/v1/...``), and with ``web`` the web SDK's demo page (``/web/...``)."""
+def device_app(gateway: Gateway, *, max_body: int = 64 << 20, web: WebSite | None = None,
+               allow_origins: tuple[str, ...] = ()) -> Any:
+    """The Starlette app devices talk to (``/v1/...``), and with ``web`` the web SDK's demo page (``/web/...``).
+
+    ``allow_origins`` (``--allow-origin``): the web apps' origins whose pages may call ``/v1`` (CORS,
+    :func:`fedge.clients.gateway_web.cors_middleware`); none: same-origin pages only.
+    """
     from starlette.applications import Starlette  # noqa: PLC0415
     from starlette.requests import ClientDisconnect  # noqa: PLC0415
     from starlette.responses import FileResponse, Response  # noqa: PLC0415
@@ -470,7 +477,7 @@ def device_app(gateway: Gateway, *, max_body: int = 64 << 20, web: WebSite | Non
               Route(f"{PREFIX}/bundles/inference", guarded(inference_bundle), methods=["GET"])]
     pages = [] if web is None else [Route(route.path, guarded(route.endpoint), methods=route.methods)
                                     for route in web_routes(web, authenticate=session_of)]
-    return Starlette(routes=routes + pages)
+    return Starlette(routes=routes + pages, middleware=cors_middleware(allow_origins))
 
 
 def control_app(gateway: Gateway, token: str) -> Any:
@@ -562,6 +569,7 @@ class GatewayOptions:
     profile: str = "gpu-box"
     settings: GatewaySettings = GatewaySettings()
     web: WebSite | None = None  # --demo-page: serve the web SDK's demo page
+    allow_origins: tuple[str, ...] = ()  # --allow-origin: web apps' origins that may call the device API (CORS)
 
 
 def check_gateway(options: GatewayOptions) -> None:
@@ -574,6 +582,7 @@ def check_gateway(options: GatewayOptions) -> None:
                           "graph this gateway hands its devices must be signed with")
     if options.web is not None:
         check_web(options.web)
+    check_origins(options.allow_origins)
     if options.settings.uplink not in ("fp32", "int8-delta"):
         raise ConfigError(f"--uplink {options.settings.uplink!r}: use fp32 or int8-delta")
     if options.insecure:
@@ -647,7 +656,8 @@ def run_gateway(options: GatewayOptions) -> int:
                       node_state / "bundles" / "inference.zip")
     if options.insecure:
         print_insecure_warning()
-    devices = Served(device_app(gateway, web=options.web), options.host, options.port, limits=DEVICE_LIMITS,
+    devices = Served(device_app(gateway, web=options.web, allow_origins=options.allow_origins), options.host,
+                     options.port, limits=DEVICE_LIMITS,
                      cert=None if options.insecure else options.cert,
                      cert_key=None if options.insecure else options.cert_key, name="fedge-gateway-devices")
     control = Served(control_app(gateway, token), "127.0.0.1", 0, limits=ListenerLimits(), name="fedge-gateway-ctl")
