@@ -70,9 +70,10 @@ class Offset:
             raise ValueError(f"window offset {self.fraction} + {self.index} units must have a fraction in [0, 1) "
                              "and a whole number of units >= 0")
 
-    def start(self, units: int) -> int:
-        """The first unit of a segment of ``units`` units (a whole number: the width's check makes it one)."""
-        return (int(self.fraction * units) + self.index) % units
+    def start(self, units: int, quantum: int = 1) -> int:
+        """The first unit of a segment of ``units`` units (a whole number: the width's check makes it one),
+        ``index`` counted in steps of ``quantum`` units (a GroupNorm's group: a window holds whole groups)."""
+        return (int(self.fraction * units) + self.index * quantum) % units
 
     def __str__(self) -> str:
         parts = [str(self.fraction)] if self.fraction or not self.index else []
@@ -171,11 +172,16 @@ class WidthPlan:
     layouts : Mapping[str, Mapping[int, tuple[Segment, ...]]]
         The segments of the hidden axes that are more than one layer's own units (a flatten,
         a concatenation); an axis not named here is one segment of its own entries.
+    quanta : Mapping[int, int]
+        The step a rolling window takes on a segment of so many units (1 unless named): a
+        GroupNorm of ``C`` channels in ``G`` groups makes it ``C // G`` for every ``C``-unit
+        segment, so that every window holds whole groups (as the whole model normalises them).
     """
 
     shapes: Mapping[str, tuple[int, ...]]
     hidden: Mapping[str, tuple[int, ...]]
     layouts: Mapping[str, Mapping[int, tuple[Segment, ...]]] = field(default_factory=dict)
+    quanta: Mapping[int, int] = field(default_factory=dict)
 
     def segments(self, name: str, axis: int) -> tuple[Segment, ...]:
         """The segments of hidden ``axis`` of array ``name``."""
@@ -222,7 +228,7 @@ class WidthPlan:
         """
         ratio = self.check_width(width)
         start = offset if isinstance(offset, Offset) else Offset(fraction=offset)
-        return Window(ratio, start, {name: tuple(_axis_window(self.segments(name, axis), ratio, start)
+        return Window(ratio, start, {name: tuple(_axis_window(self.segments(name, axis), ratio, start, self.quanta)
                                                  if axis in self.hidden[name] else None
                                                  for axis, _ in enumerate(shape))
                                      for name, shape in self.shapes.items()})
@@ -232,7 +238,8 @@ class WidthPlan:
         return sum(int(np.prod(shape, dtype=np.int64)) for shape in self.sub_shapes(width).values())
 
 
-def _axis_window(segments: tuple[Segment, ...], width: Fraction, offset: Offset) -> AxisIndex | None:
+def _axis_window(segments: tuple[Segment, ...], width: Fraction, offset: Offset,
+                 quanta: Mapping[int, int]) -> AxisIndex | None:
     """The entries of an axis a window holds: per scaled segment, ``width * units`` consecutive units from
     ``offset``'s start (wrapping around), each unit's entries in order; fixed segments whole."""
     parts, base = [], 0
@@ -244,8 +251,8 @@ def _axis_window(segments: tuple[Segment, ...], width: Fraction, offset: Offset)
                 raise ValueError(f"window offset {offset} does not start a segment of {segment.units} units at a "
                                  "whole unit")
             per = segment.size // segment.units
-            units = (offset.start(segment.units) + np.arange(int(width * segment.units), dtype=np.intp)) \
-                % segment.units
+            first = offset.start(segment.units, quanta.get(segment.units, 1))
+            units = (first + np.arange(int(width * segment.units), dtype=np.intp)) % segment.units
             parts.append(base + (units[:, None] * per + np.arange(per, dtype=np.intp)).ravel())
         base += segment.size
     entries = np.concatenate(parts)

@@ -21,6 +21,7 @@ sub-model's size, so a small device never allocates the full model).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -135,7 +136,18 @@ def width_plan(task: Task, model: nn.Module, inputs: Sequence[torch.Tensor] | No
             layout = seen.layouts.get(layer)
             if layout is not None and axis in hidden[prefix + array_name] and layout.size == value.shape[axis]:
                 layouts.setdefault(prefix + array_name, {})[axis] = layout.segments
-    return WidthPlan({name: tuple(value.shape) for name, value in state.items()}, hidden, layouts)
+    return WidthPlan({name: tuple(value.shape) for name, value in state.items()}, hidden, layouts,
+                     _group_quanta(model))
+
+
+def _group_quanta(model: nn.Module) -> dict[int, int]:
+    """For each channel count a GroupNorm normalises, its channels per group (the largest, if several)."""
+    quanta: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.GroupNorm) and module.num_channels // module.num_groups > 1:
+            channels = module.num_channels
+            quanta[channels] = math.lcm(quanta.get(channels, 1), channels // module.num_groups)
+    return quanta
 
 
 def _input_axis(module: nn.Module) -> int | None:
@@ -248,13 +260,31 @@ def check_widths(task: Task, model: nn.Module, plan: WidthPlan, widths: Sequence
         check_cut(task, model, plan, width, inputs)
 
 
-CHECKED_OFFSETS = (Offset(), Offset(index=1))  # HeteroFL's leading window, and one rolled by a unit (FedRolex)
+CHECKED_OFFSETS = (Offset(), Offset(index=1), Offset(index=3))  # HeteroFL's leading window; FedRolex's rolled ones
+
+
+def check_whole_groups(model: nn.Module, plan: WidthPlan, width: float) -> None:
+    """Refuse a plan whose windows split a GroupNorm's group (its sub-model would normalise other channels
+    together than the whole model does), for the leading window and rolled ones."""
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.GroupNorm) or f"{name}.weight" not in plan.shapes:
+            continue
+        per_group = module.num_channels // module.num_groups
+        for offset in CHECKED_OFFSETS:
+            rows = plan.window(width, offset).axes[f"{name}.weight"][0]
+            held = np.zeros(module.num_channels, bool)
+            held[slice(None) if rows is None else rows] = True
+            if any(len(set(group)) > 1 for group in held.reshape(module.num_groups, per_group)):
+                raise ConfigError(f"at width {width:g} ({plan.window(width, offset).describe()}) the window splits "
+                                  f"groups of GroupNorm '{name}' ({module.num_groups} groups of {per_group} channels): "
+                                  "use a width that keeps whole groups, or sub-models = \"heterofl\"")
 
 
 def check_cut(task: Task, model: nn.Module, plan: WidthPlan, width: float, inputs: Sequence[torch.Tensor]) -> None:
     """Refuse a plan that does not cut a norm-free ``model`` consistently at ``width``: its sub-model must
     compute what the whole model computes with the entries outside its window zeroed
     (:func:`fedge.task.width_check.first_divergent_layer`), for the leading window and a rolled one."""
+    check_whole_groups(model, plan, width)
     if has_norms(model):
         return
     state = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}

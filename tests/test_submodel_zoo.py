@@ -227,3 +227,44 @@ def test_a_model_whose_features_a_width_cannot_follow_is_refused_by_name(shape: 
     # Execute / Assert
     with pytest.raises(ConfigError, match=message):
         width_plan(task, seeded_model(task, 0))
+
+
+class Grouped(nn.Module):
+    """Convolutions normalised in groups of 4 channels (GroupNorm, as the images ResNet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 16, 3)
+        self.norm = nn.GroupNorm(4, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.norm(self.conv(image))).mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("server_round", [1, 2, 3, 5])
+def test_a_rolling_window_keeps_groupnorms_groups_whole(server_round: int) -> None:
+    # Prepare
+    from fedge.widths import rolling_offset
+
+    task = zoo_task(Grouped, IMAGES)
+    model = seeded_model(task, 0)
+    plan = width_plan(task, model)
+    # Execute: FedRolex's window at width 1/4 (4 channels), one step a round
+    window = plan.window(0.25, rolling_offset(0.25, server_round, stride=1))
+    rows = np.arange(16)[window.axes["norm.weight"][0]]
+    # Assert: one whole group, the (round - 1)-th (mod 4): a step is a group, not a channel
+    group = (server_round - 1) % 4
+    assert sorted(rows.tolist()) == list(range(4 * group, 4 * group + 4))
+    check_widths(task, model, plan, [0.25, 0.5])
+
+
+def test_a_plan_that_rolls_by_channels_through_a_groupnorm_is_refused() -> None:
+    # Prepare: the plan without its GroupNorm step (a window moved one channel would split a group)
+    task = zoo_task(Grouped, IMAGES)
+    model = seeded_model(task, 0)
+    plan = width_plan(task, model)
+    by_channel = WidthPlan(plan.shapes, plan.hidden, plan.layouts)
+    # Execute / Assert
+    with pytest.raises(ConfigError, match=r"splits groups of GroupNorm 'norm' \(4 groups of 4 channels\)"):
+        check_widths(task, model, by_channel, [0.25])
