@@ -78,12 +78,28 @@ def test_every_python_example_is_run_or_covered() -> None:
         ("docs/strategies.md", "from typing import Any"),
         ("docs/strategies.md", "from fedge.strategies import AsynchronousDriver, FedAdam, FedAvg, SecureAggregation"),
         ("docs/sub-models.md", "import numpy as np, torch"),
+        ("docs/operator.md", "import numpy as np"),
     }
     # Execute
     unaccounted = [(page, _first_line(code)) for page, code in python_examples()
                    if (page, _first_line(code)) not in run_here and _first_line(code) not in COVERED_ELSEWHERE]
     # Assert
     assert not unaccounted, f"examples neither run in tests/test_doc_examples.py nor covered elsewhere: {unaccounted}"
+
+
+def test_the_operator_snippet_writes_the_training_partitions_and_no_held_out_row(in_tmp: Path) -> None:
+    # Prepare
+    from fedge.config import resolve_run_config
+    from fedge.tasks import load_task
+
+    task = load_task(resolve_run_config({"task": "digits", "partitioner": "iid"}))
+    held_out = {row.tobytes() for row in task.central_data().inputs[0]}  # type: ignore[union-attr]
+    # Execute
+    exec(_example("docs/operator.md", "import numpy as np"), {})
+    # Assert: three files, of the task's training rows only
+    shards = [np.load(in_tmp / f"phone{index}.npz") for index in range(3)]
+    assert all(len(shard["x"]) == len(shard["y"]) > 0 for shard in shards)
+    assert not any(row.tobytes() in held_out for shard in shards for row in shard["x"])
 
 
 def _write_houses(root: Path) -> None:
