@@ -15,8 +15,8 @@ from fedge.server.app import build_strategy, check_hierarchical
 from fedge.strategies import FedAvg, Median
 from fedge.strategies.drivers.asynchronous import AsynchronousDriver
 from fedge.strategies.drivers.secure import SecureAggregation
-from fedge.strategies.registry import REGISTRY, names_where, register
 from fedge.strategies.fedavg import Mean
+from fedge.strategies.registry import REGISTRY, names_where, register
 
 
 class HalfStep(Mean):
