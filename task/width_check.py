@@ -1,13 +1,14 @@
 """Whether a width's sub-model computes what the whole model computes on its window: the check that a
 plan cuts a model consistently.
 
-For a model without norm layers, a sub-model holding a window of the global model must compute
-exactly what the whole model computes with every entry outside that window set to zero: each
-layer's units outside the window then produce zero (no weight, no bias) and nothing reads them
-(their columns are zero). Where the plan took the wrong units somewhere (features joined or
-split in a way it did not follow), a layer reads different features in the two models and its
-outputs differ; :func:`first_divergent_layer` names the first such layer. Norm layers compute
-statistics over the units, so the identity does not hold for them; they are not checked.
+A sub-model holding a window of the global model must compute exactly what the whole model
+computes with every entry outside that window set to zero: each layer's units outside the
+window then produce zero (no weight, no bias) and nothing reads them (their columns are zero).
+Where the plan took the wrong units somewhere (features joined or split in a way it did not
+follow), a layer reads different features in the two models and its outputs differ;
+:func:`first_divergent_layer` names the first such layer. Per-channel and per-group norms
+(BatchNorm and InstanceNorm in evaluation, GroupNorm over whole groups) keep the identity; a
+LayerNorm's statistics span every unit, so a model with one is not checked this way.
 """
 
 from __future__ import annotations
@@ -23,15 +24,14 @@ from fedge.task.api import Task
 from fedge.task.feature_layout import feature_dim
 from fedge.widths import Window
 
-NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm1d,
-         nn.InstanceNorm2d, nn.InstanceNorm3d)
+UNIT_MIXING_NORMS = (nn.LayerNorm,)  # statistics over all of a layer's units: a window changes them
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 RTOL, ATOL = 1e-4, 1e-5  # float32 sums in another order
 
 
-def has_norms(model: nn.Module) -> bool:
-    """Whether ``model`` has a norm layer (their statistics span the units: the check does not apply)."""
-    return any(isinstance(module, NORMS) for module in model.modules())
+def mixes_units(model: nn.Module) -> bool:
+    """Whether ``model`` has a norm whose statistics span a layer's units (the identity does not apply)."""
+    return any(isinstance(module, UNIT_MIXING_NORMS) for module in model.modules())
 
 
 def zeroed_outside(model: nn.Module, window: Window) -> nn.Module:

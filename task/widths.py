@@ -34,7 +34,7 @@ from torch import nn
 from fedge.errors import ConfigError
 from fedge.task.api import Task, seeded_model
 from fedge.task.feature_layout import Layout, LayoutTracer
-from fedge.task.width_check import first_divergent_layer, has_norms
+from fedge.task.width_check import first_divergent_layer, mixes_units
 from fedge.widths import Offset, Segment, WidthPlan
 
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)  # layers with an input and an output axis
@@ -281,11 +281,12 @@ def check_whole_groups(model: nn.Module, plan: WidthPlan, width: float) -> None:
 
 
 def check_cut(task: Task, model: nn.Module, plan: WidthPlan, width: float, inputs: Sequence[torch.Tensor]) -> None:
-    """Refuse a plan that does not cut a norm-free ``model`` consistently at ``width``: its sub-model must
-    compute what the whole model computes with the entries outside its window zeroed
-    (:func:`fedge.task.width_check.first_divergent_layer`), for the leading window and a rolled one."""
+    """Refuse a plan that does not cut ``model`` consistently at ``width``: its sub-model must compute what
+    the whole model computes with the entries outside its window zeroed
+    (:func:`fedge.task.width_check.first_divergent_layer`), for the leading window and rolled ones; a
+    model with a LayerNorm (statistics over all units) is checked for whole GroupNorm groups only."""
     check_whole_groups(model, plan, width)
-    if has_norms(model):
+    if mixes_units(model):
         return
     state = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
     for offset in CHECKED_OFFSETS:
