@@ -27,8 +27,9 @@
 // Raw inputs get the task's declared preprocessing (preprocessing.js), as the Python devices apply it;
 // inputs outside both declared ranges are used as they are and flagged (an "inputs" event, a console warning).
 // A gateway on another origin must allow the app's origin (`fedge gateway start --allow-origin ORIGIN`); the
-// browser hides why a request failed, so after `maxNetworkFailures` failures in a row run() stops with an
-// error naming the likely causes (the origin, the TLS trust, the address) instead of retrying forever.
+// browser hides why a request failed, so when a gateway never answered, after `maxNetworkFailures` failures in a
+// row run() stops with an error naming the likely causes (the origin, the TLS trust, the address) instead of
+// retrying forever; a gateway that answered before and then goes away (a restart) is waited for.
 // Secure aggregation is not implemented here: the check-in says so ("capabilities"), a gateway whose
 // run is secure refuses it with the reason, and a secure step that reaches it anyway is refused.
 
@@ -89,7 +90,8 @@ export class FedgeDevice {
   // gatewayName: the gateway's name (`fedge keys add-gateway NAME`) this app expects. A page cannot read the
   // TLS certificate, so without it the device signs whatever name `hello` announces, and a gateway could
   // relay that check-in to another gateway; with it, a `hello` naming another gateway is refused.
-  // maxNetworkFailures: requests in a row that fail to reach the gateway (no answer at all) before run() stops.
+  // maxNetworkFailures: requests in a row that fail to reach a gateway that has not answered yet (no answer at
+  // all: CORS, TLS trust, a wrong address) before run() stops; once it has answered, run() keeps trying.
   constructor({gateway, name, bundleKeyPem, data, ortBase, workerUrl, modelId, trainingModelId, gatewayName,
                maxNetworkFailures = 5}) {
     this.gateway = gateway.replace(/\/$/, "");
@@ -314,19 +316,23 @@ export class FedgeDevice {
   // waiting what the gateway says. Resolves with {kind: "done" | "rounds" | "stopped", trained, reason (for "done")}.
   // Rejects on a refused training bundle, a refused check-in, or maxNetworkFailures requests in a row that got no
   // answer (the error names the likely causes).
+  // Once the gateway has answered, an unreachable gateway is one that restarts or a network that comes and
+  // goes: run() keeps trying, backing off to maxWaitS between tries, and never stops for it.
   async run({rounds = Infinity, maxWaitS = 30, onProgress = () => {}} = {}) {
-    let trained = 0, unreachable = 0;
+    let trained = 0, unreachable = 0, reached = false;
     this.stopped = false;
     while (!this.stopped && trained < rounds) {
       let outcome;
       try {
         outcome = await this.poll();
         unreachable = 0;
+        reached = true;
       } catch (error) {
         outcome = {kind: "error", nextInS: 2, error: String(error.message || error)};
         if (/training bundle refused|cannot take part/.test(outcome.error)) { onProgress(outcome); throw error; }
         unreachable = error.network ? unreachable + 1 : 0;
-        if (unreachable >= this.maxNetworkFailures) {
+        if (reached && unreachable) outcome.nextInS = Math.min(2 ** Math.min(unreachable, 5), maxWaitS);
+        if (!reached && unreachable >= this.maxNetworkFailures) {
           const stop = new Error(this.unreachable(unreachable, outcome.error));
           onProgress({...outcome, error: stop.message, trained: trained});
           throw stop;
