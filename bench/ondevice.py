@@ -303,7 +303,7 @@ def save_graphs(task: Any, run_config: Any, model: Any, folder: Path) -> dict[st
     import numpy as np
 
     from fedge.edge.training_bundle import training_manifest
-    from fedge.server.training import TRAINING_FIELDS, export_training_graph
+    from fedge.server.training_bundle import TRAINING_FIELDS, export_training_graph
 
     started = time.perf_counter()
     graphs, metrics = export_training_graph(task, model, run_config)
@@ -422,7 +422,7 @@ def demo_shard(folder: Path, overrides: dict[str, Any]) -> dict[str, Any]:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from fedge.profiles import parse_fleet
-    from fedge.server.training import export_training_graph, write_run_training_bundle
+    from fedge.server.training_bundle import export_training_graph, write_run_training_bundle
 
     task, run_config, model = load_setup(overrides)
     devices = 2 if overrides else parse_fleet(run_config.text("fleet"), "").size

@@ -309,7 +309,7 @@ def check_deployment(config: RunConfig, *, registered: int | None) -> None:
 def training_graph_for(task: Task, model: torch.nn.Module, config: RunConfig, fleet: Fleet, *,
                        simulated: bool) -> tuple[Any, list[str]] | None:
     """The training graph for onnx devices when the run may have some (exported before anything is written)."""
-    from fedge.server.training import export_training_graph, refuse_or_warn, wants_training_graph  # noqa: PLC0415
+    from fedge.server.training_bundle import export_training_graph, refuse_or_warn, wants_training_graph  # noqa: PLC0415
 
     if not wants_training_graph(config, fleet, simulated=simulated):
         return None
@@ -327,7 +327,7 @@ def publish_training_graph(training: tuple[Any, list[str]], task: Task, config: 
     from fedge.edge.delivery import inference_kind  # noqa: PLC0415
     from fedge.edge.training_bundle import training_bundle_for  # noqa: PLC0415
     from fedge.server.bundles import run_signing_key  # noqa: PLC0415
-    from fedge.server.training import write_run_training_bundle  # noqa: PLC0415
+    from fedge.server.training_bundle import write_run_training_bundle  # noqa: PLC0415
 
     graphs, metrics = training
     manifest = write_run_training_bundle(graphs, metrics, task, run_dir, private_key=run_signing_key(config, run_dir),

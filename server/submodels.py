@@ -162,7 +162,7 @@ def width_training_graphs(task: Task, model: nn.Module, config: RunConfig, submo
                           fleet: Fleet) -> dict[float, tuple[Any, list[str]]]:
     """Each trained width's training and evaluation graphs for onnx devices (exported and checked against
     torch like the whole model's; an export that fails is refused as the whole model's is)."""
-    from fedge.server.training import export_training_graph  # noqa: PLC0415 - onnx loads only when exporting
+    from fedge.server.training_bundle import export_training_graph  # noqa: PLC0415 - onnx loads only when exporting
 
     if submodels is None:
         return {}

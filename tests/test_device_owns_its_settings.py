@@ -28,7 +28,7 @@ from fedge.config import resolve_run_config
 from fedge.errors import ConfigError, FedgeError
 from fedge.profiles import BUILTIN_PROFILES, parse_fleet, time_budget_steps
 from fedge.server.bundles import run_signing_key
-from fedge.server.training import export_training_graph, write_run_training_bundle
+from fedge.server.training_bundle import export_training_graph, write_run_training_bundle
 from fedge.task.api import seeded_model
 from fedge.task.models import model_arrays
 from fedge.tasks import load_task

@@ -25,7 +25,12 @@ from fedge.config import resolve_run_config
 from fedge.errors import ConfigError
 from fedge.preprocessing import AS_GIVEN, OUTSIDE, RAW_SCALED, Preprocessing, prepare_device_inputs
 from fedge.server.bundles import run_signing_key
-from fedge.server.training import SIGNING_PUBLIC_KEY, TRAINING_BUNDLE, export_training_graph, write_run_training_bundle
+from fedge.server.training_bundle import (
+    SIGNING_PUBLIC_KEY,
+    TRAINING_BUNDLE,
+    export_training_graph,
+    write_run_training_bundle,
+)
 from fedge.task.api import seeded_model
 from fedge.task.models import model_arrays
 from fedge.tasks import load_task

@@ -51,7 +51,7 @@ from fedge.device_protocol import (
 from fedge.errors import BundleVerificationError, ConfigError, DeviceProtocolError
 from fedge.server.bundles import run_signing_key
 from fedge.server.pki import add_gateway, init_keys
-from fedge.server.training import SIGNING_PUBLIC_KEY
+from fedge.server.training_bundle import SIGNING_PUBLIC_KEY
 from fedge.task.api import seeded_model
 from fedge.task.models import model_arrays
 from fedge.tasks import load_task

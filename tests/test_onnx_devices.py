@@ -22,7 +22,7 @@ from fedge.clients.app import make_default_client_app
 from fedge.config import resolve_run_config
 from fedge.errors import BundleVerificationError, ConfigError
 from fedge.server.bundles import run_signing_key
-from fedge.server.training import (
+from fedge.server.training_bundle import (
     SIGNING_PUBLIC_KEY,
     TRAINING_BUNDLE,
     export_training_graph,

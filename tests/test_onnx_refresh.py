@@ -24,7 +24,12 @@ from fedge.config import resolve_run_config
 from fedge.errors import FedgeError
 from fedge.server.pki import CoordinatorKeys, add_device, init_keys
 from fedge.server.publish import BundleService, publish_bundle
-from fedge.server.training import SIGNING_PUBLIC_KEY, TRAINING_BUNDLE, export_training_graph, write_run_training_bundle
+from fedge.server.training_bundle import (
+    SIGNING_PUBLIC_KEY,
+    TRAINING_BUNDLE,
+    export_training_graph,
+    write_run_training_bundle,
+)
 from fedge.task.api import seeded_model
 from fedge.task.models import model_arrays
 from fedge.tasks import load_task

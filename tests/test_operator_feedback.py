@@ -112,7 +112,7 @@ def test_a_deployed_device_prints_round_samples_loss_and_bytes(runtime: str, tmp
     from fedge.clients.app import make_default_client_app
     from fedge.config import resolve_run_config
     from fedge.server.bundles import run_signing_key
-    from fedge.server.training import (
+    from fedge.server.training_bundle import (
         SIGNING_PUBLIC_KEY,
         TRAINING_BUNDLE,
         export_training_graph,

@@ -37,7 +37,7 @@ from fedge.errors import BundleVerificationError, DeviceProtocolError, FedgeErro
 from fedge.listeners import ListenerLimits
 from fedge.server.bundles import run_signing_key
 from fedge.server.pki import CoordinatorKeys, add_gateway, init_keys
-from fedge.server.training import export_training_graph
+from fedge.server.training_bundle import export_training_graph
 from fedge.task.api import seeded_model
 from fedge.task.models import model_arrays
 from fedge.tasks import load_task

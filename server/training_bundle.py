@@ -1,4 +1,4 @@
-"""Builds and signs the run's training-graph bundle (it trains nothing): what devices without torch train with.
+"""The run's training bundle: the training graph exported, checked and signed (what devices without torch train with).
 
 At the start of a run with onnx devices (and always under ``fedge coordinator start``,
 where any device may be one), the coordinator exports the task's local-training step
