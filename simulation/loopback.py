@@ -29,11 +29,30 @@ from fedge.tasks import load_task
 FEDGE = str(Path(sys.executable).with_name("fedge"))
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+COORDINATOR_PORTS = 3  # a coordinator at port P takes P (devices), P + 1 (bundles) and P + 2 (health, metrics)
+
+
+def free_port(span: int = COORDINATOR_PORTS) -> int:
+    """A TCP port P on 127.0.0.1 such that nothing is bound to P .. P + span - 1 right now (by default the
+    ports a coordinator at P takes: a free P whose P + 1 was taken made a test's bundle service fail)."""
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if port + span <= 65536 and all(_bindable(port + step) for step in range(1, span)):
+            return port
+    raise RuntimeError(f"no {span} consecutive free ports on 127.0.0.1 in 200 tries")
+
+
+def _bindable(port: int) -> bool:
+    """Whether a listener could bind ``port`` on 127.0.0.1 now."""
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT does not count
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class LoopbackFederation:

@@ -169,3 +169,20 @@ def test_coordinator_refuses_a_run_that_cannot_work_with_its_devices_before_star
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists() and not (tmp_path / "s" / "current-run").exists()
+
+
+def test_a_free_coordinator_port_has_its_bundle_and_metrics_ports_free_too() -> None:
+    # Prepare: a listener where a coordinator's bundle service would go
+    import socket
+
+    from fedge.simulation.loopback import _bindable, free_port
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        # Execute
+        port = free_port()
+        # Assert: a busy port is seen as busy; the chosen port's +1 and +2 are bindable
+        assert not _bindable(taken)
+        assert all(_bindable(port + step) for step in range(3))
