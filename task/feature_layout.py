@@ -35,6 +35,8 @@ from fedge.widths import Segment
 CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 CHANNEL_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
                  nn.InstanceNorm3d)
+WEIGHTED = (nn.Linear, *CONV, nn.Embedding)  # layers with an input and an output axis
+NORMS = (*CHANNEL_NORMS, nn.LayerNorm)  # one channel axis, scaled as the layer before them
 JOINS = {torch.cat, torch.concat, torch.concatenate}
 SPLITS = {torch.chunk, torch.split, torch.tensor_split, torch.unbind, torch.narrow, torch.select,
           torch.index_select, torch.Tensor.chunk, torch.Tensor.split, torch.Tensor.tensor_split, torch.Tensor.unbind,
@@ -173,7 +175,7 @@ class LayoutTracer(TorchFunctionMode):
             if not isinstance(output, torch.Tensor):
                 return
             dim = feature_dim(module, output)
-            if isinstance(module, (nn.Linear, nn.Embedding, *CONV)):
+            if isinstance(module, WEIGHTED):
                 units = int(output.shape[dim])
                 self.tag(output, Layout(dim, (Segment(units, units),)))
             elif isinstance(module, (nn.LayerNorm, *CHANNEL_NORMS)) and args:

@@ -21,11 +21,10 @@ import torch
 from torch import nn
 
 from fedge.task.api import Task
-from fedge.task.feature_layout import feature_dim
+from fedge.task.feature_layout import WEIGHTED, feature_dim
 from fedge.widths import Window
 
 UNIT_MIXING_NORMS = (nn.LayerNorm,)  # statistics over all of a layer's units: a window changes them
-WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 RTOL, ATOL = 1e-4, 1e-5  # float32 sums in another order
 
 

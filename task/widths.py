@@ -33,13 +33,10 @@ from torch import nn
 
 from fedge.errors import ConfigError
 from fedge.task.api import Task, seeded_model
-from fedge.task.feature_layout import Layout, LayoutTracer
+from fedge.task.feature_layout import NORMS, WEIGHTED, Layout, LayoutTracer
 from fedge.task.width_check import first_divergent_layer, mixes_units
 from fedge.widths import Offset, Segment, WidthPlan
 
-WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)  # layers with an input and an output axis
-NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm1d,
-         nn.InstanceNorm2d, nn.InstanceNorm3d)  # one channel axis, scaled as the layer before them
 SCALABLE = "Linear, Conv1d/2d/3d (groups = 1), Embedding, BatchNorm, GroupNorm, LayerNorm (one axis), InstanceNorm"
 
 
