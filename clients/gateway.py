@@ -66,6 +66,7 @@ from fedge.clients.gateway_secure import (
 from fedge.clients.gateway_web import WebSite, check_origins, check_web, cors_middleware, demo_page_warning, web_routes
 from fedge.device_protocol import (
     COUNTER_HEADER,
+    ENCODINGS,
     FRAME_TYPE,
     MAC_HEADER,
     PREFIX,
@@ -583,8 +584,8 @@ def check_gateway(options: GatewayOptions) -> None:
     if options.web is not None:
         check_web(options.web)
     check_origins(options.allow_origins)
-    if options.settings.uplink not in ("fp32", "int8-delta"):
-        raise ConfigError(f"--uplink {options.settings.uplink!r}: use fp32 or int8-delta")
+    if options.settings.uplink not in ENCODINGS:
+        raise ConfigError(f"--uplink {options.settings.uplink!r}: use {' or '.join(ENCODINGS)}")
     if options.insecure:
         return
     for path, what in ((options.cert, "--cert"), (options.cert_key, "--cert-key")):

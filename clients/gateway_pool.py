@@ -40,7 +40,9 @@ from fedge.aggregate import WeightedMeanAccumulator, clip_update
 from fedge.device_protocol import (
     CLOCK_SKEW_S,
     ENCODINGS,
+    INT8_DELTA,
     NONCE_BYTES,
+    SECURE_AGGREGATION,
     SESSION_KEY_BYTES,
     Frame,
     b64,
@@ -58,7 +60,6 @@ from fedge.work import max_local_steps, max_samples
 log = logging.getLogger("fedge.gateway")
 
 DEVICE_NAME_MAX = 64
-SECURE_AGGREGATION = "secure-aggregation"  # the capability a device declares at check-in
 PublicKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey
 
 
@@ -259,7 +260,8 @@ class Sessions:
         if capabilities is None:
             return True
         if not isinstance(capabilities, list) or not all(isinstance(c, str) for c in capabilities):
-            raise refused(400, "'capabilities' must be a list of names (e.g. [\"int8-delta\", \"secure-aggregation\"])")
+            raise refused(400, "'capabilities' must be a list of names "
+                               f"(e.g. [\"{INT8_DELTA}\", \"{SECURE_AGGREGATION}\"])")
         if SECURE_AGGREGATION not in capabilities and self.secure_run:
             raise refused(403, "this run uses secure aggregation, which this device does not implement "
                                f"('{SECURE_AGGREGATION}' is not in its capabilities): it cannot take part in this run; "
@@ -542,7 +544,7 @@ class GatewayRound:
         encoding = header.get("encoding")
         if encoding not in ENCODINGS:
             raise UpdateRejected(f"'encoding' must be one of {', '.join(ENCODINGS)}, got {encoding!r:.20}")
-        arrays = from_int8_delta(frame.tensors, scales, self.weights) if encoding == "int8-delta" else frame.tensors
+        arrays = from_int8_delta(frame.tensors, scales, self.weights) if encoding == INT8_DELTA else frame.tensors
         check_arrays(arrays, self.spec)
         bounded, _, clipped = clip_update(arrays, self.weights, self.bounds.max_update_norm)
         return bounded, clipped

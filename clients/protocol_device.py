@@ -51,11 +51,14 @@ from fedge.clients import secagg_device
 from fedge.clients.device_data import DeviceArrays, device_arrays
 from fedge.device_protocol import (
     COUNTER_HEADER,
+    ENCODINGS,
     FRAME_TYPE,
     GATEWAY_CN_PREFIX,
+    INT8_DELTA,
     MAC_HEADER,
     NONCE_BYTES,
     PREFIX,
+    SECURE_AGGREGATION,
     b64,
     certified_gateway_name,
     check_in_message,
@@ -310,7 +313,7 @@ class ProtocolDevice:
         message = check_in_message(device=self.name, gateway=self.gateway_name, issued_at=issued, nonce=nonce)
         request = {"protocol": 1, "device": self.name, "time": issued, "nonce": nonce,
                    "signature": b64(sign(self.key, message)),
-                   "capabilities": ["fp32", "int8-delta", "secure-aggregation"]}
+                   "capabilities": [*ENCODINGS, SECURE_AGGREGATION]}
         status, _, body = self._send("POST", f"{PREFIX}/check-in", json.dumps(request).encode(),
                                      {"Content-Type": "application/json"}, signed_for=self.gateway_name)
         answer = self._json(status, body, "check-in")
@@ -421,7 +424,7 @@ class ProtocolDevice:
         header = {"task": task["task"], "kind": "train", "num-examples": work.num_examples,
                   "samples-processed": work.samples_processed, "steps": work.steps,
                   "metrics": {"train-loss": float(work.loss)}, "encoding": task.get("uplink", "fp32")}
-        if header["encoding"] == "int8-delta":
+        if header["encoding"] == INT8_DELTA:
             quantised, scales = int8_delta(trained, weights)
             return work.loss, encode_frame(header, quantised, scales)
         return work.loss, encode_frame(header, {name: np.asarray(trained[name], np.float32) for name in weights})

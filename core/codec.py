@@ -5,7 +5,9 @@ Codecs, by name (run config ``codec.<profile>``, ``downlink.<profile>``):
 * ``fp32``: no compression (plain Flower numpy arrays of the full weights);
 * ``fp16``: half precision (values beyond +/-65504 saturate);
 * ``int8`` / ``int8:channel``: 8-bit integers with one scale per tensor / per output
-  channel, stochastic rounding (unbiased: ``E[decode(encode(x))] = x``);
+  channel, stochastic rounding (unbiased: ``E[decode(encode(x))] = x``); the device
+  protocol's ``int8-delta`` is the same quantiser with deterministic round-half-even
+  (:data:`ENCODINGS`);
 * ``topk:<fraction>``: the largest-magnitude ``fraction`` of the update's entries, one
   threshold across all tensors (Aji & Heafield, EMNLP 2017), with error feedback: what was
   not sent is kept on the device and added to the next update (Stich et al., "Sparsified
@@ -34,6 +36,10 @@ tensor travels as a Flower ``Array`` with the original ``dtype`` and ``shape``, 
   uint32, strictly increasing), then the ``k`` values in the quantiser's layout (fp32 when
   the name has no quantiser).
 
+The device protocol's update encodings (``docs/device-protocol.md``: a result's ``encoding``)
+are entries of this module too, :data:`ENCODINGS`: ``fp32`` and ``int8-delta`` (:class:`Int8`
+with round-half-even, computed in the delta's own float64), so there is one int8 quantiser.
+
 Every decode checks lengths, index ranges, order and finiteness and raises
 :class:`~fedge.errors.UpdateRejected` naming the problem, so a malformed payload is
 rejected like any bad update.
@@ -48,13 +54,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import numpy as np
-from flwr.app import Array, ArrayRecord
 from numpy.typing import NDArray
 
 from fedge.errors import ConfigError, UpdateRejected
+
+if TYPE_CHECKING:  # Flower is imported where a record is built: the device protocol's devices have none
+    from flwr.app import Array, ArrayRecord
 
 DELTA, FULL = "fedge.delta/", "fedge.full/"
 FP16_MAX = float(np.finfo(np.float16).max)
@@ -317,15 +325,27 @@ class Fp16(Quantiser):
         return np.frombuffer(data, "<f2").astype(np.float32)
 
 
+STOCHASTIC, NEAREST_EVEN = "stochastic", "nearest-even"
+ROUNDINGS = (STOCHASTIC, NEAREST_EVEN)
+
+
 @register_quantiser
+@dataclass(frozen=True)
 class Int8(Quantiser):
     """8-bit integers with one float32 scale ``max|x| / 127`` per group of values (one group:
-    the whole tensor), stochastic rounding ``floor(x / s + u)``, ``u ~ U[0, 1)`` (unbiased).
+    the whole tensor), stochastic rounding ``floor(x / s + u)``, ``u ~ U[0, 1)`` (unbiased), or
+    with ``rounding = "nearest-even"`` deterministic round-half-even ``rint(x / s)`` (the device
+    protocol's ``int8-delta``, :data:`ENCODINGS`).
 
     Layout: the scales (float32), then ``n`` int8.
     """
 
     name = "int8"
+    rounding: str = STOCHASTIC
+
+    def __post_init__(self) -> None:
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"int8 rounding {self.rounding!r}: use one of {', '.join(ROUNDINGS)}")
 
     def groups(self, shape: Shape) -> int:
         """How many scales a tensor of ``shape`` gets (rows of the values in C order)."""
@@ -334,13 +354,33 @@ class Int8(Quantiser):
     def payload_bytes(self, shape: Shape) -> int:
         return 4 * self.groups(shape) + math.prod(shape)
 
-    def encode(self, values: NDArray[np.float32], rng: np.random.Generator) -> bytes:
+    def quantise(self, values: NDArray[np.floating], rng: np.random.Generator | None = None
+                 ) -> tuple[NDArray[np.int8], NDArray[np.floating]]:
+        """``values`` as int8 (their shape) and each group's scale, computed in ``values``' own precision.
+
+        ``scale = max|group| / 127``; ``q = round(x / scale)`` clipped to [-127, 127] (0 where the
+        scale is 0), rounded as :attr:`rounding` says: stochastic draws ``values.size`` uniforms
+        from ``rng``; round-half-even draws nothing. ``value = q * scale`` reads it back.
+
+        Raises
+        ------
+        ValueError
+            Stochastic rounding without an ``rng``.
+        """
         groups, flat = self.groups(values.shape), values.ravel()
         rows = flat.reshape(groups, -1) if flat.size else flat.reshape(groups, 0)
         scales = np.abs(rows).max(axis=1, initial=0.0) / 127.0
         safe = np.where(scales > 0, scales, 1.0)[:, None]
-        # stochastic rounding: floor(x / s + u), u ~ U[0, 1): unbiased, and |x / s| <= 127 keeps it in range
-        quantised = np.floor(rows / safe + rng.random(rows.shape)).clip(-127, 127).astype("<i1")
+        if self.rounding == NEAREST_EVEN:
+            rounded = np.rint(rows / safe)
+        elif rng is None:
+            raise ValueError("stochastic int8 rounding draws from a generator; pass rng")
+        else:  # floor(x / s + u), u ~ U[0, 1): unbiased, and |x / s| <= 127 keeps it in range
+            rounded = np.floor(rows / safe + rng.random(rows.shape))
+        return rounded.clip(-127, 127).astype("<i1").reshape(values.shape), scales
+
+    def encode(self, values: NDArray[np.float32], rng: np.random.Generator) -> bytes:
+        quantised, scales = self.quantise(values, rng)
         return scales.astype("<f4").tobytes() + quantised.tobytes()
 
     def unpack(self, data: bytes, shape: Shape, name: str) -> Floats:
@@ -365,6 +405,35 @@ class Int8Channel(Int8):
 
 FP32 = Fp32()
 """What values travel as when a codec names no quantiser."""
+
+
+# --------------------------------------------------------------------------- the device protocol's encodings
+
+_ENCODINGS: dict[str, Quantiser] = {}
+ENCODINGS: Mapping[str, Quantiser] = MappingProxyType(_ENCODINGS)
+"""The device protocol's update encodings by their wire names (a result's ``encoding``,
+``docs/device-protocol.md``), in registration order (read-only): ``fp32`` (the trained weights
+as they are) and ``int8-delta`` (the delta from the global model, :class:`Int8` with
+round-half-even, one scale per tensor)."""
+INT8_DELTA = "int8-delta"
+
+
+def register_encoding(name: str, quantiser: Quantiser) -> Quantiser:
+    """Make ``quantiser`` the device protocol's encoding ``name``.
+
+    Raises
+    ------
+    ValueError
+        A name that is taken.
+    """
+    if name in _ENCODINGS:
+        raise ValueError(f"device-protocol encoding '{name}' is already {_ENCODINGS[name]!r}")
+    _ENCODINGS[name] = quantiser
+    return quantiser
+
+
+register_encoding(FP32.spec, FP32)
+register_encoding(INT8_DELTA, Int8(rounding=NEAREST_EVEN))
 
 
 # --------------------------------------------------------------------------- codecs
@@ -485,6 +554,8 @@ def encode_tensor(values: Floats, codec: Codec, rng: np.random.Generator, *, ful
     if full and codec.sparse:
         raise ConfigError(f"codec '{codec.name}': top-k cannot carry full weights (a device needs the whole "
                           "model); use fp32, fp16 or int8")
+    from flwr.app import Array  # noqa: PLC0415 - see the TYPE_CHECKING import
+
     payload = codec.encode(np.asarray(values, np.float32), rng, keep)
     return Array(dtype=str(values.dtype), shape=tuple(values.shape), stype=(FULL if full else DELTA) + codec.name,
                  data=payload)
@@ -551,6 +622,8 @@ def encode_update(
     so what was not sent is sent later; the sum of what is sent plus the last residual equals
     the sum of the true deltas.
     """
+    from flwr.app import ArrayRecord  # noqa: PLC0415 - see the TYPE_CHECKING import
+
     deltas = {}
     for name in local:
         delta = np.asarray(local[name], np.float32) - np.asarray(base[name], np.float32)

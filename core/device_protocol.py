@@ -43,6 +43,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from fedge.codec import ENCODINGS as UPDATE_ENCODINGS
+from fedge.codec import INT8_DELTA as INT8_DELTA
+from fedge.codec import Int8
 from fedge.errors import DeviceProtocolError
 
 VERSION = 1
@@ -64,8 +67,9 @@ SESSION_KEY_BYTES = 32
 SESSION_HEADER = "authorization"  # "Fedge-Session <token>"
 COUNTER_HEADER = "x-fedge-counter"
 MAC_HEADER = "x-fedge-mac"
-# what a device's update says it holds
-ENCODINGS = ("fp32", "int8-delta")
+# what a device's update says it holds: the codec registry's device-protocol encodings (fedge.codec.ENCODINGS)
+ENCODINGS = tuple(UPDATE_ENCODINGS)
+SECURE_AGGREGATION = "secure-aggregation"  # the capability a device declares at check-in besides its encodings
 # the subject CN of a gateway's TLS certificate (`fedge keys add-gateway NAME`): the name devices sign at check-in
 GATEWAY_CN_PREFIX = "fedge gateway "
 
@@ -242,14 +246,18 @@ def _record_value(value: object, where: str) -> Value:
 # --------------------------------------------------------------------------- int8 delta (the uplink codec)
 def int8_delta(trained: Mapping[str, NDArray[np.generic]], base: Mapping[str, NDArray[np.generic]]
                ) -> tuple[dict[str, NDArray[np.int8]], dict[str, float]]:
-    """``trained - base`` per float tensor as int8 and a scale (``value = q * scale``, round to nearest)."""
+    """``trained - base`` per float tensor as int8 and a scale (``value = q * scale``, round half to even).
+
+    The codec registry's ``int8-delta`` entry (:data:`fedge.codec.ENCODINGS`: fedge's one int8
+    quantiser, deterministic here) on the delta in float64, one scale per tensor.
+    """
+    quantiser = UPDATE_ENCODINGS[INT8_DELTA]
+    assert isinstance(quantiser, Int8)
     quantised, scales = {}, {}
     for name, value in trained.items():
         delta = np.asarray(value, np.float64) - np.asarray(base[name], np.float64)
-        peak = float(np.max(np.abs(delta))) if delta.size else 0.0
-        scale = peak / 127.0 if peak > 0 else 0.0
-        quantised[name] = (np.rint(delta / scale) if scale else np.zeros_like(delta)).astype(np.int8)
-        scales[name] = scale
+        quantised[name], scale = quantiser.quantise(delta)
+        scales[name] = float(scale[0])
     return quantised, scales
 
 
@@ -261,7 +269,7 @@ def from_int8_delta(tensors: Mapping[str, NDArray[np.generic]], scales: Mapping[
         if name not in base or name not in scales:
             raise DeviceProtocolError(f"int8 tensor '{name}' is not a tensor of the task's model (or has no scale)")
         if value.dtype != np.int8:
-            raise DeviceProtocolError(f"an int8-delta update holds int8 tensors; '{name}' is {value.dtype}")
+            raise DeviceProtocolError(f"an {INT8_DELTA} update holds int8 tensors; '{name}' is {value.dtype}")
         reference = np.asarray(base[name])
         if value.shape != reference.shape:
             raise DeviceProtocolError(f"tensor '{name}' has shape {value.shape}, the model's is {reference.shape}")

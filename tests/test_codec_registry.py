@@ -190,3 +190,48 @@ def test_an_unregistered_quantiser_is_an_unknown_codec() -> None:
         parse_codec("topk:0.1+int4")
     with pytest.raises(UpdateRejected, match="unknown codec 'int4'"):
         decode_tensor(Array(dtype="float32", shape=(2,), stype="fedge.delta/int4", data=b"\x00" * 5), "w")
+
+
+# --------------------------------------------------------------------------- the device protocol's encodings
+
+
+def test_the_device_protocols_encodings_are_the_codec_registrys_entries() -> None:
+    from fedge import codec, device_protocol  # noqa: PLC0415
+
+    # The protocol's list of encodings is the registry's, and its int8-delta is fedge's one int8 quantiser
+    assert device_protocol.ENCODINGS == tuple(codec.ENCODINGS) == ("fp32", "int8-delta")
+    entry = codec.ENCODINGS[codec.INT8_DELTA]
+    assert type(entry) is codec.Int8 and entry.rounding == codec.NEAREST_EVEN
+    assert codec.ENCODINGS["fp32"] == codec.FP32
+
+
+def test_int8_delta_is_the_registry_entry_and_rounds_half_to_even(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedge import codec, device_protocol  # noqa: PLC0415
+
+    # Prepare: deltas of exactly 0.5, 1.5, 2.5 and -2.5 scale steps (scale = 127 / 127 = 1)
+    base = {"w": np.zeros(5, np.float64)}
+    trained = {"w": np.array([0.5, 1.5, 2.5, -2.5, 127.0])}
+    # Execute
+    quantised, scales = device_protocol.int8_delta(trained, base)
+    # Assert: round half to even, the registry entry's own output
+    assert scales == {"w": 1.0}
+    assert quantised["w"].tolist() == [0, 2, 2, -2, 127]
+    q, s = codec.ENCODINGS[codec.INT8_DELTA].quantise(trained["w"])  # type: ignore[attr-defined]
+    assert np.array_equal(q, quantised["w"]) and float(s[0]) == scales["w"]
+    # Execute: the entry swapped for the stochastic quantiser; the protocol follows the registry
+    monkeypatch.setitem(codec._ENCODINGS, codec.INT8_DELTA, codec.Int8())
+    with pytest.raises(ValueError, match="pass rng"):
+        device_protocol.int8_delta(trained, base)
+
+
+def test_int8_rounding_is_a_parameter_with_checked_values() -> None:
+    from fedge.codec import NEAREST_EVEN, Int8  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="stochastic, nearest-even"):
+        Int8(rounding="up")
+    # The deterministic variant draws nothing and does not change what a codec name parses to
+    rng = np.random.default_rng(0)
+    state = rng.bit_generator.state
+    Int8(rounding=NEAREST_EVEN).encode(np.array([0.25, -1.0], np.float32), rng)
+    assert rng.bit_generator.state == state
+    assert parse_codec("int8").quantiser == Int8() != Int8(rounding=NEAREST_EVEN)
