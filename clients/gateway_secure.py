@@ -44,7 +44,8 @@ from fedge.clients.gateway_pool import refused
 from fedge.device_protocol import Frame, assemble_frame, frame_tensors, records_from_json, records_to_json
 from fedge.errors import ConfigError
 from fedge.strategies.drivers.secure import MIN_DEVICES, SecureAggregation
-from fedge.strategies.fedavg import FedAvg
+from fedge.strategies.rounds import FixedSampling, Rounds
+from fedge.strategies.rule import Mean
 from fedge.strategies.selection import RandomSelector
 from fedge.strategies.validation import POOL_CLIPPING
 
@@ -270,18 +271,19 @@ def secure_pool_round(exchange: SecureExchange, devices: Mapping[int, str], *, s
         driver = SecureAggregation(threshold=secure["threshold"], neighbours=int(secure["neighbours"]),
                                    clip=secure["clip"], precision=secure["precision"], bits=int(secure["bits"]),
                                    weight_clip=secure["weight-clip"])
-        strategy = FedAvg(driver=driver, clients_per_round=count, min_train_replies=MIN_DEVICES, fraction_train=1.0,
-                          min_train_nodes=count, min_available_nodes=count, wait_for_nodes_s=0.0, flower_lines=False,
-                          fraction_evaluate=0.0, selector=RandomSelector(int(config.get("seed", 0))))
+        rounds = Rounds("the gateway's secure pool", Mean(), clients_per_round=count, min_train_replies=MIN_DEVICES,
+                        sampling=FixedSampling(min_train_nodes=count, min_available_nodes=count, fraction_evaluate=0.0),
+                        wait_for_nodes_s=0.0, flower_lines=False, selector=RandomSelector(int(config.get("seed", 0))))
+        driver.bind(rounds)
         grid = PoolGrid(exchange, devices, server_round)
         arrays = ArrayRecord({name: Array(np.ascontiguousarray(value)) for name, value in weights.items()})
-        new, metrics = driver.train_round(strategy, grid, server_round, arrays, ConfigRecord(dict(config)),
+        new, metrics = driver.train_round(rounds, grid, server_round, arrays, ConfigRecord(dict(config)),
                                           step_timeout_s)
     except ConfigError as exc:  # e.g. secagg-bits too narrow for this pool's size
         raise refused(503, f"round {server_round}: secure aggregation over this gateway's {count} devices cannot "
                             f"run: {exc}") from None
     if new is None or metrics is None:
-        failures = "; ".join(f"{r.node_id}: {r.reason}" for r in strategy.reports[-1].failed[:3])
+        failures = "; ".join(f"{r.node_id}: {r.reason}" for r in rounds.state.reports[-1].failed[:3])
         raise refused(503, f"round {server_round}: secure aggregation over this gateway's pool did not finish "
                             f"({failures or 'too few devices finished'}); the coordinator keeps its model")
     clipping = {key: int(metrics.get(key, 0)) for key in POOL_CLIPPING}  # type: ignore[call-overload]

@@ -228,6 +228,10 @@ class LinearRule(Rule):
                 for name, value in arrays.items()}
 
 
+class Mean(LinearRule):
+    """FedAvg's rule: the weighted mean of the updates (McMahan et al., AISTATS 2017), streaming."""
+
+
 class EachUpdateRule(Rule):
     """A rule that needs every update of the round at once (robust aggregation)."""
 

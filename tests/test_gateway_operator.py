@@ -225,7 +225,7 @@ def test_under_gateways_a_round_short_of_min_train_replies_says_gateways_and_how
     strategy = build_strategy(config)
     # Execute
     with caplog.at_level(logging.WARNING, logger="fedge"):
-        selected = strategy.select_nodes(1, OneNodeGrid())  # type: ignore[arg-type]
+        selected = strategy.rounds.select_nodes(1, OneNodeGrid())  # type: ignore[arg-type]
     # Assert: the line counts gateways, and names min-train-replies=1 for one gateway
     assert selected == []
     assert "round 1: only 1 gateways connected (< min-train-replies 2); round skipped (each gateway is one reply " \

@@ -114,11 +114,12 @@ def test_the_mean_has_a_fixed_denominator_whoever_dropped_out() -> None:
 
     from fedge.server.privacy import DifferentialPrivacy
     from fedge.strategies import FedAvg
+    from fedge.strategies.screening import fixed_denominator
 
     strategy = FedAvg(clients_per_round=6, privacy=DifferentialPrivacy(
         mode="server-fixed", noise_multiplier=1.0, clipping_norm=1.0, num_sampled=6, population=10, delta=1e-5))
     strategy.global_arrays = ArrayRecord({"w": Array(np.zeros(3, np.float32))})
     # Execute
-    result = strategy._fixed_denominator({"w": np.full(3, 3.0, np.float32)}, count=2)
+    result = fixed_denominator(strategy.rounds, {"w": np.full(3, 3.0, np.float32)}, count=2)
     # Assert: global + (3 + 3) / 6 = 1, the step DP-FedAvg's sensitivity clip / K is computed for
     np.testing.assert_allclose(result["w"], np.ones(3))

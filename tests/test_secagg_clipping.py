@@ -53,7 +53,7 @@ class StubFleet:
                           min_train_nodes=count, min_available_nodes=count, wait_for_nodes_s=0.0, flower_lines=False,
                           fraction_evaluate=0.0, selector=RandomSelector(0))
         grid = InlineGrid(self.app, nodes, {})
-        new, metrics = driver.train_round(strategy, grid, 1, ArrayRecord({"w": Array(np.zeros(2))}),
+        new, metrics = driver.train_round(strategy.rounds, grid, 1, ArrayRecord({"w": Array(np.zeros(2))}),
                                           ConfigRecord({}), 30.0)
         assert new is not None and metrics is not None
         return new["w"].numpy(), metrics

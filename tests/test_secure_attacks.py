@@ -35,7 +35,7 @@ from fedge.server.checkpoint import load_checkpoint
 from fedge.server.report import read_jsonl
 from fedge.simulation.grid import FIRST_NODE_ID, InlineGrid
 from fedge.simulation.runner import simulate
-from fedge.strategies import FedAvg
+from fedge.strategies.rounds import Rounds
 from replies import drop_out, tampered_app
 
 TARGET = 1
@@ -158,9 +158,9 @@ def test_a_round_where_the_coordinator_isolates_one_device_yields_nothing(
     # vanishing learning rate in its train instruction (which the masked step carries); every other
     # protocol message is as fedge makes it
     config = resolve_run_config({**BASE, "secure-aggregation": True, "run-dir": str(tmp_path / "r")})
-    honest = FedAvg._instruction
+    honest = Rounds.instruction
 
-    def isolate(self: FedAvg, node: int, record: RecordDict, config: ConfigRecord, server_round: int,
+    def isolate(self: Rounds, node: int, record: RecordDict, config: ConfigRecord, server_round: int,
                 grid: Any) -> RecordDict:
         content = honest(self, node, record, config, server_round, grid)
         if node == FIRST_NODE_ID:
@@ -168,7 +168,7 @@ def test_a_round_where_the_coordinator_isolates_one_device_yields_nothing(
         return RecordDict({wire.ARRAYS: content[wire.ARRAYS],
                            wire.CONFIG: ConfigRecord({**content[wire.CONFIG], "learning-rate": 1e-12})})
 
-    monkeypatch.setattr(FedAvg, "_instruction", isolate)
+    monkeypatch.setattr(Rounds, "instruction", isolate)
     grid = MetaRecordingGrid(make_default_client_app(), NODES, config)
     # Execute
     with caplog.at_level(logging.WARNING), pytest.raises(RunFailed, match="no device update was accepted"):

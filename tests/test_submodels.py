@@ -335,7 +335,7 @@ def test_exclude_sends_an_unknown_device_the_whole_model_until_it_names_a_profil
     first = list(fedavg.configure_train(1, global_model(), ConfigRecord(), grid))
     reply = train_reply(7, {"w": np.ones((4, 2), np.float32), "v": np.ones((3, 4), np.float32)})
     reply.content.config_records[wire.REPLY_META][wire.PROFILE] = "small"
-    fedavg.learn(1, [reply], grid)
+    fedavg.rounds.learn(1, [reply], grid)
     second = {m.metadata.dst_node_id for m in fedavg.configure_train(2, global_model(), ConfigRecord(), grid)}
     # Assert: both got the whole model; then node 7 sits out
     assert all(m.content.array_records[wire.ARRAYS]["w"].shape == (4, 2) for m in first)

@@ -35,7 +35,7 @@ from fedge.strategies.timing import TimedGrid, timed, virtual
 from fedge.strategies.validation import Rejection, spec_of
 
 if TYPE_CHECKING:
-    from fedge.strategies.fedavg import FedAvg
+    from fedge.strategies.rounds import Rounds
 
 log = logging.getLogger("fedge.strategies")
 
@@ -78,10 +78,10 @@ class AsynchronousDriver:
         return cls(concurrency=min(concurrency, num_nodes or concurrency), buffer_size=int(config["buffer-size"]),
                    staleness_exponent=float(config["staleness-exponent"]))
 
-    def bind(self, strategy: FedAvg) -> None:
+    def bind(self, rounds: Rounds) -> None:
         """Refuse a rule that cannot fold updates trained from older models."""
-        if not strategy.rule.takes_stale_updates:
-            raise ConfigError(f"{type(strategy).__name__}'s rule {type(strategy.rule).__name__} cannot run "
+        if not rounds.rule.takes_stale_updates:
+            raise ConfigError(f"{rounds.name}'s rule {type(rounds.rule).__name__} cannot run "
                               "asynchronously (it needs each update, or local steps stale arrivals do not carry); "
                               f"use {names_where(lambda rule: rule.takes_stale_updates)}")
 
@@ -89,13 +89,13 @@ class AsynchronousDriver:
         """The weight of an update ``staleness`` versions old."""
         return staleness_weight(staleness, self.staleness_exponent)
 
-    def start(self, strategy: FedAvg, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int, timeout: float,
+    def start(self, rounds: Rounds, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int, timeout: float,
               train_config: ConfigRecord, evaluate_config: ConfigRecord, evaluate_fn: EvaluateFn | None,
               start_round: int) -> Result:
         """Run ``num_rounds`` buffer flushes (resuming after ``start_round - 1``)."""
         clock = virtual(grid)
         arrivals: _Arrivals = _SimulatedArrivals(clock, timeout) if clock is not None else _LiveArrivals(grid, timeout)
-        run = _AsyncRun(self, strategy, grid, arrivals, initial_arrays, train_config, start_round - 1)
+        run = _AsyncRun(self, rounds, grid, arrivals, initial_arrays, train_config, start_round - 1)
         result = Result()
         result.arrays = initial_arrays
         if evaluate_fn and start_round == 1:
@@ -103,15 +103,15 @@ class AsynchronousDriver:
         while run.version < num_rounds and run.step():
             if run.flushed:
                 result.arrays = run.arrays
-                metrics = self.evaluate_idle(strategy, grid, run.version, run.arrays, evaluate_config,
+                metrics = self.evaluate_idle(rounds, grid, run.version, run.arrays, evaluate_config,
                                              run.arrivals.busy(), timeout)
                 if metrics is not None:
-                    result.evaluate_metrics_clientapp[run.version] = strategy.evaluated[run.version] = metrics
+                    result.evaluate_metrics_clientapp[run.version] = rounds.state.evaluated[run.version] = metrics
                 if evaluate_fn and (res := evaluate_fn(run.version, run.arrays)) is not None:
                     result.evaluate_metrics_serverapp[run.version] = res
         return result
 
-    def evaluate_idle(self, strategy: FedAvg, grid: Grid, version: int, arrays: ArrayRecord, config: ConfigRecord,
+    def evaluate_idle(self, rounds: Rounds, grid: Grid, version: int, arrays: ArrayRecord, config: ConfigRecord,
                       busy: set[int], timeout: float) -> MetricRecord | None:
         """Federated evaluation of a new model version on devices not training now.
 
@@ -123,14 +123,15 @@ class AsynchronousDriver:
         """
         connected = list(grid.get_node_ids())
         idle = sorted(node for node in connected if node not in busy)
-        size = min(len(idle), max(int(len(connected) * strategy.fraction_evaluate), strategy.min_evaluate_nodes))
-        if strategy.fraction_evaluate <= 0 or size <= 0:
+        sampling = rounds.sampling
+        size = min(len(idle), max(int(len(connected) * sampling.fraction_evaluate), sampling.min_evaluate_nodes))
+        if sampling.fraction_evaluate <= 0 or size <= 0:
             return None
-        record = RecordDict({strategy.arrayrecord_key: arrays,
-                             strategy.configrecord_key: ConfigRecord({**config, wire.SERVER_ROUND: version})})
-        chosen = random.Random(strategy.selector.seed * 7_907 + version).sample(idle, size)
+        record = RecordDict({sampling.arrayrecord_key: arrays,
+                             sampling.configrecord_key: ConfigRecord({**config, wire.SERVER_ROUND: version})})
+        chosen = random.Random(rounds.selector.seed * 7_907 + version).sample(idle, size)
         messages = [Message(record, dst_node_id=node, message_type=MessageType.EVALUATE) for node in chosen]
-        return strategy.evaluation_metrics(version, grid.send_and_receive(messages, timeout=timeout))
+        return rounds.evaluation_metrics(version, grid.send_and_receive(messages, timeout=timeout))
 
 
 class _SimulatedArrivals:
@@ -150,7 +151,7 @@ class _SimulatedArrivals:
         """Model versions that work in flight started from."""
         return {event.version for event in self.heap}
 
-    def connected(self, strategy: FedAvg, server_round: int) -> list[int]:
+    def connected(self, rounds: Rounds, server_round: int) -> list[int]:
         """The simulated devices online now (the fleet exists from the start: nothing to wait for)."""
         return list(self.grid.get_node_ids())
 
@@ -189,13 +190,13 @@ class _LiveArrivals:
     def versions(self) -> set[int]:  # noqa: D102
         return {version for _, version, _ in self.pending.values()} | {event.version for event in self.ready}
 
-    def connected(self, strategy: FedAvg, server_round: int) -> list[int]:
+    def connected(self, rounds: Rounds, server_round: int) -> list[int]:
         """The devices online now; with no work in flight, first waits for the devices a round
         needs, as a synchronous round does: devices connect after the coordinator starts, and
         with none online FedBuff would have nothing to wait for and stop."""
         if self.pending or self.ready:
             return list(self.grid.get_node_ids())
-        return strategy.wait_for_devices(server_round, self.grid)
+        return rounds.wait_for_devices(server_round, self.grid)
 
     def launch(self, message: Message, node: int, version: int) -> None:  # noqa: D102
         for message_id in self.grid.push_messages([message]):
@@ -232,9 +233,9 @@ _Arrivals = _SimulatedArrivals | _LiveArrivals
 class _AsyncRun:
     """The event loop of one asynchronous run (explicit server state)."""
 
-    def __init__(self, driver: AsynchronousDriver, strategy: FedAvg, grid: Grid, arrivals: _Arrivals,
+    def __init__(self, driver: AsynchronousDriver, rounds: Rounds, grid: Grid, arrivals: _Arrivals,
                  arrays: ArrayRecord, config: ConfigRecord, version: int) -> None:
-        self.driver, self.strategy, self.grid, self.arrivals, self.config = driver, strategy, grid, arrivals, config
+        self.driver, self.rounds, self.grid, self.arrivals, self.config = driver, rounds, grid, arrivals, config
         self.arrays, self.version = arrays, version
         self.snapshots: dict[int, dict[str, NDArray[Any]]] = {version: _numpy(arrays)}
         self.launches = 0
@@ -246,7 +247,7 @@ class _AsyncRun:
 
     def _begin(self) -> None:
         """A new buffer: the rule folds arrivals onto the current model version."""
-        self.strategy.rule.begin(RoundContext(self.snapshots[self.version], self.strategy.buffer_names))
+        self.rounds.rule.begin(RoundContext(self.snapshots[self.version], self.rounds.buffer_names))
 
     def step(self) -> bool:
         """Start devices up to the concurrency, then take the next arrival; False when none can run."""
@@ -265,46 +266,46 @@ class _AsyncRun:
         """Start idle devices, as a round of the synchronous strategies would: chosen by the
         selector for the current server round, stragglers simulated, each model in its
         device's downlink codec."""
-        strategy = self.strategy
+        rounds = self.rounds
         busy = self.arrivals.busy()
         server_round = self.version + 1
-        idle = [node for node in self.arrivals.connected(strategy, server_round) if node not in busy]
+        idle = [node for node in self.arrivals.connected(rounds, server_round) if node not in busy]
         wanted = self.driver.concurrency - len(busy)
-        chosen = strategy.selector.select(server_round, idle, wanted) if wanted > 0 else []
-        strategy.stragglers = strategy._pick_stragglers(server_round * 1_009 + self.launches, chosen)
+        chosen = rounds.selector.select(server_round, idle, wanted) if wanted > 0 else []
+        rounds.state.stragglers = rounds.pick_stragglers(server_round * 1_009 + self.launches, chosen)
         config = ConfigRecord({**self.config, wire.SERVER_ROUND: server_round})
-        record = RecordDict({strategy.arrayrecord_key: self.arrays, strategy.configrecord_key: config})
+        record = RecordDict({rounds.sampling.arrayrecord_key: self.arrays, rounds.sampling.configrecord_key: config})
         for node in chosen:
             self.launches += 1
-            content = strategy._instruction(node, record, config, server_round, self.grid)
+            content = rounds.instruction(node, record, config, server_round, self.grid)
             message = Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
             self.report.selected += 1
             self.arrivals.launch(message, node, self.version)
 
     def _receive(self, event: _InFlight) -> None:
-        node, reply, strategy = event.node, event.reply, self.strategy
+        node, reply, rounds = event.node, event.reply, self.rounds
         if reply.has_error():
             self.report.failed.append(Rejection(node, f"device error: {reply.error.reason}"))
             return
-        strategy.selector.observe(event.version + 1, [reply], {node: event.duration})
-        if strategy.downlink is not None:
-            strategy.downlink.learn([reply])
+        rounds.selector.observe(event.version + 1, [reply], {node: event.duration})
+        if rounds.downlink is not None:
+            rounds.downlink.learn([reply])
         try:
-            arrays, _ = strategy.validator.check(reply.content, server_round=event.version + 1,
+            arrays, _ = rounds.validator.check(reply.content, server_round=event.version + 1,
                                                  spec=spec_of(self.arrays), reference=self.snapshots[event.version])
         except UpdateRejected as exc:
             log.warning("fedbuff: rejected update from node %d: %s", node, exc.reason)
             self.report.rejected.append(Rejection(node, exc.reason))
             return
         stale = event.version != self.version
-        strategy.rule.fold(Update(node, arrays, self.driver.weight(self.version - event.version),
+        rounds.rule.fold(Update(node, arrays, self.driver.weight(self.version - event.version),
                                   base=self.snapshots[event.version] if stale else None))
         self.buffered += 1
         self.replies.append(reply)
         self.report.accepted += 1
 
     def _flush(self) -> None:
-        new = self.strategy.rule.result()
+        new = self.rounds.rule.result()
         if new is None:  # cannot happen with arrivals folded in; a rule that found none keeps the model
             new = self.snapshots[self.version]
         self.version += 1
@@ -315,7 +316,7 @@ class _AsyncRun:
         if (clock := timed(self.grid)) is not None:
             clock.count_participants(self.replies)
         self.report.aggregated = True
-        self.strategy.reports.append(self.report)
+        self.rounds.state.reports.append(self.report)
         self.buffered, self.replies = 0, []
         self.report = RoundReport(server_round=self.version + 1, selected=0)
         self.flushed = True

@@ -10,10 +10,10 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from fedge.strategies.validation import Rejection
+from fedge.strategies.validation import AcceptedUpdate, Failure, Rejection
 
 if TYPE_CHECKING:
-    from fedge.strategies.fedavg import FedAvg
+    from fedge.strategies.rounds import Rounds
 
 
 @dataclass
@@ -38,18 +38,29 @@ class RoundReport:
     secagg_clipped_devices: int = 0  # ... devices that clipped any entry
     secagg_capped_weights: int = 0  # ... devices whose weight was capped at max-num-examples
 
+    def sort(self, verdict: AcceptedUpdate | Rejection) -> AcceptedUpdate | None:
+        """File a reply's verdict: a failure or a rejection is kept here (and None returned); an
+        accepted update is returned to be folded in (counted by the caller, who may still drop it)."""
+        if isinstance(verdict, Failure):
+            self.failed.append(verdict)
+        elif isinstance(verdict, Rejection):
+            self.rejected.append(verdict)
+        else:
+            return verdict
+        return None
+
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 
 
 class Driver(Protocol):
-    """Runs a strategy's rounds (see :mod:`fedge.strategies.drivers`)."""
+    """Runs rounds over a strategy's :class:`~fedge.strategies.rounds.Rounds` (see :mod:`fedge.strategies.drivers`)."""
 
     federated_evaluation: bool  # runs Flower's federated evaluation after its rounds
     asynchronous: bool  # folds updates trained from older models (no rounds a device waits for)
 
-    def bind(self, strategy: FedAvg) -> None:
-        """Check that this driver can run ``strategy`` (its rule, its settings).
+    def bind(self, rounds: Rounds) -> None:
+        """Check that this driver can run ``rounds`` (their rule, their settings).
 
         Raises
         ------
@@ -57,7 +68,7 @@ class Driver(Protocol):
             Naming why not and what works.
         """
 
-    def start(self, strategy: FedAvg, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int, timeout: float,
+    def start(self, rounds: Rounds, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int, timeout: float,
               train_config: ConfigRecord, evaluate_config: ConfigRecord, evaluate_fn: EvaluateFn | None,
               start_round: int) -> Result:
         """Run rounds ``start_round..num_rounds`` (Flower's ``Strategy.start``, resumable)."""

@@ -74,11 +74,12 @@ from fedge.strategies.drivers.base import RoundReport
 from fedge.strategies.drivers.sync import SyncDriver
 from fedge.strategies.policies import let_go
 from fedge.strategies.registry import names_where
+from fedge.strategies.rule import LinearRule
 from fedge.strategies.validation import Rejection, decode_arrays
 from fedge.widths import CoverageMean
 
 if TYPE_CHECKING:
-    from fedge.strategies.fedavg import FedAvg
+    from fedge.strategies.rounds import Rounds
 
 log = logging.getLogger("fedge.strategies.secure")
 
@@ -136,48 +137,50 @@ class SecureAggregation(SyncDriver):
         self.threshold_fraction, self.neighbours = threshold, neighbours
         self.clip, self.precision, self.bits, self.weight_clip = clip, precision, bits, weight_clip
         self.requested_work_cap = self.work_cap = work_cap
-        self.strategy: FedAvg | None = None
+        self.rounds: Rounds | None = None
+        self.rule: LinearRule | None = None
         self.clipping: dict[int, Clipping] = {}
         """What the devices' encodings clipped, by round (the round's totals, summed securely)."""
 
-    def bind(self, strategy: FedAvg) -> None:
-        """Run ``strategy``'s rounds; refuse a rule that is not linear (secure aggregation reveals only a sum).
+    def bind(self, rounds: Rounds) -> None:
+        """Run ``rounds``; refuse a rule that is not linear (secure aggregation reveals only a sum).
 
         Raises
         ------
         ConfigError
             Naming why, and the linear strategies.
         """
-        rule = strategy.rule
-        if not rule.linear:
+        rule = rounds.rule
+        if not rule.linear or not isinstance(rule, LinearRule):
             why = ("it needs each update, which secure aggregation hides" if rule.needs_each_update else
                    "its step is not one on the updates' weighted mean, the only thing secure aggregation reveals")
             raise ConfigError(
-                f"secure-aggregation works with linear rules, not {type(strategy).__name__}'s "
+                f"secure-aggregation works with linear rules, not {rounds.name}'s "
                 f"{type(rule).__name__}: {why}; use {names_where(lambda each: each.linear)}, or drop "
                 "secure-aggregation")
-        if strategy.privacy is not None:
+        if rounds.privacy is not None:
             raise ConfigError("dp with secure-aggregation is not supported yet (the coordinator cannot clip updates it "
                               "cannot see, and fedge does not add distributed noise on devices); turn one of them off")
-        self.strategy = strategy
+        self.rounds, self.rule = rounds, rule
         self.work_cap = self.requested_work_cap if rule.work_momentum is not None else 1.0  # FedNova's a_i
 
-    def train_round(self, strategy: FedAvg, grid: Grid, server_round: int, arrays: ArrayRecord,
+    def train_round(self, rounds: Rounds, grid: Grid, server_round: int, arrays: ArrayRecord,
                     config: ConfigRecord, timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The five protocol steps; the model changes only if enough devices finish them.
 
-        Under width-scaled sub-models (``strategy.submodels``) the devices of one window (width and
+        Under width-scaled sub-models (``rounds.submodels``) the devices of one window (width and
         offset) form a group, and each group runs its own protocol instance over its sub-model's
         vector: the coordinator learns each group's sum and nothing finer, then averages each
         entry over the groups that held it (:class:`fedge.widths.CoverageMean`).
         """
-        if strategy is not self.strategy:
-            self.bind(strategy)
+        if rounds is not self.rounds:
+            self.bind(rounds)
+        rule = self._rule
         instructions = {m.metadata.dst_node_id: m.content
-                        for m in strategy.configure_train(server_round, arrays, config, grid)}
-        report = strategy.reports[-1]
-        if strategy.submodels is not None:
-            return self._grouped_round(strategy, grid, server_round, arrays, instructions, timeout, report)
+                        for m in rounds.train_messages(server_round, arrays, config, grid)}
+        report = rounds.state.reports[-1]
+        if rounds.submodels is not None:
+            return self._grouped_round(rounds, grid, server_round, arrays, instructions, timeout, report)
         try:
             sums = self._group_sum(grid, server_round, instructions, arrays, timeout, report)
         except SecureRoundFailed as exc:  # malformed messages were handled where they were read
@@ -186,8 +189,8 @@ class SecureAggregation(SyncDriver):
         report.accepted, report.aggregated = len(sums.survivors), True
         self._note_clipping(server_round, sums.clipping, report)
         delta = sums.summed / sums.weight * (sums.weighted_work / sums.weight)
-        strategy.rule.begin(strategy.round_context())
-        new = strategy.rule.step(self._apply(arrays, delta))  # type: ignore[attr-defined]
+        rule.begin(rounds.round_context())
+        new = rule.step(self._apply(arrays, delta))
         return ArrayRecord({name: Array(c_contiguous(new[name])) for name in arrays}), MetricRecord(
             {"accepted": len(sums.survivors), "failed": len(report.failed), "late": report.late, "weight": sums.weight,
              **sums.clipping.metrics()})
@@ -202,7 +205,7 @@ class SecureAggregation(SyncDriver):
         total, survivors = self._attempts(grid, server_round, instructions, codecs, timeout, report, length)
         return self._decoded(total, codecs, survivors)
 
-    def _grouped_round(self, strategy: FedAvg, grid: Grid, server_round: int, arrays: ArrayRecord,
+    def _grouped_round(self, rounds: Rounds, grid: Grid, server_round: int, arrays: ArrayRecord,
                        instructions: dict[int, RecordDict], timeout: float,
                        report: RoundReport) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """One protocol instance per window group; each entry averaged over the groups that held it.
@@ -210,12 +213,12 @@ class SecureAggregation(SyncDriver):
         A group of fewer than :data:`MIN_DEVICES` devices is not run (the sum of two would tell
         each its partner's update): its devices are left out of the round, with the reason.
         """
-        assert strategy.submodels is not None
-        windows = strategy.submodels.windows
+        assert rounds.submodels is not None
+        windows = rounds.submodels.windows
         groups: dict[tuple[Any, Any], dict[int, RecordDict]] = {}
         for node, content in instructions.items():
             groups.setdefault((windows[node].width, windows[node].offset), {})[node] = content
-        strategy.rule.begin(strategy.round_context())
+        self._rule.begin(rounds.round_context())
         entries = CoverageMean({name: tuple(array.shape) for name, array in arrays.items()})
         accepted, weight_total, clipping = 0, 0.0, Clipping()
         for _, group in sorted(groups.items(), key=lambda item: item[0]):
@@ -227,7 +230,7 @@ class SecureAggregation(SyncDriver):
                 log.warning("round %d: width group %s has %d devices (< %d): left out", server_round,
                             window.describe(), len(group), MIN_DEVICES)
                 continue
-            sent = strategy.submodels.reference_of(next(iter(group))) or arrays
+            sent = rounds.submodels.reference_of(next(iter(group))) or arrays
             try:
                 sums = self._group_sum(grid, server_round, group, sent, timeout, report)
             except SecureRoundFailed as exc:
@@ -241,20 +244,26 @@ class SecureAggregation(SyncDriver):
         self._note_clipping(server_round, clipping, report)
         metrics = {"accepted": accepted, "failed": len(report.failed), "late": report.late, "weight": weight_total,
                    **clipping.metrics()}
-        if not entries.count or accepted < strategy.min_train_replies:
+        if not entries.count or accepted < rounds.min_train_replies:
             log.warning("round %d: %d devices in aggregated width groups (min-train-replies %d); global model kept",
-                        server_round, accepted, strategy.min_train_replies)
+                        server_round, accepted, rounds.min_train_replies)
             return None, MetricRecord(metrics)
         report.accepted, report.aggregated = accepted, True
         global_numpy = {name: array.numpy() for name, array in arrays.items()}
-        new = strategy.rule.step_entries(entries, global_numpy)  # type: ignore[attr-defined]
+        new = self._rule.step_entries(entries, global_numpy)
         return ArrayRecord({name: Array(c_contiguous(new[name])) for name in arrays}), MetricRecord(metrics)
 
     @property
-    def _strategy(self) -> FedAvg:
-        if self.strategy is None:
-            raise RuntimeError("SecureAggregation runs a strategy's rounds: give it as FedAvg(driver=...)")
-        return self.strategy
+    def _rounds(self) -> Rounds:
+        if self.rounds is None:
+            raise RuntimeError("SecureAggregation runs a strategy's rounds: give it as FedAvg(driver=...), or bind it")
+        return self.rounds
+
+    @property
+    def _rule(self) -> LinearRule:
+        if self.rule is None:
+            raise RuntimeError("SecureAggregation runs a strategy's rounds: give it as FedAvg(driver=...), or bind it")
+        return self.rule
 
     def _attempts(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict],
                   codecs: _Codecs, timeout: float,
@@ -351,7 +360,7 @@ class SecureAggregation(SyncDriver):
             {wire.SERVER_ROUND: server_round})}) for n in instructions}, timeout, report)
         keys = _read_each(setup, _read_keys, "secagg_setup", "the round goes on without it", server_round, report)
         alive = _distinct_keys(list(keys), keys, server_round, report)
-        graph = neighbour_graph(alive, self.neighbours or len(alive), seed=self._strategy.selector.seed + server_round)
+        graph = neighbour_graph(alive, self.neighbours or len(alive), seed=self._rounds.selector.seed + server_round)
         threshold = self._threshold(graph)
         peers = {n: RecordDict({"peers": _peer_record(keys, graph[n], server_round, threshold)}) for n in alive}
         sealed = _read_each(self._step(grid, "secagg_share", peers, timeout, report),
@@ -371,11 +380,11 @@ class SecureAggregation(SyncDriver):
         if folded.bad_shares:
             raise _BadShares(_blame(folded.bad_shares, graph, threshold))
         survivors = [n for n in shared if n in summed]
-        needed = MIN_DEVICES if self._strategy.submodels is not None else max(MIN_DEVICES,
-                                                                              self._strategy.min_train_replies)
+        needed = MIN_DEVICES if self._rounds.submodels is not None else max(MIN_DEVICES,
+                                                                            self._rounds.min_train_replies)
         if len(survivors) < needed:  # sub-models: min-train-replies counts the round's groups together
             raise SecureRoundFailed(f"{len(survivors)} devices sent masked inputs, need {MIN_DEVICES} and "
-                                    f"min-train-replies {self._strategy.min_train_replies}")
+                                    f"min-train-replies {self._rounds.min_train_replies}")
         _enough_holders(graph, shared, survivors, threshold, "sent masked inputs")
         signatures = self._consistency(grid, server_round, survivors, keys, summed, graph, timeout, report)
         signers = set(signatures)
@@ -448,8 +457,8 @@ class SecureAggregation(SyncDriver):
     def _fold(self, reply: Message, node: int, folded: _Folded, expected: _Expected, length: int,
               server_round: int, report: RoundReport) -> None:
         """Add ``node``'s masked input to ``folded`` or note its bad-share report; a malformed one is named."""
-        if self.strategy is not None and self.strategy.submodels is not None:  # its public meta names its profile
-            self.strategy.submodels.learn([reply])
+        if self.rounds is not None and self.rounds.submodels is not None:  # its public meta names its profile
+            self.rounds.submodels.learn([reply])
         if wire.SECAGG_BAD_SHARES in reply.content.config_records:
             folded.bad_shares.update(_read_each(
                 {node: reply}, lambda node, reply: _read_bad_shares(node, reply, expected.graph[node]),
@@ -475,8 +484,8 @@ class SecureAggregation(SyncDriver):
                                "update-clip": self.clip, "count-clip": codecs.counts.clip,
                                "weight-clip": weights.clip, "weight-scale": weights.scale,
                                "work-clip": works.clip, "work-scale": works.scale, "work-cap": self.work_cap,
-                               "work-momentum": _work_momentum(self._strategy)})
-        targets = [n for n in inboxes if self._strategy.keeps_partial_work or n not in self._strategy.stragglers]
+                               "work-momentum": _work_momentum(self._rule)})
+        targets = [n for n in inboxes if not self._rounds.drops(n)]
         report.late += len(inboxes) - len(targets)  # FedAvg leaves stragglers out: they count as dropouts
         messages = [Message(RecordDict({wire.ARRAYS: instructions[n][wire.ARRAYS],
                                         wire.CONFIG: instructions[n][wire.CONFIG],
@@ -484,7 +493,7 @@ class SecureAggregation(SyncDriver):
                             dst_node_id=n, message_type=f"{MessageType.TRAIN}.secagg_masked") for n in targets]
         expected = _sent_digests(instructions, targets, params)
         # masked replies carry no metrics (a device's loss would leak): the selector learns nothing here
-        stream = self._strategy.policy.stream(grid, messages, timeout, self._strategy.round_target)
+        stream = self._rounds.policy.stream(grid, messages, timeout, self._rounds.state.round_target)
         return _counting_late(stream, len(messages), report), expected
 
     def _step(self, grid: Grid, action: str, contents: dict[int, RecordDict], timeout: float,
@@ -851,9 +860,9 @@ def _distinct_keys(nodes: list[int], keys: Mapping[int, Keys], server_round: int
     return [node for node in nodes if node not in clashing]
 
 
-def _work_momentum(strategy: FedAvg) -> float:
+def _work_momentum(rule: LinearRule) -> float:
     """FedNova's momentum in ``a_i`` for the devices; -1 for rules without a local-work norm."""
-    momentum = strategy.rule.work_momentum  # type: ignore[attr-defined]
+    momentum = rule.work_momentum
     return -1.0 if momentum is None else float(momentum)
 
 

@@ -8,16 +8,16 @@ from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy import Result
 
 from fedge.errors import RunFailed
 from fedge.strategies.drivers.base import EvaluateFn
 from fedge.strategies.policies import let_go
+from fedge.strategies.screening import aggregate_replies
 from fedge.strategies.systematic import stop_message, systematic_reason
-from fedge.strategies.validation import Failure, Rejection
 
 if TYPE_CHECKING:
-    from fedge.strategies.fedavg import FedAvg
+    from fedge.strategies.rounds import Rounds
 
 
 class SyncDriver:
@@ -32,10 +32,10 @@ class SyncDriver:
     federated_evaluation = True
     asynchronous = False
 
-    def bind(self, strategy: FedAvg) -> None:
+    def bind(self, rounds: Rounds) -> None:
         """Any rule runs synchronously."""
 
-    def start(self, strategy: FedAvg, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int, timeout: float,
+    def start(self, rounds: Rounds, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int, timeout: float,
               train_config: ConfigRecord, evaluate_config: ConfigRecord, evaluate_fn: EvaluateFn | None,
               start_round: int) -> Result:
         """Flower's ``Strategy.start`` loop, able to resume at ``start_round``.
@@ -54,74 +54,74 @@ class SyncDriver:
         result.arrays = arrays
         if evaluate_fn and start_round == 1 and (res := evaluate_fn(0, arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
+        reports = rounds.state.reports
         for server_round in range(start_round, num_rounds + 1):
-            strategy.say("[ROUND %s/%s]", server_round, num_rounds)
-            new_arrays, train_metrics = self.train_round(strategy, grid, server_round, arrays, train_config, timeout)
-            if strategy.reports and strategy.reports[-1].server_round == server_round:
-                strategy.log_round(strategy.reports[-1], train_metrics)
-            if (reason := systematic_reason(strategy.reports)) is not None:
-                raise RunFailed(stop_message(strategy.reports, reason))
+            rounds.say("[ROUND %s/%s]", server_round, num_rounds)
+            new_arrays, train_metrics = self.train_round(rounds, grid, server_round, arrays, train_config, timeout)
+            if reports and reports[-1].server_round == server_round:
+                rounds.log_round(reports[-1], train_metrics)
+            if (reason := systematic_reason(reports)) is not None:
+                raise RunFailed(stop_message(reports, reason))
             if new_arrays is not None:
                 result.arrays = arrays = new_arrays
             if train_metrics is not None:
                 result.train_metrics_clientapp[server_round] = train_metrics
-            evaluate_messages = list(strategy.configure_evaluate(server_round, arrays, evaluate_config, grid))
+            evaluate_messages = [] if rounds.flower is None else list(
+                rounds.flower.configure_evaluate(server_round, arrays, evaluate_config, grid))
             if evaluate_messages:
                 evaluate_replies = grid.send_and_receive(evaluate_messages, timeout=timeout)
-                if (metrics := strategy.evaluation_metrics(server_round, evaluate_replies)) is not None:
-                    result.evaluate_metrics_clientapp[server_round] = strategy.evaluated[server_round] = metrics
+                if (metrics := rounds.evaluation_metrics(server_round, evaluate_replies)) is not None:
+                    result.evaluate_metrics_clientapp[server_round] = rounds.state.evaluated[server_round] = metrics
             if evaluate_fn and (res := evaluate_fn(server_round, arrays)) is not None:
                 result.evaluate_metrics_serverapp[server_round] = res
-        strategy.say("Strategy execution finished in %.2fs", time.time() - started)
-        strategy.say("Final results:\n%s", result)
+        rounds.say("Strategy execution finished in %.2fs", time.time() - started)
+        rounds.say("Final results:\n%s", result)
         return result
 
-    def train_round(self, strategy: FedAvg, grid: Grid, server_round: int, arrays: ArrayRecord,
+    def train_round(self, rounds: Rounds, grid: Grid, server_round: int, arrays: ArrayRecord,
                     config: ConfigRecord, timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """One training round: select, exchange under the round policy, validate, aggregate."""
-        privacy = strategy.privacy
-        driver: Strategy = privacy.wrapper if privacy else strategy
-        messages = list(driver.configure_train(server_round, arrays, config, grid))
-        if privacy is not None:  # Flower's DP wrappers take a list: O(replies x model) here
-            exchange = strategy.policy.exchange(grid, messages, timeout, strategy.round_target)
-            strategy.reports[-1].late = exchange.late
-            strategy.learn(server_round, exchange.replies, grid)
-            screened = _screened(strategy, server_round, exchange.replies)
-            new_arrays, metrics = driver.aggregate_train(server_round, screened)
+        privacy = rounds.privacy
+        if privacy is not None:  # Flower's DP wrapper drives configure/aggregate around the strategy's own
+            messages = list(privacy.wrapper.configure_train(server_round, arrays, config, grid))
+            exchange = rounds.policy.exchange(grid, messages, timeout, rounds.state.round_target)
+            rounds.state.reports[-1].late = exchange.late
+            rounds.learn(server_round, exchange.replies, grid)
+            screened = _screened(rounds, server_round, exchange.replies)
+            new_arrays, metrics = privacy.wrapper.aggregate_train(server_round, screened)
             if screened:  # conservative: adaptive clipping released a noised count even if no model came out
-                strategy.reports[-1].epsilon = privacy.release()
+                rounds.state.reports[-1].epsilon = privacy.release()
             return new_arrays, metrics
-        stream = strategy.policy.stream(grid, messages, timeout, strategy.round_target)
-        result = strategy.aggregate_train(server_round, _learning(strategy, server_round, stream, grid))
-        strategy.report_for(server_round).late += stream.late  # on top of stragglers dropped in aggregation
+        messages = rounds.train_messages(server_round, arrays, config, grid)
+        stream = rounds.policy.stream(grid, messages, timeout, rounds.state.round_target)
+        replies = _learning(rounds, server_round, stream, grid)
+        result = (rounds.flower.aggregate_train(server_round, replies) if rounds.flower is not None
+                  else aggregate_replies(rounds, server_round, replies, lambda _round, _records: None))
+        rounds.report_for(server_round).late += stream.late  # on top of stragglers dropped in aggregation
         return result
 
 
-def _learning(strategy: FedAvg, server_round: int, replies: Iterable[Message], grid: Grid) -> Iterator[Message]:
+def _learning(rounds: Rounds, server_round: int, replies: Iterable[Message], grid: Grid) -> Iterator[Message]:
     """Pass each reply on as it arrives, after the selector and downlink learn from it.
 
     Nothing here keeps a reply: aggregation folds it in and it goes (O(model) memory).
     """
     for reply in replies:
-        strategy.learn(server_round, [reply], grid)
+        rounds.learn(server_round, [reply], grid)
         yield reply
         let_go(reply)  # aggregation asked for the next reply: this one is folded in
 
 
-def _screened(strategy: FedAvg, server_round: int, replies: Iterable[Message]) -> list[Message]:
+def _screened(rounds: Rounds, server_round: int, replies: Iterable[Message]) -> list[Message]:
     """The replies that pass validation (others recorded), before a DP wrapper clips them.
 
     Flower's wrappers skip a whole round on one error reply and clip before anything is
     validated; fedge keeps its rule: a bad reply is left out and the round goes on.
     """
-    report, kept = strategy.report_for(server_round), []
+    report, kept = rounds.report_for(server_round), []
     replies = list(replies)
     by_node = {reply.metadata.src_node_id: reply for reply in replies}
-    for verdict in strategy.validator.screen(server_round, replies, strategy.global_arrays or ArrayRecord()):
-        if isinstance(verdict, Failure):
-            report.failed.append(verdict)
-        elif isinstance(verdict, Rejection):
-            report.rejected.append(verdict)
-        else:
-            kept.append(by_node[verdict.node_id])
+    for verdict in rounds.validator.screen(server_round, replies, rounds.state.global_arrays or ArrayRecord()):
+        if (accepted := report.sort(verdict)) is not None:
+            kept.append(by_node[accepted.node_id])
     return kept
