@@ -10,23 +10,21 @@ which drivers run over. The other strategies are this class with another rule (o
 
 from __future__ import annotations
 
-import copy
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 from numpy.typing import NDArray
 
-from fedge.aggregate import c_contiguous
 from fedge.strategies.drivers.base import Driver, RoundReport
 from fedge.strategies.drivers.sync import SyncDriver
-from fedge.strategies.flower_args import flower_constructor
+from fedge.strategies.flower_args import CurrentArrays, WeightedByKey, flower_constructor, weighing
 from fedge.strategies.policies import RoundPolicy, SyncPolicy
 from fedge.strategies.registry import register
 from fedge.strategies.rounds import DownlinkLayer, Forwarded, PrivacyLayer, Rounds
@@ -83,6 +81,8 @@ class FedAvg(FlowerFedAvg):
 
     keeps_partial_work = False  # FedAvg drops stragglers' replies; FedProx keeps them
     current_arrays_as_numpy: bool = False  # Flower's FedOpt family keeps a dict of numpy arrays
+    current_arrays = CurrentArrays()
+    weighted_by_key = WeightedByKey()
 
     rule: Forwarded[Rule] = Forwarded()
     selector: Forwarded[RandomSelector] = Forwarded()
@@ -111,7 +111,7 @@ class FedAvg(FlowerFedAvg):
         super().__init__(**kwargs)
         self.rounds = Rounds(
             type(self).__name__, rule or Mean(), sampling=self, flower=self, selector=selector or RandomSelector(),
-            policy=policy or SyncPolicy(), validator=_weighing(validator or ReplyValidator(require_round_tag=False),
+            policy=policy or SyncPolicy(), validator=weighing(validator or ReplyValidator(require_round_tag=False),
                                                                self.weighted_by_key),
             privacy=privacy, downlink=downlink, submodels=submodels, buffer_names=buffer_names,
             clients_per_round=clients_per_round, min_train_replies=min_train_replies,
@@ -126,37 +126,6 @@ class FedAvg(FlowerFedAvg):
     def federated_evaluation(self) -> bool:
         """Whether the driver runs Flower's federated evaluation rounds."""
         return self.driver.federated_evaluation
-
-    @property
-    def current_arrays(self) -> ArrayRecord | dict[str, NDArray[Any]] | None:
-        """Flower's name for the global model (:attr:`global_arrays`): what ``aggregate_train`` checks
-        replies against and steps from. Set it, as Flower's tests do, to aggregate without
-        ``configure_train``; it reads back as Flower keeps it (numpy arrays for the FedOpt family)."""
-        if self.global_arrays is None or not self.current_arrays_as_numpy:
-            return self.global_arrays
-        return {name: array.numpy() for name, array in self.global_arrays.items()}
-
-    @current_arrays.setter
-    def current_arrays(self, arrays: ArrayRecord | Mapping[str, Any] | None) -> None:
-        if arrays is not None and not isinstance(arrays, ArrayRecord | Mapping):
-            raise TypeError(f"current_arrays takes an ArrayRecord or a dict of numpy arrays by name, got "
-                            f"{type(arrays).__name__}")
-        if isinstance(arrays, Mapping) and not isinstance(arrays, ArrayRecord):
-            arrays = ArrayRecord({name: value if isinstance(value, Array) else Array(c_contiguous(np.asarray(value)))
-                                  for name, value in arrays.items()})
-        if "rounds" in self.__dict__:  # Flower's __init__ sets it before the rounds exist
-            self.global_arrays = arrays
-
-    @property
-    def weighted_by_key(self) -> str:
-        """Flower's ``weighted_by_key``: the train metric a reply's weight is read from (the validator reads it)."""
-        return self._weighted_by_key
-
-    @weighted_by_key.setter
-    def weighted_by_key(self, key: str) -> None:
-        self._weighted_by_key = key
-        if "rounds" in self.__dict__:  # None while Flower's __init__ runs
-            self.validator = _weighing(self.validator, key)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,  # type: ignore[override]
               timeout: float = 3600, train_config: ConfigRecord | None = None,
@@ -216,12 +185,3 @@ class FedAvg(FlowerFedAvg):
             log.error("round %d: train metrics not aggregated (%s: %s); the model is aggregated as usual",
                       server_round, type(exc).__name__, exc)
             return None
-
-
-def _weighing(validator: ReplyValidator, key: str) -> ReplyValidator:
-    """``validator`` reading a reply's weight from ``key`` (a copy: a validator the caller shares stays as it was)."""
-    if validator.weight_key == key:
-        return validator
-    validator = copy.copy(validator)
-    validator.weight_key = key
-    return validator

@@ -136,3 +136,57 @@ class RuleSetting(Generic[V]):
 
     def __set__(self, strategy: object, value: V) -> None:
         setattr(strategy.rule, self.rule_name, value)  # type: ignore[attr-defined]
+
+
+class CurrentArrays:
+    """Flower's ``current_arrays``: a strategy's ``global_arrays`` (what ``aggregate_train`` checks replies
+    against and steps from). Set it, as Flower's tests do, to aggregate without ``configure_train``
+    (an ``ArrayRecord`` or numpy arrays by name); it reads back as Flower keeps it: numpy arrays
+    (a copy) for the FedOpt family (``current_arrays_as_numpy``), the ``ArrayRecord`` otherwise."""
+
+    def __get__(self, strategy: Any, owner: type | None = None) -> Any:
+        if strategy is None:
+            return self
+        arrays = strategy.global_arrays
+        if arrays is None or not strategy.current_arrays_as_numpy:
+            return arrays
+        return {name: array.numpy() for name, array in arrays.items()}
+
+    def __set__(self, strategy: Any, arrays: Any) -> None:
+        import numpy as np
+        from flwr.app import Array, ArrayRecord
+
+        if arrays is not None and not isinstance(arrays, Mapping):
+            raise TypeError(f"current_arrays takes an ArrayRecord or a dict of numpy arrays by name, got "
+                            f"{type(arrays).__name__}")
+        if isinstance(arrays, Mapping) and not isinstance(arrays, ArrayRecord):
+            arrays = ArrayRecord({name: value if isinstance(value, Array) else
+                                  Array(np.ascontiguousarray(value)) for name, value in arrays.items()})
+        if "rounds" in strategy.__dict__:  # Flower's __init__ sets it before the rounds exist
+            strategy.global_arrays = arrays
+
+
+class WeightedByKey:
+    """Flower's ``weighted_by_key``: the train metric a reply's weight is read from; set after construction
+    too, the strategy's validator reads the new key (a copy: a validator the caller shares stays as it was)."""
+
+    def __get__(self, strategy: Any, owner: type | None = None) -> Any:
+        if strategy is None:
+            return self
+        return strategy.__dict__["_weighted_by_key"]
+
+    def __set__(self, strategy: Any, key: str) -> None:
+        strategy.__dict__["_weighted_by_key"] = key
+        if "rounds" in strategy.__dict__:  # not yet while Flower's __init__ runs
+            strategy.validator = weighing(strategy.validator, key)
+
+
+def weighing(validator: Any, key: str) -> Any:
+    """``validator`` reading a reply's weight from ``key`` (a copy unless it already does)."""
+    import copy
+
+    if validator.weight_key == key:
+        return validator
+    validator = copy.copy(validator)
+    validator.weight_key = key
+    return validator

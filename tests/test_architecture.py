@@ -235,3 +235,21 @@ def test_every_fedge_reference_in_a_docstring_resolves() -> None:
 def test_the_reference_checker_tells_a_dangling_name(name: str, resolves: bool) -> None:
     # Assert
     assert _resolves(name) is resolves
+
+
+def test_no_driver_imports_the_flower_strategy_not_even_for_types() -> None:
+    # Prepare: every module of the round drivers, and the gateway's secure pool that runs one
+    sources = [*sorted((ROOT / "strategies" / "drivers").glob("*.py")), ROOT / "clients" / "gateway_secure.py"]
+    # Execute: what each imports (TYPE_CHECKING blocks included: ast.walk sees them)
+    found = [f"{path.relative_to(ROOT)}:{line}: {name}" for path in sources
+             for line, name in _imported(ast.parse(path.read_text()), "fedge.strategies.drivers.x")
+             if name.startswith("fedge.strategies.fedavg") or name == "fedge.strategies.FedAvg"]
+    # Assert: drivers run over fedge.strategies.rounds.Rounds, the small typed interface
+    assert found == []
+
+
+def test_fedavg_is_a_thin_flower_adapter() -> None:
+    # Prepare/Execute: the Flower-facing class's file
+    lines = (ROOT / "strategies" / "fedavg.py").read_text().splitlines()
+    # Assert: the round logic lives in strategies/rounds.py and strategies/screening.py (issue 40: under 200)
+    assert len(lines) < 200, f"strategies/fedavg.py has {len(lines)} lines: move round logic into Rounds"

@@ -1,10 +1,10 @@
 """Round drivers: how a strategy's rounds reach devices and feed its aggregation rule.
 
-A driver runs the rounds of one strategy (:class:`fedge.strategies.FedAvg` and the classes
-built on it) and takes its own settings in its constructor; the strategy holds the
-collaborators every driver shares (selector, round policy, reply validator, privacy,
-downlink codec) and its rule (:mod:`fedge.strategies.rule`). Any strategy runs under any
-driver that accepts its rule (:meth:`Driver.bind` refuses with the reason):
+A driver runs rounds over a strategy's :class:`~fedge.strategies.rounds.Rounds` (the
+collaborators every driver shares: selector, round policy, reply validator, privacy,
+downlink codec, the rule of :mod:`fedge.strategies.rule`; and the run's round state), never
+over the strategy itself, and takes its own settings in its constructor. Any strategy runs
+under any driver that accepts its rule (:meth:`Driver.bind` refuses with the reason):
 
 * :class:`~fedge.strategies.drivers.sync.SyncDriver`: synchronous rounds (select, exchange
   under the round policy, validate, fold each reply as it arrives);
