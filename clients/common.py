@@ -54,45 +54,35 @@ def own_settings(context: Context) -> dict[str, Scalar]:
 
 @dataclass(frozen=True)
 class TrainOrder:
-    """A train instruction read once: the merged settings and what the device needs from them."""
+    """A train instruction read once (:class:`fedge.wire.TrainInstruction`) and what this device
+    derives from it: the round, its profile, its seed and its step budget."""
 
-    setting: dict[str, Any]
+    instruction: wire.TrainInstruction
     server_round: int
     profile: str
     seed: int
-    proximal_mu: float
     max_steps: int | None
-
-    @property
-    def epochs(self) -> int:  # noqa: D102
-        return int(self.setting["local-epochs"])
-
-    @property
-    def batch_size(self) -> int:  # noqa: D102
-        return int(self.setting["batch-size"])
-
-    @property
-    def learning_rate(self) -> float:  # noqa: D102
-        return float(self.setting["learning-rate"])
-
-    @property
-    def momentum(self) -> float:  # noqa: D102
-        return float(self.setting["momentum"])
 
 
 def train_order(msg: Message, context: Context, config: RunConfig) -> TrainOrder:
-    """The instruction in ``msg`` merged over the run config (the coordinator's instruction wins,
-    except for :data:`DEVICE_OWNED` settings)."""
-    instruction = msg.content[wire.CONFIG]
-    setting = {**config, **instruction, **{key: config[key] for key in DEVICE_OWNED}}  # never from the instruction
-    server_round = int(setting.get(wire.SERVER_ROUND, 0))
+    """The instruction in ``msg``, read once; the run config fills the training keys it does not carry
+    (the coordinator's instruction wins; :data:`DEVICE_OWNED` settings are never read from it).
+
+    Raises
+    ------
+    ConfigError
+        A training key of the instruction with the wrong type or value (naming it).
+    """
+    record = msg.content[wire.CONFIG]
+    instruction = wire.TrainInstruction.read(record, defaults=config)
+    server_round = int(record.get(wire.SERVER_ROUND, 0))  # type: ignore[arg-type]
+    profile = device_profile_name(context, config)
     return TrainOrder(
-        setting=setting,
+        instruction=instruction,
         server_round=server_round,
-        profile=device_profile_name(context, config),
+        profile=profile,
         seed=training_seed(context, config.integer("seed"), server_round),
-        proximal_mu=float(instruction.get(wire.PROXIMAL_MU, 0.0)),  # type: ignore[arg-type]  # only FedProx sends it
-        max_steps=step_budget(context, setting),
+        max_steps=step_budget(context, config, instruction, profile),
     )
 
 
@@ -119,7 +109,7 @@ def prepared_device_inputs(inputs: tuple[np.ndarray, ...], preprocessing: Mappin
 def reply_content(msg: Message, context: Context, order: TrainOrder, trained: ArrayRecord,
                   base: dict[str, np.ndarray], work: LocalWork) -> RecordDict:
     """The train reply (arrays under the profile's codec, metrics, meta): the same for every runtime."""
-    codec = codec_for(order.profile, order.setting)
+    codec = codec_for(order.profile, order.instruction.codecs)
     if codec.lossless and is_encoded(msg.content.array_records[wire.ARRAYS]):
         codec = Codec(quantiser=None, fraction=None, delta=True)  # trained from a lossy copy: send the change
     arrays = compressed(trained, base, codec, context, order.seed)
@@ -190,13 +180,15 @@ def dp_clipping_mod(msg: Message, context: Context, call_next: ClientAppCallable
     return call_next(msg, context)
 
 
-def step_budget(context: Context, setting: Mapping[str, Any]) -> int | None:
+def step_budget(context: Context, config: Mapping[str, Any], instruction: wire.TrainInstruction,
+                profile_name: str) -> int | None:
     """With ``local-budget = "time"``: the SGD steps that fit ``time-budget-s`` on this device's profile."""
-    if setting.get("local-budget") != "time":
+    seconds = instruction.time_budget
+    if seconds is None:
         return None
-    profile = device_profiles(context, setting).get(device_profile_name(context, setting))
+    profile = device_profiles(context, config).get(profile_name)
     rate = profile.compute_rate if profile else 1.0
-    return time_budget_steps(float(setting["time-budget-s"]), rate, int(setting["batch-size"]))
+    return time_budget_steps(seconds, rate, instruction.batch_size)
 
 
 def device_profiles(context: Context, config: Mapping[str, Any]) -> dict[str, DeviceProfile]:

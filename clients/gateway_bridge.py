@@ -29,7 +29,6 @@ from fedge.strategies.validation import POOL_CLIPPING
 
 CONTROL = "gateway-control"
 TOKEN_FILE = "gateway-token"
-ORDER_KEYS = ("local-epochs", "batch-size", "learning-rate", "momentum")
 
 
 def is_gateway(context: Context) -> bool:
@@ -44,9 +43,8 @@ def _config_of(msg: Message, context: Context, config: RunConfig, kind: str) -> 
     bounds = {key: config[key] for key in BOUND_KEYS}
     if kind != "train":
         return {"seed": config.integer("seed"), **bounds}
-    order = train_order(msg, context, config)
-    chosen = {key: order.setting[key] for key in ORDER_KEYS}
-    return {**chosen, "proximal-mu": order.proximal_mu, "seed": config.integer("seed"), **bounds}
+    instruction = train_order(msg, context, config).instruction  # its devices' training keys: the protocol's form
+    return {**instruction.protocol_config(), "seed": config.integer("seed"), **bounds}
 
 
 def secure_settings(config: RunConfig) -> dict[str, float] | None:

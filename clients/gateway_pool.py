@@ -55,6 +55,7 @@ from fedge.device_protocol import (
 )
 from fedge.errors import DeviceProtocolError, UpdateRejected
 from fedge.strategies.validation import check_arrays
+from fedge.wire import BATCH_SIZE, LOCAL_EPOCHS
 from fedge.work import max_local_steps, max_samples
 
 log = logging.getLogger("fedge.gateway")
@@ -388,11 +389,11 @@ class DeviceBounds:
                 raise refused(400, f"control: '{key}' must be a finite number >= 0, got {value!r:.20}")
             return float(value)
 
-        epochs, batch = config.get("local-epochs"), config.get("batch-size")
+        epochs, batch = config.get(LOCAL_EPOCHS), config.get(BATCH_SIZE)  # the instruction's (a train round's)
         return cls(max_device_examples=max(1, int(number("max-device-examples", cls.max_device_examples))),
                    max_update_norm=number("max-update-norm", cls.max_update_norm),
-                   epochs=int(number("local-epochs", 1)) if epochs is not None else None,
-                   batch_size=max(1, int(number("batch-size", 1))) if batch is not None else None)
+                   epochs=int(number(LOCAL_EPOCHS, 1)) if epochs is not None else None,
+                   batch_size=max(1, int(number(BATCH_SIZE, 1))) if batch is not None else None)
 
     def steps_for(self, examples: int) -> int:
         """The most local steps the instruction allows a device holding ``examples``."""

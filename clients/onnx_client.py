@@ -156,10 +156,11 @@ def onnx_local_work(msg: Message, context: Context, config: RunConfig, order: Tr
     inputs, targets = data
     if len(targets) == 0:
         raise ConfigError("this device has no training examples")
+    instruction = order.instruction
     weights, stats = trainer.train(
-        base, inputs, targets, epochs=order.epochs, batch_size=order.batch_size,
-        learning_rate=order.learning_rate, momentum=order.momentum, seed=order.seed,
-        proximal_mu=order.proximal_mu, max_steps=order.max_steps)
+        base, inputs, targets, epochs=instruction.local_epochs, batch_size=instruction.batch_size,
+        learning_rate=instruction.learning_rate, momentum=instruction.momentum, seed=order.seed,
+        proximal_mu=instruction.proximal_term, max_steps=order.max_steps)
     trained = ArrayRecord({name: Array(np.ascontiguousarray(weights[name])) for name in base})
     return trained, base, stats
 

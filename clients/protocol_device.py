@@ -79,6 +79,7 @@ from fedge.errors import BundleVerificationError, ConfigError, DeviceProtocolErr
 from fedge.files import write_bytes_atomic
 from fedge.preprocessing import prepare_device_inputs
 from fedge.secagg import ProtocolViolation
+from fedge.wire import TrainInstruction
 
 PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
 log = logging.getLogger("fedge.protocol_device")
@@ -416,11 +417,11 @@ class ProtocolDevice:
     def train(self, task: dict[str, Any], weights: dict[str, np.ndarray], trainer: OnnxTrainer,
               inputs: tuple[np.ndarray, ...], targets: np.ndarray) -> tuple[float, bytes]:
         """Train a task's weights; (loss, the result frame)."""
-        config = task["config"]
+        instruction = TrainInstruction.read(task["config"])
         trained, work = trainer.train(
-            weights, inputs, targets, epochs=int(config["local-epochs"]), batch_size=int(config["batch-size"]),
-            learning_rate=float(config["learning-rate"]), momentum=float(config["momentum"]), seed=int(task["seed"]),
-            proximal_mu=float(config.get("proximal-mu", 0.0)), max_steps=None)
+            weights, inputs, targets, epochs=instruction.local_epochs, batch_size=instruction.batch_size,
+            learning_rate=instruction.learning_rate, momentum=instruction.momentum, seed=int(task["seed"]),
+            proximal_mu=instruction.proximal_term, max_steps=None)
         header = {"task": task["task"], "kind": "train", "num-examples": work.num_examples,
                   "samples-processed": work.samples_processed, "steps": work.steps,
                   "metrics": {"train-loss": float(work.loss)}, "encoding": task.get("uplink", "fp32")}
@@ -498,13 +499,14 @@ class ProtocolDevice:
                    if name.startswith("arrays/")}
         config = records["config"]
         trainer, (inputs, targets) = self._ready(str(task.get("graph", "")))
+        instruction = TrainInstruction.read(config)
 
         def train() -> secagg_device.Trained:
             trained, work = trainer.train(
                 {name: value.copy() for name, value in weights.items()}, inputs, targets,
-                epochs=int(config["local-epochs"]), batch_size=int(config["batch-size"]),
-                learning_rate=float(config["learning-rate"]), momentum=float(config["momentum"]),
-                seed=int(task["seed"]), proximal_mu=float(config.get("proximal-mu", 0.0)), max_steps=None)
+                epochs=instruction.local_epochs, batch_size=instruction.batch_size,
+                learning_rate=instruction.learning_rate, momentum=instruction.momentum,
+                seed=int(task["seed"]), proximal_mu=instruction.proximal_term, max_steps=None)
             self._work = (work.num_examples, float(work.loss))
             return secagg_device.Trained(arrays=trained, num_examples=work.num_examples, steps=work.steps)
 

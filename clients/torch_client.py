@@ -21,11 +21,12 @@ def torch_local_work(msg: Message, config: RunConfig, order: TrainOrder, task: T
     model = model_for(task, {name: value.shape for name, value in base.items()}, seed=config.integer("seed"))
     load_arrays(model, ArrayRecord({k: Array(v) for k, v in base.items()}), source="global arrays")
     scaler = add_scaler(model, task, instructed_scale(msg))  # HeteroFL's scaler, if the run asks
+    instruction = order.instruction
     stats = train_local(
-        task, model, data, epochs=order.epochs, batch_size=order.batch_size,
-        learning_rate=order.learning_rate, momentum=order.momentum,
+        task, model, data, epochs=instruction.local_epochs, batch_size=instruction.batch_size,
+        learning_rate=instruction.learning_rate, momentum=instruction.momentum,
         device=pick_device(config.text("device")), seed=order.seed,
-        proximal_mu=order.proximal_mu, max_steps=order.max_steps,
+        proximal_mu=instruction.proximal_term, max_steps=order.max_steps,
     )
     for hook in scaler:
         hook.remove()

@@ -93,6 +93,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 
 from fedge.errors import ProtocolError
+from fedge.wire import LOCAL_EPOCHS
 
 Vector = NDArray[np.unsignedinteger]
 
@@ -457,7 +458,7 @@ def _valid_signature(public: bytes, signature: object, message: bytes) -> bool:
 # --------------------------------------------------------------------------- what a device received
 
 
-PER_DEVICE_CONFIG = frozenset({"local-epochs"})
+PER_DEVICE_CONFIG = frozenset({LOCAL_EPOCHS})
 """Training-config keys a coordinator may legitimately set per device, left out of
 :func:`config_digest`: FedProx's simulated stragglers train a random 1..E-1 of the E epochs."""
 

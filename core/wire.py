@@ -1,7 +1,10 @@
 """Names both sides of a fedge round agree on (the coordinator <-> device contract).
 
 A train instruction carries ``ArrayRecord`` ``"arrays"`` and ``ConfigRecord``
-``"config"`` (Flower's FedAvg keys). A train reply carries exactly one
+``"config"`` (Flower's FedAvg keys): what to train is one typed record,
+:class:`TrainInstruction`, written once by the coordinator and read once by every runtime
+(torch, onnx, a gateway, which hands the device protocol's devices its protocol form). A
+train reply carries exactly one
 ``ArrayRecord``, one ``MetricRecord`` holding ``"num-examples"``, and the
 ``ConfigRecord`` :data:`REPLY_META` with the round it answers, the device's
 profile and how many samples it processed (for the virtual clock).
@@ -9,15 +12,22 @@ profile and how many samples it processed (for the virtual clock).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from dataclasses import dataclass
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from flwr.app import ConfigRecord, RecordDict
-
-from fedge.errors import UpdateRejected
+from fedge.config import CODEC_PREFIXES
+from fedge.errors import ConfigError, UpdateRejected
+from fedge.knobs import KNOBS
 from fedge.preprocessing import OUTSIDE, RAW_SCALED
 from fedge.work import LocalWork as LocalWork  # re-exported: every runtime reports its work as one
+
+if TYPE_CHECKING:  # Flower is imported where a record is read or built: the device protocol's devices have none
+    from flwr.app import ConfigRecord, RecordDict
 
 ARRAYS = "arrays"
 CONFIG = "config"
@@ -25,7 +35,6 @@ METRICS = "metrics"
 REPLY_META = "fedge"
 NUM_EXAMPLES = "num-examples"
 SERVER_ROUND = "server-round"
-PROXIMAL_MU = "proximal-mu"  # FedProx's proximal term, sent in the train config
 # DP with client-side clipping: "fixed" or "adaptive" (which of Flower's clipping mods devices run)
 DP_CLIENT_CLIPPING = "dp-client-clipping"
 PROFILE = "profile"
@@ -65,8 +74,196 @@ PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_COUNT = 10**12  # no device processes more samples or steps than this in one round
 
 
+# --------------------------------------------------------------------------- the train instruction
+# A field's key is the run-config knob of the same name (``local_epochs``: ``local-epochs``, declared in
+# fedge.knobs), or, for what is not a knob, the wire name in its metadata. Fields that are ``None`` are
+# not part of the instruction (the coordinator did not send them).
+_RUN = {"run": True}  # written by the coordinator from the run config (what a plain train instruction holds)
+_SGD = {"run": True, "protocol": True}  # ... and sent to the device protocol's devices in a task's config
+
+
+@dataclass(frozen=True)
+class TrainInstruction:
+    """What a device trains in a round: one typed record, written once, read once.
+
+    The coordinator writes it from the run config (:meth:`from_run_config`, then
+    :meth:`to_record`); strategies change it with :func:`dataclasses.replace` (e.g.
+    :meth:`with_epochs`, FedProx's stragglers); every runtime reads it once with :meth:`read`
+    (torch and onnx devices through :func:`fedge.clients.common.train_order`, a gateway, the
+    device protocol's devices from a task's ``config``: :meth:`protocol_config`,
+    ``docs/device-protocol.md``).
+
+    Attributes
+    ----------
+    local_epochs, batch_size, learning_rate, momentum : int, int, float, float
+        Local SGD: epochs of mini-batches of ``batch_size``, its learning rate and momentum.
+    local_budget, time_budget_s : str | None, float | None
+        ``"time"``: the device trains the steps ``time_budget_s`` buys on its profile instead of epochs.
+    codecs : Mapping[str, str]
+        The run's ``codec.<profile>`` / ``downlink.<profile>`` policy (each device picks its own).
+    dp_client_clipping : str | None
+        DP with client-side clipping: ``"fixed"`` or ``"adaptive"`` (which of Flower's mods devices run).
+    training_graph : str | None
+        The architecture hash of the signed training graph onnx devices train with.
+    proximal_mu : float | None
+        FedProx's proximal term (None: not sent, no term).
+    model_width, model_scaler : float | None, bool | None
+        A width-scaled sub-model's width, and whether it trains with HeteroFL's scaler.
+    """
+
+    local_epochs: int = field(metadata=_SGD)
+    batch_size: int = field(metadata=_SGD)
+    learning_rate: float = field(metadata=_SGD)
+    momentum: float = field(metadata=_SGD)
+    local_budget: str | None = field(default=None, metadata=_RUN)
+    time_budget_s: float | None = field(default=None, metadata=_RUN)
+    codecs: Mapping[str, str] = field(default_factory=dict)
+    dp_client_clipping: str | None = field(default=None, metadata={"key": DP_CLIENT_CLIPPING})
+    training_graph: str | None = field(default=None, metadata={"key": TRAINING_GRAPH})
+    proximal_mu: float | None = field(default=None, metadata={"protocol": True})
+    model_width: float | None = field(default=None, metadata={"key": MODEL_WIDTH})
+    model_scaler: bool | None = field(default=None, metadata={"key": MODEL_SCALER})
+
+    @staticmethod
+    def key(name: str) -> str:
+        """The wire (and run-config) key of field ``name``."""
+        found = _FIELDS[name]
+        return str(found.metadata.get("key", name.replace("_", "-")))
+
+    @classmethod
+    def from_run_config(cls, config: Mapping[str, Any]) -> TrainInstruction:
+        """The instruction a run config gives every device (its training keys and codec policy)."""
+        return cls.read({key: config[key] for key in TRAIN_KEYS}).with_codecs(config)
+
+    @classmethod
+    def read(cls, record: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> TrainInstruction:
+        """The instruction in ``record`` (a train config), each field checked; ``defaults`` (the device's
+        run config) fills the run's training keys (:data:`TRAIN_KEYS`) and codecs the record does not carry.
+
+        Raises
+        ------
+        ConfigError
+            Naming the key that is missing or has the wrong type or value, and how to set it.
+        """
+        values: dict[str, Any] = {}
+        for name, spec in _FIELDS.items():
+            if name == "codecs":
+                continue
+            key = cls.key(name)
+            value = record.get(key, (defaults or {}).get(key) if spec.metadata.get("run") else None)
+            if value is None:
+                if spec.default is dataclasses.MISSING:
+                    raise ConfigError(f"the train instruction has no '{key}'; the coordinator sends it from its run "
+                                      f"config (--run-config '{key}=...')")
+                continue
+            values[name] = _checked(key, value, _TYPES[name])
+        return cls(**values).with_codecs(defaults or {}).with_codecs(record)
+
+    def with_codecs(self, config: Mapping[str, Any]) -> TrainInstruction:
+        """This instruction with ``config``'s ``codec.*`` / ``downlink.*`` keys over its codec policy."""
+        policy = {key: value for key, value in config.items() if key.startswith(CODEC_PREFIXES)}
+        for key, value in policy.items():
+            if not isinstance(value, str):
+                raise ConfigError(f"train instruction '{key}' must be a codec name, got {value!r:.40}")
+        return dataclasses.replace(self, codecs={**self.codecs, **policy}) if policy else self
+
+    def with_epochs(self, epochs: int) -> TrainInstruction:
+        """This instruction with ``epochs`` local epochs (FedProx's stragglers train fewer).
+
+        Raises
+        ------
+        ConfigError
+            ``epochs`` is not a whole number >= 1.
+        """
+        return dataclasses.replace(self, local_epochs=_checked(self.key("local_epochs"), epochs, int))
+
+    def to_config(self) -> dict[str, bool | int | float | str]:
+        """The instruction's keys and values as a train config carries them (unset fields left out)."""
+        out: dict[str, bool | int | float | str] = {}
+        for name in _FIELDS:
+            value = getattr(self, name)
+            if name == "codecs":
+                out.update(value)
+            elif value is not None:
+                out[self.key(name)] = value
+        return out
+
+    def to_record(self) -> ConfigRecord:
+        """:meth:`to_config` as the ``ConfigRecord`` a train message carries."""
+        from flwr.app import ConfigRecord  # noqa: PLC0415 - see the TYPE_CHECKING import
+
+        return ConfigRecord(self.to_config())  # type: ignore[arg-type]
+
+    def written_over(self, record: Mapping[str, Any]) -> ConfigRecord:
+        """``record`` (a train config, with the round's other keys) with the keys where this instruction
+        differs from it written over it (in place; the rest as the record has them, types included)."""
+        from flwr.app import ConfigRecord  # noqa: PLC0415
+
+        changed = {key: value for key, value in self.to_config().items() if key not in record or record[key] != value}
+        return ConfigRecord({**record, **changed})
+
+    def protocol_config(self) -> dict[str, int | float]:
+        """The training keys of a device-protocol task's ``config`` (``docs/device-protocol.md``): local SGD's
+        and FedProx's term (0.0 when none)."""
+        return {self.key(name): self.proximal_term if name == "proximal_mu" else getattr(self, name)
+                for name, spec in _FIELDS.items() if spec.metadata.get("protocol")}
+
+    @property
+    def proximal_term(self) -> float:
+        """FedProx's mu, 0 when the instruction has none."""
+        return float(self.proximal_mu or 0.0)
+
+    @property
+    def time_budget(self) -> float | None:
+        """Seconds of local work when the budget is time (``local-budget = "time"``), else None."""
+        return self.time_budget_s if self.local_budget == "time" else None
+
+
+_FIELDS = {spec.name: spec for spec in dataclasses.fields(TrainInstruction)}
+_TYPES: dict[str, type] = {name: next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+                           for name, hint in typing.get_type_hints(TrainInstruction).items() if name != "codecs"}
+TRAIN_KEYS = tuple(TrainInstruction.key(name) for name, spec in _FIELDS.items() if spec.metadata.get("run"))
+"""The run-config keys every train instruction carries (the coordinator writes them from its run config)."""
+LOCAL_EPOCHS, BATCH_SIZE = TrainInstruction.key("local_epochs"), TrainInstruction.key("batch_size")
+PROXIMAL_MU = TrainInstruction.key("proximal_mu")  # FedProx's proximal term, sent in the train config
+_UNKNOWN = [name for name, spec in _FIELDS.items()  # a field named like no knob, with no wire name of its own
+            if name != "codecs" and "key" not in spec.metadata and TrainInstruction.key(name) not in KNOBS]
+if _UNKNOWN:
+    raise AssertionError(f"TrainInstruction fields {_UNKNOWN} are named like no run-config knob (fedge.knobs)")
+
+
+def _checked(key: str, value: object, kind: type) -> Any:
+    """``value`` of instruction key ``key`` as ``kind``, within its knob's range, or :class:`ConfigError` saying so."""
+    fix = f"the coordinator sends it from its run config (--run-config '{key}=...')"
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"train instruction '{key}' must be true or false, got {value!r:.40}; {fix}")
+        return value
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"train instruction '{key}' must be a string, got {value!r:.40}; {fix}")
+        choices = KNOBS[key].allowed() if key in KNOBS else ()
+        if choices and value not in choices:
+            raise ConfigError(f"train instruction '{key}' = {value!r:.40} is not one of {', '.join(choices)}; {fix}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"train instruction '{key}' must be a finite number, got {value!r:.40}; {fix}")
+    if kind is int:
+        if not float(value).is_integer():
+            raise ConfigError(f"train instruction '{key}' must be a whole number, got {value!r:.40}; {fix}")
+        value = int(value)
+    else:
+        value = float(value)
+    check = KNOBS[key].check if key in KNOBS else None
+    if check is not None and not check[0](value):
+        raise ConfigError(f"train instruction '{key}' = {value!r:.40} must be {check[1]}; {fix}")
+    return value
+
+
 def reply_meta(content: RecordDict) -> ConfigRecord | None:
     """The fedge meta record of a reply, or ``None`` when the sender did not add one."""
+    from flwr.app import ConfigRecord  # noqa: PLC0415 - see the TYPE_CHECKING import
+
     record = content.config_records.get(REPLY_META)
     return record if isinstance(record, ConfigRecord) else None
 

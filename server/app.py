@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,14 +22,14 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedge import wire
 from fedge.behaviour import Behaviour
-from fedge.config import RunConfig, codec_policy, config_fingerprint, model_keys, resolve_run_config
+from fedge.config import RunConfig, config_fingerprint, model_keys, resolve_run_config
 from fedge.errors import CheckpointMismatch, ConfigError, ExportError
 from fedge.profiles import Fleet, fleet_of, time_budget_steps
 from fedge.secagg import bits_needed
 from fedge.server.checkpoint import load_checkpoint
 from fedge.server.compression import DownlinkEncoder, check_codecs
 from fedge.server.metering import MeteredGrid, reply_seconds
-from fedge.server.privacy import CLIENT_CLIPPING, build_privacy
+from fedge.server.privacy import build_privacy
 from fedge.server.recorder import RoundRecorder
 from fedge.server.report import config_summary, run_dir_for, write_json_atomic
 from fedge.server.submodels import build_sub_models, trained_widths, width_training_graphs
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedge.server")
 
 FEDNOVA_WORK_CAP = 1000.0  # largest normalised local work a FedNova device reports under secure aggregation
-TRAIN_KEYS = ("local-epochs", "batch-size", "learning-rate", "momentum", "local-budget", "time-budget-s")
+TRAIN_KEYS = wire.TRAIN_KEYS  # the run-config keys of every train instruction (fedge.wire.TrainInstruction)
 
 
 def make_server_app(
@@ -192,13 +193,14 @@ def local_step_limit(config: RunConfig) -> Callable[[int], int]:
     with ``local-budget = "time"`` the steps the budget buys on the fleet's fastest profile
     (what :func:`fedge.clients.common.step_budget` gives a device). Stragglers do fewer.
     """
-    batch = config.integer("batch-size")
-    if config["local-budget"] == "time":
+    instruction = wire.TrainInstruction.from_run_config(config)
+    batch = instruction.batch_size
+    if instruction.time_budget is not None:
         fleet = fleet_of(config)
         fastest = max([1.0, *(profile.compute_rate for profile in fleet.profiles.values())])
-        steps = time_budget_steps(config.number("time-budget-s"), fastest, batch)
+        steps = time_budget_steps(instruction.time_budget, fastest, batch)
         return lambda n: steps
-    epochs = config.integer("local-epochs")
+    epochs = instruction.local_epochs
     return lambda n: max_local_steps(epochs=epochs, batch_size=batch, num_examples=n)
 
 
@@ -395,20 +397,20 @@ def run_coordinator(
                           behaviour=behaviour_of(config, fleet) if simulated else None)
     recorder = RoundRecorder(run_dir, config, metered, strategy, task, model, progress=progress,
                              history=history, widths=list(trained_widths(submodels, fleet).values()))
-    train_config = ConfigRecord({**{key: config[key] for key in TRAIN_KEYS}, **codec_policy(config)})
+    instruction = wire.TrainInstruction.from_run_config(config)  # what every device trains; strategies vary it
     if strategy.privacy is not None and strategy.privacy.client_side:
-        train_config[CLIENT_CLIPPING] = config.text("dp").removeprefix("client-")
+        instruction = replace(instruction, dp_client_clipping=config.text("dp").removeprefix("client-"))
     evaluate_config = ConfigRecord()
     if training is not None:  # onnx devices train and evaluate with this graph (fetching it if they hold another)
-        train_config[wire.TRAINING_GRAPH] = publish_training_graph(training, task, config, run_dir)
-        evaluate_config[wire.TRAINING_GRAPH] = train_config[wire.TRAINING_GRAPH]
+        instruction = replace(instruction, training_graph=publish_training_graph(training, task, config, run_dir))
+        evaluate_config[wire.TRAINING_GRAPH] = instruction.training_graph
         for width, graphs in width_training.items():  # sub-models: a graph per width (instructions name their own)
             assert submodels is not None
             submodels.training_graphs[as_fraction(width)] = publish_training_graph(graphs, task, config, run_dir,
                                                                                    width=width)
     with recorder.progress:
         strategy.start(metered, model_arrays(model), config.integer("num-rounds"),
-                       timeout=config.number("round-timeout"), train_config=train_config,
+                       timeout=config.number("round-timeout"), train_config=instruction.to_record(),
                        evaluate_config=evaluate_config,
                        evaluate_fn=recorder.on_round_end,
                        start_round=int(history[-1]["round"]) + 1 if history else 1)
