@@ -183,3 +183,39 @@ def test_no_strategy_or_driver_is_a_mixin() -> None:
                for _, cls in inspect.getmembers(module, inspect.isclass) if cls.__module__.startswith("fedge.")}
     # Assert: no class has two fedge bases (composition, not multiple inheritance)
     assert classes and all(sum(base.__module__.startswith("fedge.") for base in cls.__bases__) <= 1 for cls in classes)
+
+
+NEW_COMMAND = '''
+"""``fedge hello``: a command added as one file."""
+
+
+def add_parsers(sub):
+    hello = sub.add_parser("hello", help="say hello")
+    hello.add_argument("name")
+    hello.set_defaults(handler=lambda args: print(f"hello {args.name}") or 0)
+'''
+
+
+def test_adding_a_cli_command_is_one_file(tmp_path: Path) -> None:
+    # Prepare: a copy of the cli folder with one new file in it, nothing else touched
+    import shutil
+
+    package = tmp_path / "cli"
+    shutil.copytree(ROOT / "cli", package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "hello.py").write_text(textwrap.dedent(NEW_COMMAND))
+    probe = textwrap.dedent(f"""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("fedge.cli", {str(package / '__init__.py')!r},
+                                                      submodule_search_locations=[{str(package)!r}])
+        module = importlib.util.module_from_spec(spec); sys.modules["fedge.cli"] = module
+        spec.loader.exec_module(module)
+        import fedge; fedge.cli = module
+        from fedge.cli.main import build_parser, main
+        print("hello" in build_parser().format_help())
+        sys.exit(main(["hello", "world"]))
+    """)
+    # Execute
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    # Assert: --help lists it and `fedge hello world` runs its handler
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "hello", "world"]
