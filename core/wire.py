@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fedge import knobs
 from fedge.config import CODEC_PREFIXES
 from fedge.errors import ConfigError, UpdateRejected
 from fedge.knobs import KNOBS
@@ -75,11 +76,14 @@ MAX_COUNT = 10**12  # no device processes more samples or steps than this in one
 
 
 # --------------------------------------------------------------------------- the train instruction
-# A field's key is the run-config knob of the same name (``local_epochs``: ``local-epochs``, declared in
-# fedge.knobs), or, for what is not a knob, the wire name in its metadata. Fields that are ``None`` are
-# not part of the instruction (the coordinator did not send them).
-_RUN = {"run": True}  # written by the coordinator from the run config (what a plain train instruction holds)
-_SGD = {"run": True, "protocol": True}  # ... and sent to the device protocol's devices in a task's config
+# Each field's key (in its metadata) is a run-config knob's name (fedge.knobs declares them) or, for what is
+# not a knob, a wire name above. Fields that are ``None`` are not part of the instruction (not sent).
+
+
+def _run(key: str, *, protocol: bool = False) -> dict[str, Any]:
+    """A field written by the coordinator from the run config (what every train instruction holds); with
+    ``protocol`` also sent to the device protocol's devices in a task's config."""
+    return {"key": key, "run": True, "protocol": protocol}
 
 
 @dataclass(frozen=True)
@@ -111,24 +115,23 @@ class TrainInstruction:
         A width-scaled sub-model's width, and whether it trains with HeteroFL's scaler.
     """
 
-    local_epochs: int = field(metadata=_SGD)
-    batch_size: int = field(metadata=_SGD)
-    learning_rate: float = field(metadata=_SGD)
-    momentum: float = field(metadata=_SGD)
-    local_budget: str | None = field(default=None, metadata=_RUN)
-    time_budget_s: float | None = field(default=None, metadata=_RUN)
+    local_epochs: int = field(metadata=_run(knobs.LOCAL_EPOCHS, protocol=True))
+    batch_size: int = field(metadata=_run(knobs.BATCH_SIZE, protocol=True))
+    learning_rate: float = field(metadata=_run(knobs.LEARNING_RATE, protocol=True))
+    momentum: float = field(metadata=_run(knobs.MOMENTUM, protocol=True))
+    local_budget: str | None = field(default=None, metadata=_run(knobs.LOCAL_BUDGET))
+    time_budget_s: float | None = field(default=None, metadata=_run(knobs.TIME_BUDGET_S))
     codecs: Mapping[str, str] = field(default_factory=dict)
     dp_client_clipping: str | None = field(default=None, metadata={"key": DP_CLIENT_CLIPPING})
     training_graph: str | None = field(default=None, metadata={"key": TRAINING_GRAPH})
-    proximal_mu: float | None = field(default=None, metadata={"protocol": True})
+    proximal_mu: float | None = field(default=None, metadata={"key": knobs.PROXIMAL_MU, "protocol": True})
     model_width: float | None = field(default=None, metadata={"key": MODEL_WIDTH})
     model_scaler: bool | None = field(default=None, metadata={"key": MODEL_SCALER})
 
     @staticmethod
     def key(name: str) -> str:
         """The wire (and run-config) key of field ``name``."""
-        found = _FIELDS[name]
-        return str(found.metadata.get("key", name.replace("_", "-")))
+        return str(_FIELDS[name].metadata["key"])
 
     @classmethod
     def from_run_config(cls, config: Mapping[str, Any]) -> TrainInstruction:
@@ -224,12 +227,11 @@ _TYPES: dict[str, type] = {name: next(t for t in typing.get_args(hint) or (hint,
                            for name, hint in typing.get_type_hints(TrainInstruction).items() if name != "codecs"}
 TRAIN_KEYS = tuple(TrainInstruction.key(name) for name, spec in _FIELDS.items() if spec.metadata.get("run"))
 """The run-config keys every train instruction carries (the coordinator writes them from its run config)."""
-LOCAL_EPOCHS, BATCH_SIZE = TrainInstruction.key("local_epochs"), TrainInstruction.key("batch_size")
-PROXIMAL_MU = TrainInstruction.key("proximal_mu")  # FedProx's proximal term, sent in the train config
-_UNKNOWN = [name for name, spec in _FIELDS.items()  # a field named like no knob, with no wire name of its own
-            if name != "codecs" and "key" not in spec.metadata and TrainInstruction.key(name) not in KNOBS]
-if _UNKNOWN:
-    raise AssertionError(f"TrainInstruction fields {_UNKNOWN} are named like no run-config knob (fedge.knobs)")
+LOCAL_EPOCHS, BATCH_SIZE = knobs.LOCAL_EPOCHS, knobs.BATCH_SIZE  # re-exported: what a gateway bounds claims by
+PROXIMAL_MU = knobs.PROXIMAL_MU  # FedProx's proximal term, sent in the train config
+_UNKNOWN = [name for name, spec in _FIELDS.items() if spec.metadata.get("run") and spec.metadata["key"] not in KNOBS]
+if _UNKNOWN:  # the coordinator writes these from its run config: each must be a knob
+    raise AssertionError(f"TrainInstruction fields {_UNKNOWN} name no run-config knob (fedge.knobs)")
 
 
 def _checked(key: str, value: object, kind: type) -> Any:
