@@ -88,30 +88,41 @@ class PlainMean(FedAvg):
 '''
 
 
-def test_adding_a_strategy_is_one_file(tmp_path: Path) -> None:
-    # Prepare: a copy of the strategies folder with one new file in it, nothing else touched
+def _with_one_more_file(tmp_path: Path, package: str, name: str, source: str, then: str) -> list[str]:
+    """Run ``then`` in a Python whose ``fedge.<package>`` is a copy of the repository's folder with one
+    more file, ``name`` holding ``source`` (nothing else touched); its stdout's words."""
     import shutil
 
-    package = tmp_path / "strategies"
-    shutil.copytree(ROOT / "strategies", package, ignore=shutil.ignore_patterns("__pycache__"))
-    (package / "plain_mean.py").write_text(textwrap.dedent(NEW_STRATEGY))
+    folder = tmp_path / package
+    shutil.copytree(ROOT / package, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (folder / name).write_text(textwrap.dedent(source))
     probe = textwrap.dedent(f"""
         import importlib.util, sys
-        spec = importlib.util.spec_from_file_location("fedge.strategies", {str(package / '__init__.py')!r},
-                                                      submodule_search_locations=[{str(package)!r}])
-        module = importlib.util.module_from_spec(spec); sys.modules["fedge.strategies"] = module
+        import fedge
+        spec = importlib.util.spec_from_file_location("fedge.{package}", {str(folder / '__init__.py')!r},
+                                                      submodule_search_locations=[{str(folder)!r}])
+        module = importlib.util.module_from_spec(spec); sys.modules["fedge.{package}"] = module
+        setattr(fedge, "{package}", module)
         spec.loader.exec_module(module)
+    """) + textwrap.dedent(then)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
+def test_adding_a_strategy_is_one_file(tmp_path: Path) -> None:
+    # Prepare: the new strategy's file, and what a coordinator does with the run config naming it
+    then = """
         from fedge.config import resolve_run_config
         from fedge.server.app import build_strategy
-        config = resolve_run_config({{"strategy": "plain-mean", "server-learning-rate": 0.5}})
+        config = resolve_run_config({"strategy": "plain-mean", "server-learning-rate": 0.5})
         strategy = build_strategy(config, 20)
         print(type(strategy).__name__, strategy.step)
-    """)
+    """
     # Execute
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    printed = _with_one_more_file(tmp_path, "strategies", "plain_mean.py", NEW_STRATEGY, then)
     # Assert: the run config names it and the coordinator builds it
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["PlainMean", "0.5"]
+    assert printed == ["PlainMean", "0.5"]
 
 
 def test_a_model_is_one_registered_class(tmp_path: Path) -> None:
@@ -197,25 +208,13 @@ def add_parsers(sub):
 
 
 def test_adding_a_cli_command_is_one_file(tmp_path: Path) -> None:
-    # Prepare: a copy of the cli folder with one new file in it, nothing else touched
-    import shutil
-
-    package = tmp_path / "cli"
-    shutil.copytree(ROOT / "cli", package, ignore=shutil.ignore_patterns("__pycache__"))
-    (package / "hello.py").write_text(textwrap.dedent(NEW_COMMAND))
-    probe = textwrap.dedent(f"""
-        import importlib.util, sys
-        spec = importlib.util.spec_from_file_location("fedge.cli", {str(package / '__init__.py')!r},
-                                                      submodule_search_locations=[{str(package)!r}])
-        module = importlib.util.module_from_spec(spec); sys.modules["fedge.cli"] = module
-        spec.loader.exec_module(module)
-        import fedge; fedge.cli = module
+    # Prepare: the new command's file, and what `fedge --help` and `fedge hello world` do
+    then = """
         from fedge.cli.main import build_parser, main
         print("hello" in build_parser().format_help())
         sys.exit(main(["hello", "world"]))
-    """)
+    """
     # Execute
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    printed = _with_one_more_file(tmp_path, "cli", "hello.py", NEW_COMMAND, then)
     # Assert: --help lists it and `fedge hello world` runs its handler
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["True", "hello", "world"]
+    assert printed == ["True", "hello", "world"]
