@@ -7,6 +7,7 @@ from typing import Any
 
 from flwr.serverapp.strategy import Bulyan as FlowerBulyan
 
+from fedge import knobs
 from fedge.aggregate import bulyan
 from fedge.errors import ConfigError
 from fedge.strategies.fedavg import FedAvg
@@ -36,7 +37,7 @@ class BulyanSelection(EachUpdateRule):
         return aggregate
 
 
-@register("bulyan", options=lambda c, n: {"num_byzantine": int(c["num-byzantine"])})
+@register("bulyan", options=lambda c, n: {"num_byzantine": int(c[knobs.NUM_BYZANTINE])})
 @flower_constructor(FlowerBulyan, num_malicious_nodes="num_byzantine")
 class Bulyan(FedAvg):
     """Bulyan (El Mhamdi et al., ICML 2018): Krum selection, then a trimmed mean around the median.

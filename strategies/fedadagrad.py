@@ -6,12 +6,13 @@ from typing import Any
 
 from flwr.serverapp.strategy import FedAdagrad as FlowerFedAdagrad
 
+from fedge import knobs
 from fedge.strategies.fedadam import FedAdam
 from fedge.strategies.flower_args import flower_constructor
 from fedge.strategies.registry import register
 
 
-@register("fedadagrad", options=lambda c, n: {"server_learning_rate": float(c["adaptive-learning-rate"])})
+@register("fedadagrad", options=lambda c, n: {"server_learning_rate": float(c[knobs.ADAPTIVE_LEARNING_RATE])})
 @flower_constructor(FlowerFedAdagrad, eta="server_learning_rate")
 class FedAdagrad(FedAdam):
     """FedAdagrad (Reddi et al., "Adaptive Federated Optimization", ICLR 2021).

@@ -9,6 +9,7 @@ import numpy as np
 from flwr.serverapp.strategy import FedAdam as FlowerFedAdam
 from numpy.typing import NDArray
 
+from fedge import knobs
 from fedge.aggregate import State, adaptive_step, with_statistics
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.flower_args import RuleSetting, flower_constructor
@@ -50,7 +51,7 @@ class Adaptive(LinearRule):
         self.second = {k[2:]: np.asarray(v, np.float64) for k, v in state.items() if k.startswith("v/")}
 
 
-@register("fedadam", options=lambda c, n: {"server_learning_rate": float(c["adaptive-learning-rate"])})
+@register("fedadam", options=lambda c, n: {"server_learning_rate": float(c[knobs.ADAPTIVE_LEARNING_RATE])})
 @flower_constructor(FlowerFedAdam, eta="server_learning_rate", beta_1="beta1", beta_2="beta2")
 class FedAdam(FedAvg):
     """FedAdam (Reddi et al., "Adaptive Federated Optimization", ICLR 2021): :class:`FedAvg`

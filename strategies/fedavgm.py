@@ -10,6 +10,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvgM as FlowerFedAvgM
 from numpy.typing import NDArray
 
+from fedge import knobs
 from fedge.aggregate import State, fedavgm_step, with_statistics
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.flower_args import RuleSetting, flower_constructor
@@ -47,8 +48,8 @@ class Momentum(LinearRule):
         self.velocity = {k.split("/", 1)[1]: np.asarray(v, np.float64) for k, v in state.items()}
 
 
-@register("fedavgm", options=lambda c, n: {"server_learning_rate": float(c["server-learning-rate"]),
-                                              "server_momentum": float(c["server-momentum"])})
+@register("fedavgm", options=lambda c, n: {"server_learning_rate": float(c[knobs.SERVER_LEARNING_RATE]),
+                                              "server_momentum": float(c[knobs.SERVER_MOMENTUM])})
 @flower_constructor(FlowerFedAvgM)
 class FedAvgM(FedAvg):
     """FedAvg with server momentum (Hsu et al., "Measuring the Effects of Non-Identical

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from fedge import knobs
 from fedge.aggregate import WeightedMeanAccumulator, apply_buffer, with_statistics
 from fedge.errors import ConfigError
 from fedge.strategies.drivers.asynchronous import AsynchronousDriver
@@ -56,7 +57,7 @@ class Buffered(Rule):
 
 
 @register("fedbuff", options=lambda c, n: {"driver": AsynchronousDriver.from_config(c, n),
-                                           "server_learning_rate": float(c["server-learning-rate"])})
+                                           "server_learning_rate": float(c[knobs.SERVER_LEARNING_RATE])})
 class FedBuff(FedAvg):
     """FedBuff (Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation",
     AISTATS 2022): the :class:`Buffered` rule under the

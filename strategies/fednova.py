@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fedge import knobs
 from fedge.aggregate import FedNovaAccumulator, fednova_norm
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.registry import register
@@ -44,7 +45,7 @@ class NormalisedMean(LinearRule):
         return self.step(self.normalised.result())
 
 
-@register("fednova", options=lambda c, n: {"local_momentum": float(c["momentum"])})
+@register("fednova", options=lambda c, n: {"local_momentum": float(c[knobs.MOMENTUM])})
 class FedNova(FedAvg):
     """FedNova (Wang et al., NeurIPS 2020): normalise each update by its local work.
 

@@ -9,6 +9,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedProx as FlowerFedProx
 
+from fedge import knobs
 from fedge.errors import ConfigError
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.flower_args import flower_constructor
@@ -16,7 +17,7 @@ from fedge.strategies.registry import register
 from fedge.wire import PROXIMAL_MU
 
 
-@register("fedprox", dp=True, options=lambda c, n: {"proximal_mu": float(c["proximal-mu"])})
+@register("fedprox", dp=True, options=lambda c, n: {"proximal_mu": float(c[knobs.PROXIMAL_MU])})
 @flower_constructor(FlowerFedProx)
 class FedProx(FedAvg):
     """FedProx (Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020).

@@ -8,6 +8,7 @@ from typing import Any
 from flwr.serverapp.strategy import Krum as FlowerKrum
 from flwr.serverapp.strategy import MultiKrum as FlowerMultiKrum
 
+from fedge import knobs
 from fedge.aggregate import multi_krum
 from fedge.strategies.fedavg import FedAvg
 from fedge.strategies.flower_args import RuleSetting, flower_constructor
@@ -33,7 +34,8 @@ class KrumSelection(EachUpdateRule):
 
 
 @register("krum",
-          options=lambda c, n: {"num_byzantine": int(c["num-byzantine"]), "num_selected": int(c["krum-select"])})
+          options=lambda c, n: {"num_byzantine": int(c[knobs.NUM_BYZANTINE]),
+                                "num_selected": int(c[knobs.KRUM_SELECT])})
 @flower_constructor(FlowerKrum, num_malicious_nodes="num_byzantine")
 class Krum(FedAvg):
     """Krum / Multi-Krum (Blanchard et al., NeurIPS 2017).

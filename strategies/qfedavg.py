@@ -8,7 +8,7 @@ from typing import Any
 
 from flwr.serverapp.strategy import QFedAvg as FlowerQFedAvg
 
-from fedge import wire
+from fedge import knobs, wire
 from fedge.aggregate import QFedAvgAccumulator, WeightedMeanAccumulator
 from fedge.errors import ConfigError
 from fedge.strategies.fedavg import FedAvg
@@ -59,8 +59,8 @@ class FairStep(Rule):
         return {**self.step.result(), **self.means.result()} if self.statistics else self.step.result()
 
 
-@register("qfedavg", options=lambda c, n: {"client_learning_rate": float(c["learning-rate"]),
-                                           "q": float(c["qfedavg-q"]), "train_loss_key": wire.TRAIN_LOSS})
+@register("qfedavg", options=lambda c, n: {"client_learning_rate": float(c[knobs.LEARNING_RATE]),
+                                           "q": float(c[knobs.QFEDAVG_Q]), "train_loss_key": wire.TRAIN_LOSS})
 @flower_constructor(FlowerQFedAvg)
 class QFedAvg(FedAvg):
     """q-FedAvg (Li et al., "Fair Resource Allocation in Federated Learning", ICLR 2020).

@@ -6,6 +6,7 @@ from typing import Any
 
 from flwr.serverapp.strategy import FedTrimmedAvg as FlowerFedTrimmedAvg
 
+from fedge import knobs
 from fedge.aggregate import trimmed_mean
 from fedge.errors import ConfigError
 from fedge.strategies.fedavg import FedAvg
@@ -25,7 +26,7 @@ class Trimmed(EachUpdateRule):
         return trimmed_mean([update.arrays for update in updates], self.trim_fraction)
 
 
-@register("trimmed-mean", options=lambda c, n: {"trim_fraction": float(c["trim-fraction"])})
+@register("trimmed-mean", options=lambda c, n: {"trim_fraction": float(c[knobs.TRIM_FRACTION])})
 @flower_constructor(FlowerFedTrimmedAvg, beta="trim_fraction")
 class TrimmedMean(FedAvg):
     """FedAvg with a coordinate-wise beta-trimmed mean (Yin et al., ICML 2018).

@@ -24,7 +24,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from numpy.typing import NDArray
 
-from fedge import wire
+from fedge import knobs, wire
 from fedge.aggregate import c_contiguous, staleness_weight
 from fedge.config import Scalar
 from fedge.errors import ConfigError, UpdateRejected
@@ -74,9 +74,9 @@ class AsynchronousDriver:
     @classmethod
     def from_config(cls, config: Mapping[str, Scalar], num_nodes: int | None) -> AsynchronousDriver:
         """The driver a run config asks for (``concurrency`` at most the fleet's size, when known)."""
-        concurrency = int(config["concurrency"])
-        return cls(concurrency=min(concurrency, num_nodes or concurrency), buffer_size=int(config["buffer-size"]),
-                   staleness_exponent=float(config["staleness-exponent"]))
+        concurrency = int(config[knobs.CONCURRENCY])
+        return cls(concurrency=min(concurrency, num_nodes or concurrency), buffer_size=int(config[knobs.BUFFER_SIZE]),
+                   staleness_exponent=float(config[knobs.STALENESS_EXPONENT]))
 
     def bind(self, rounds: Rounds) -> None:
         """Refuse a rule that cannot fold updates trained from older models."""
