@@ -12,6 +12,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from torch import nn
 
+from fedge import knobs
 from fedge.config import RunConfig
 from fedge.edge.build import BuiltBundle, BundleSpec, build_bundle, default_model_id
 from fedge.edge.signing import PRIVATE_NAME, fingerprint, generate_signing_key, load_private_key
@@ -30,8 +31,8 @@ def run_signing_key(config: RunConfig, run_dir: Path) -> Ed25519PrivateKey:
     A per-run key keeps simulation bundles signed (devices still verify them) without
     asking a researcher for key management; its public half is ``keys/signing.pub``.
     """
-    if config["signing-key"]:
-        return load_private_key(config.text("signing-key"))
+    if config[knobs.SIGNING_KEY]:
+        return load_private_key(config.text(knobs.SIGNING_KEY))
     keys = run_dir / "keys"
     if not (keys / PRIVATE_NAME).exists():
         generate_signing_key(keys)
@@ -83,7 +84,7 @@ def export_global_model(
     )
     built = build_bundle(exported_module(task, model), out_dir, spec=spec, private_key=private_key, inputs=task.inputs,
                          sample=held_out.inputs, score=task_score(task, held_out.targets),
-                         calibration=task.calibration_data(CALIBRATION_SIZE, config.integer("seed")),
+                         calibration=task.calibration_data(CALIBRATION_SIZE, config.integer(knobs.SEED)),
                          make_zip=make_zip)
     log.info("round %d: signed bundle %s (model %s version %d, signer %s)", server_round, built.path,
              spec.lineage, server_round, fingerprint(private_key.public_key()))

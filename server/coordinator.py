@@ -43,6 +43,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
+from fedge import knobs
 from fedge.config import DEFAULTS, Scalar, resolve_run_config
 from fedge.edge.signing import ensure_private_dir
 from fedge.errors import ConfigError, FedgeError
@@ -661,8 +662,8 @@ class DeviceWait:
 
     def __init__(self, coordinator: Coordinator, config: Mapping[str, Any], output: RunOutput) -> None:
         self.coordinator, self.output = coordinator, output
-        self.needed = int(config["clients-per-round"])
-        self.noun = "gateways" if config.get("gateways") else "devices"
+        self.needed = int(config[knobs.CLIENTS_PER_ROUND])
+        self.noun = "gateways" if config.get(knobs.GATEWAYS) else "devices"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

@@ -42,6 +42,7 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from fedge import knobs
 from fedge.errors import ConfigError
 from fedge.listeners import ListenerLimits, uvicorn_options
 
@@ -123,21 +124,21 @@ class RunView:
         config = _read_json(self.run_dir / "config.json") or {}
         finished = _read_json(self.run_dir / "summary.json")
         last = rows[-1] if rows else {}
-        named_task = str(config.get("task") or "")  # a custom or registered task: dataset and model are not its
+        named_task = str(config.get(knobs.TASK) or "")  # a custom or registered task: dataset and model are not its
         return {
             "run": self.run_dir.name,
             "status": "finished" if finished is not None else ("running" if rows else "starting"),
             "rounds_done": int(last.get("round", 0)),
-            "rounds_total": int(config.get("num-rounds", 0)),
+            "rounds_total": int(config.get(knobs.NUM_ROUNDS, 0)),
             "metric": last.get("metric", "accuracy"), "higher_is_better": last.get("higher_is_better", True),
             "headline": last.get("headline", last.get("accuracy")), "best_headline": _best_headline(rows),
             "accuracy": last.get("accuracy"), "loss": last.get("loss"),
             "sim_time_s": last.get("sim_time_s"), "wall_time_s": last.get("wall_time_s"),
             "dp_epsilon": last.get("dp_epsilon"), "dp_delta": last.get("dp_delta"),
-            "strategy": config.get("strategy"), "task": (finished or {}).get("task") or named_task or None,
-            "dataset": None if named_task else config.get("dataset"),
-            "model": None if ":" in named_task else config.get("model"),  # a task of the user's own: its own model
-            "secure_aggregation": config.get("secure-aggregation"), "dp": config.get("dp"),
+            "strategy": config.get(knobs.STRATEGY), "task": (finished or {}).get("task") or named_task or None,
+            "dataset": None if named_task else config.get(knobs.DATASET),
+            "model": None if ":" in named_task else config.get(knobs.MODEL),  # a task of the user's own: its own model
+            "secure_aggregation": config.get(knobs.SECURE_AGGREGATION), "dp": config.get(knobs.DP),
             "summary": finished, "config": config,
         }
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from flwr.app import Array, ArrayRecord
 
+from fedge import knobs
 from fedge.config import resolve_run_config
 from fedge.edge.build import BuiltBundle
 from fedge.edge.signing import load_private_key
@@ -34,7 +35,7 @@ def export_run_round(
     checkpoint = load_checkpoint(_checkpoint_path(run_dir, server_round))
     private_key = load_private_key(key_path)
     task = load_task(config)
-    model = seeded_model(task, config.integer("seed"))
+    model = seeded_model(task, config.integer(knobs.SEED))
     load_arrays(model, ArrayRecord({k: Array(v) for k, v in checkpoint.arrays.items()}),
                 source=f"checkpoint of round {checkpoint.server_round}")
     return export_global_model(model, out_dir, config=config, task=task,

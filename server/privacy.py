@@ -47,14 +47,14 @@ from flwr.supercore.privacy_accounting import (
 )
 from numpy.typing import NDArray
 
-from fedge import wire
+from fedge import knobs, wire
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.strategies.registry import REGISTRY, strategy_spec
 
 DP_MODES = ("off", "server-fixed", "client-fixed", "server-adaptive", "client-adaptive")
 STATE_KEY = "dp-accountant"
-CLIP_KEY = "dp-clipping-norm"
+CLIP_KEY = knobs.DP_CLIPPING_NORM  # in a checkpoint's state: adaptive clipping's current norm, under its knob's name
 CLIENT_CLIPPING = wire.DP_CLIENT_CLIPPING
 
 
@@ -174,21 +174,21 @@ def build_privacy(config: RunConfig, population: int) -> DifferentialPrivacy | N
         DP with a strategy whose aggregate is not a mean of updates, with secure
         aggregation, or with no noise.
     """
-    mode = config.text("dp")
+    mode = config.text(knobs.DP)
     if mode == "off":
         return None
-    if not strategy_spec(config.text("strategy")).dp:
+    if not strategy_spec(config.text(knobs.STRATEGY)).dp:
         allowed = ", ".join(sorted(name for name, spec in REGISTRY.items() if spec.dp))
         raise ConfigError(f"dp = '{mode}' works with strategy {allowed} (the noise is calibrated "
-                          f"to a mean of clipped updates), not '{config['strategy']}'; use one of {allowed}")
-    if config["secure-aggregation"]:
+                          f"to a mean of clipped updates), not '{config[knobs.STRATEGY]}'; use one of {allowed}")
+    if config[knobs.SECURE_AGGREGATION]:
         raise ConfigError("dp with secure-aggregation is not supported yet (the coordinator cannot clip updates it "
                           "cannot see, and fedge does not add distributed noise on devices); turn one of them off")
-    if config.number("dp-noise-multiplier") <= 0:
+    if config.number(knobs.DP_NOISE_MULTIPLIER) <= 0:
         raise ConfigError("dp-noise-multiplier must be > 0 when dp is on (0 adds no noise and ε is infinite)")
     return DifferentialPrivacy(
-        mode=mode, noise_multiplier=config.number("dp-noise-multiplier"),
-        clipping_norm=config.number("dp-clipping-norm"), num_sampled=config.integer("clients-per-round"),
-        population=population, delta=config.number("dp-delta"),
-        target_quantile=config.number("dp-target-quantile"), clip_norm_lr=config.number("dp-clip-norm-lr"),
-        clipped_count_stddev=config.number("dp-clipped-count-stddev") or None)
+        mode=mode, noise_multiplier=config.number(knobs.DP_NOISE_MULTIPLIER),
+        clipping_norm=config.number(knobs.DP_CLIPPING_NORM), num_sampled=config.integer(knobs.CLIENTS_PER_ROUND),
+        population=population, delta=config.number(knobs.DP_DELTA),
+        target_quantile=config.number(knobs.DP_TARGET_QUANTILE), clip_norm_lr=config.number(knobs.DP_CLIP_NORM_LR),
+        clipped_count_stddev=config.number(knobs.DP_CLIPPED_COUNT_STDDEV) or None)

@@ -13,6 +13,8 @@ from typing import IO, Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fedge import knobs
+
 
 class RoundProgress:
     """Shows ``round k/N``, the latest headline metric and the simulated clock."""
@@ -122,14 +124,14 @@ class RunFeed:
     def round_line(self, row: dict[str, Any], seconds: float | None) -> str:
         """``round 2/5: 3/3 participants, accuracy 0.8123, 4.1 s`` (+ why it was skipped or who failed)."""
         config = _read_json(self.run_dir / "config.json")
-        total, expected = config.get("num-rounds", "?"), config.get("clients-per-round", "?")
+        total, expected = config.get(knobs.NUM_ROUNDS, "?"), config.get(knobs.CLIENTS_PER_ROUND, "?")
         value = row.get("headline")
         shown = "-" if value is None else f"{value:.4f}"
         line = f"round {row['round']}/{total}: {row.get('participants', 0)}/{expected} participants, " \
                f"{row.get('metric', 'accuracy')} {shown}" + ("" if seconds is None else f", {seconds:.1f} s")
         if not row.get("aggregated", True):
             line += f"; skipped: not aggregated ({row.get('participants', 0)} usable replies, " \
-                    f"min-train-replies {config.get('min-train-replies', '?')})"
+                    f"min-train-replies {config.get(knobs.MIN_TRAIN_REPLIES, '?')})"
         problems = [f"{e.get('name') or self.name_of(e.get('node'))} {e.get('status')}: "
                     f"{_short(str(e.get('reason', '?')))}" for e in self.events.pop(int(row["round"]), [])]
         if not problems:

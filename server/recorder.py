@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 
+from fedge import knobs
 from fedge.config import RunConfig, config_fingerprint, model_keys
 from fedge.errors import RunFailed
 from fedge.server.checkpoint import Checkpoint, save_checkpoint
@@ -49,12 +50,12 @@ class RoundRecorder:
         self.widths = sorted({float(width) for width in widths if width < 1})  # sub-models: evaluated, bundled
         self.model, self.task = model, task
         self.test_set = task.central_data()  # None: the devices' federated evaluation is recorded instead
-        self.device = pick_device(config.text("device"))
+        self.device = pick_device(config.text(knobs.DEVICE))
         self.rows: list[dict[str, Any]] = list(history or [])
         done = self.rows[-1] if self.rows else {"round": 0, "sim_time_s": 0.0, "wall_time_s": 0.0}
         self.started = time.perf_counter() - float(done.get("wall_time_s", 0.0))  # a resumed run's clocks go on
         grid.sim_time = float(done.get("sim_time_s", 0.0))
-        self.progress = RoundProgress(config.integer("num-rounds"), task.headline, enabled=progress)
+        self.progress = RoundProgress(config.integer(knobs.NUM_ROUNDS), task.headline, enabled=progress)
         self.progress.advance(int(done["round"]), done.get("headline"), grid.sim_time)
         self.bundles: list[BuiltBundle] = []
         self.width_bundles: list[BuiltBundle] = []  # sub-models: one per trained width and exported round
@@ -117,8 +118,8 @@ class RoundRecorder:
                                 strategy_state=self.strategy.checkpoint_state())
         save_checkpoint(self.run_dir / "checkpoints" / f"round-{server_round:04d}.npz", checkpoint)
         save_checkpoint(self.run_dir / "checkpoint.npz", checkpoint)
-        every = self.config.integer("export-every")
-        if self.config["export-onnx"] and every and server_round and server_round % every == 0:
+        every = self.config.integer(knobs.EXPORT_EVERY)
+        if self.config[knobs.EXPORT_ONNX] and every and server_round and server_round % every == 0:
             if (why := self.unusable()) is None:
                 self._export_bundle(server_round)
             else:
@@ -205,7 +206,7 @@ class RoundRecorder:
             summary["final_headline_by_width"] = last["headline_by_width"]
         plot_headline(self.rows, self.run_dir / "headline.png", run_title(self.config, self.task.name), headline)
         why = self.unusable()
-        if why is None and self.config["export-onnx"]:
+        if why is None and self.config[knobs.EXPORT_ONNX]:
             summary.update(self._final_export(last["round"]))
         if why is not None:
             summary["failed"] = why
@@ -245,7 +246,7 @@ class RoundRecorder:
             private_key=run_signing_key(self.config, self.run_dir))
         self.bundles.append(built)
         self._export_width_bundles(server_round)
-        if self.config["deployment"]:  # under `fedge coordinator start`: hand it to the devices' bundle service
+        if self.config[knobs.DEPLOYMENT]:  # under `fedge coordinator start`: hand it to the devices' bundle service
             from fedge.server.publish import publish_from_environment
 
             publish_from_environment("inference", built.path)
@@ -267,7 +268,7 @@ class RoundRecorder:
                 task=self.task, server_round=server_round, source_run=self.run_dir.name,
                 private_key=run_signing_key(self.config, self.run_dir), variant=width_label(width))
             self.width_bundles.append(built)
-            if self.config["deployment"]:  # devices of that width pull it (`fedge pull --width 0.25`)
+            if self.config[knobs.DEPLOYMENT]:  # devices of that width pull it (`fedge pull --width 0.25`)
                 from fedge.edge.delivery import inference_kind  # noqa: PLC0415
                 from fedge.server.publish import publish_from_environment  # noqa: PLC0415
 

@@ -23,6 +23,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
+from fedge import knobs
 from fedge.config import RunConfig
 from fedge.files import write_bytes_atomic
 
@@ -30,10 +31,10 @@ from fedge.files import write_bytes_atomic
 def run_label(config: RunConfig) -> str:
     """What a run does, for names and titles: the strategy, with its round policy unless the
     default synchronous one, and secure aggregation when on (``fedavg-deadline-secure``)."""
-    parts = [config.text("strategy")]
-    if config.text("round-policy") != "sync":
-        parts.append(config.text("round-policy"))
-    if config["secure-aggregation"]:
+    parts = [config.text(knobs.STRATEGY)]
+    if config.text(knobs.ROUND_POLICY) != "sync":
+        parts.append(config.text(knobs.ROUND_POLICY))
+    if config[knobs.SECURE_AGGREGATION]:
         parts.append("secure")
     return "-".join(parts)
 
@@ -47,22 +48,22 @@ def task_label(config: RunConfig) -> str:
     """The task a config names, without loading it: a registered name, the package of a
     ``package.module:object`` task (``houses`` for ``houses.task:HousesTask``), or the built-in
     ``dataset-model``."""
-    named = config.text("task")
+    named = config.text(knobs.TASK)
     if named:
         return named.split(":", 1)[0].split(".", 1)[0] if ":" in named else named
-    return f"{config.text('dataset')}-{config.text('model')}"
+    return f"{config.text(knobs.DATASET)}-{config.text(knobs.MODEL)}"
 
 
 def run_dir_for(config: RunConfig, task_name: str | None = None) -> Path:
     """The run directory a config names (``run-dir``, else ``runs-root/run-name``; without a
     name, ``<run label>-<task>-<time>``, e.g. ``fedavg-deadline-houses-20261204-203500``; the
     task is ``task_name`` or, not given, :func:`task_label`)."""
-    if config["run-dir"]:
-        return Path(config.text("run-dir"))
+    if config[knobs.RUN_DIR]:
+        return Path(config.text(knobs.RUN_DIR))
     task_name = task_name or task_label(config)
     safe_task = "".join(c if c.isalnum() or c in "-_." else "-" for c in task_name).strip("-.") or "task"
-    name = config.text("run-name") or f"{run_label(config)}-{safe_task}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return Path(config.text("runs-root")) / name
+    name = config.text(knobs.RUN_NAME) or f"{run_label(config)}-{safe_task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path(config.text(knobs.RUNS_ROOT)) / name
 
 
 def config_summary(config: RunConfig, run_dir: Path) -> str:
@@ -76,7 +77,7 @@ def config_summary(config: RunConfig, run_dir: Path) -> str:
     return f"run config: {shown} (every key: {run_dir / 'config.json'})"
 
 
-_LOCATION_KEYS = frozenset({"run-dir", "runs-root", "run-name"})  # the line names the directory itself
+_LOCATION_KEYS = frozenset({knobs.RUN_DIR, knobs.RUNS_ROOT, knobs.RUN_NAME})  # the line names the directory itself
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:

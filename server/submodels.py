@@ -17,6 +17,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord
 from torch import nn
 
+from fedge import knobs
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.profiles import Fleet
@@ -61,23 +62,24 @@ class ProfileWidth:
 
 def check_sub_models(config: RunConfig, fleet: Fleet) -> None:
     """Refuse, in one line each, what sub-models do not run with (yet)."""
-    if config.text("sub-models") == "off":
+    if config.text(knobs.SUB_MODELS) == "off":
         return
     refusals = {
-        "asynchronous": (config["asynchronous"], "stale updates of another round's window are not rebased per entry"),
-        "dp": (config.text("dp") != "off", "DP clips and noises the whole model's update, not a window's"),
-        "gateways": (config["gateways"], "a gateway averages its pool into one whole-model update"),
+        knobs.ASYNCHRONOUS: (config[knobs.ASYNCHRONOUS],
+                             "stale updates of another round's window are not rebased per entry"),
+        knobs.DP: (config.text(knobs.DP) != "off", "DP clips and noises the whole model's update, not a window's"),
+        knobs.GATEWAYS: (config[knobs.GATEWAYS], "a gateway averages its pool into one whole-model update"),
     }
     for knob, (chosen, why) in refusals.items():
         if chosen:
-            raise ConfigError(f"sub-models = {config['sub-models']} cannot run with {knob} = {config[knob]} ({why}); "
-                              f"turn one off ({WHERE})")
+            raise ConfigError(f"sub-models = {config[knobs.SUB_MODELS]} cannot run with {knob} = {config[knob]} "
+                              f"({why}); turn one off ({WHERE})")
 
 
 def profile_widths(config: RunConfig, task: Task, fleet: Fleet, plan: WidthPlan) -> list[ProfileWidth]:
     """Each of the fleet's profiles' width: declared (``model-width``) or the widest whose training fits
     ``memory-mb``. A device of a profile the fleet does not name counts as unknown (see :class:`SubModels`)."""
-    batch, seed = config.integer("batch-size"), config.integer("seed")
+    batch, seed = config.integer(knobs.BATCH_SIZE), config.integer(knobs.SEED)
     found = []
     for name in dict.fromkeys(name for name, _ in fleet.mix):  # the fleet's profiles; any other is unknown
         profile = fleet.profile(name)
@@ -100,7 +102,7 @@ def build_sub_models(config: RunConfig, task: Task, model: nn.Module, fleet: Fle
         A model that cannot be scaled (its layer named), a declared width that does not cut its
         axes, or a fleet in which no profile can train.
     """
-    name = config.text("sub-models")
+    name = config.text(knobs.SUB_MODELS)
     if name == "off":
         return None
     check_sub_models(config, fleet)
@@ -115,9 +117,9 @@ def build_sub_models(config: RunConfig, task: Task, model: nn.Module, fleet: Fle
         if found.width is None and found.profile in in_fleet:
             log.warning("sub-models: profile '%s' (memory-mb = %d) fits no width of the model at batch-size %d: its "
                         "devices sit out; give it more memory-mb or a model-width", found.profile, found.memory_mb,
-                        config.integer("batch-size"))
+                        config.integer(knobs.BATCH_SIZE))
     submodels = SubModels(plan, {w.profile: w.width for w in widths}, extraction(name),
-                          scaler=config.flag("sub-model-scaler"), stride=config.integer("fedrolex-stride"))
+                          scaler=config.flag(knobs.SUB_MODEL_SCALER), stride=config.integer(knobs.FEDROLEX_STRIDE))
     log.info("sub-models %s (the fleet's profiles: %s)", submodels.describe(),
              "; ".join(w.describe() for w in widths if w.profile in in_fleet))
     return submodels

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from torch import nn
 
+from fedge import knobs
 from fedge.config import RunConfig
 from fedge.edge.trainer import NUMPY_METRICS, OnnxTrainer
 from fedge.edge.training_bundle import (
@@ -47,8 +48,8 @@ METRIC_TOLERANCE = 1e-5  # an onnx device reports a task metric only if it repro
 
 def wants_training_graph(config: RunConfig, fleet: Fleet, *, simulated: bool) -> bool:
     """Whether this run exports a training graph: some device may train without torch."""
-    if config.text("runtime") != "profile":
-        return runtime(config.text("runtime")).needs_training_graph
+    if config.text(knobs.RUNTIME) != "profile":
+        return runtime(config.text(knobs.RUNTIME)).needs_training_graph
     if not simulated:
         return True  # deployed devices choose their runtime themselves
     return any(runtime(fleet.profiles[name].runtime).needs_training_graph for name, count in fleet.mix if count)
