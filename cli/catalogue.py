@@ -31,10 +31,10 @@ def strategy_names() -> str:
 def catalogue() -> str:
     """Round policies, selectors and codecs, with where to read about each."""
     from fedge.codec import QUANTISERS
-    from fedge.knobs import KNOBS
+    from fedge.knobs import KNOBS, ROUND_POLICY, SELECTOR
 
-    policies = ", ".join(KNOBS["round-policy"].choices or ())
-    selectors = ", ".join(KNOBS["selector"].choices or ())
+    policies = ", ".join(KNOBS[ROUND_POLICY].choices or ())
+    selectors = ", ".join(KNOBS[SELECTOR].choices or ())
     codecs = ", ".join(QUANTISERS)
     return (f"round policies (round-policy=): {policies} (docs/simulation.md); selectors (selector=): {selectors}; "
             f"codecs (codec.PROFILE=, downlink.PROFILE=): {codecs}, topk:F, topk:F+CODEC (docs/compression.md)")

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from fedge import knobs
 from fedge.config import parse_run_config_args, resolve_run_config
 from fedge.errors import ConfigError, FedgeError, Stopped
 from fedge.profiles import RUNTIMES
@@ -116,25 +117,25 @@ def _run_config(args: argparse.Namespace) -> dict[str, Any]:
         if not saved.exists():
             raise ConfigError(f"cannot resume '{args.resume}': it has no config.json")
         overrides.update(json.loads(saved.read_text()))
-        overrides.update({"resume": True, "run-dir": str(args.resume.resolve())})
-        if _is_default_signing_key(str(overrides.get("signing-key", ""))):
+        overrides.update({knobs.RESUME: True, knobs.RUN_DIR: str(args.resume.resolve())})
+        if _is_default_signing_key(str(overrides.get(knobs.SIGNING_KEY, ""))):
             # the keys directory of this start, not the saved absolute path (a restored backup moved it)
-            overrides["signing-key"] = str(_bundle_signing_key_path(args))
+            overrides[knobs.SIGNING_KEY] = str(_bundle_signing_key_path(args))
     overrides.update(parse_run_config_args(args.run_config))
-    flags = {"num-rounds": args.rounds, "clients-per-round": args.clients_per_round,
-             "run-dir": str(args.run_dir.resolve()) if args.run_dir else None}
+    flags = {knobs.NUM_ROUNDS: args.rounds, knobs.CLIENTS_PER_ROUND: args.clients_per_round,
+             knobs.RUN_DIR: str(args.run_dir.resolve()) if args.run_dir else None}
     overrides.update({k: v for k, v in flags.items() if v is not None})
-    overrides["deployment"] = True
-    if not overrides.get("signing-key"):
-        overrides["signing-key"] = str(_bundle_signing_key_path(args))  # made in _start, after the checks
+    overrides[knobs.DEPLOYMENT] = True
+    if not overrides.get(knobs.SIGNING_KEY):
+        overrides[knobs.SIGNING_KEY] = str(_bundle_signing_key_path(args))  # made in _start, after the checks
     config = resolve_run_config(overrides)  # refuse bad keys before starting anything
     from fedge.server.app import check_deployment
 
     check_deployment(config, registered=_registered(args))  # refused here, before any Flower process starts
-    if not config["run-dir"]:
+    if not config[knobs.RUN_DIR]:
         from fedge.server.report import run_dir_for
 
-        overrides["run-dir"] = str(run_dir_for(config).resolve())
+        overrides[knobs.RUN_DIR] = str(run_dir_for(config).resolve())
     return {k: v for k, v in resolve_run_config(overrides).items() if k in overrides}
 
 
@@ -301,11 +302,11 @@ def _start_coordinator(args: argparse.Namespace, keys: Any, run_config: dict[str
     """Everything is checked and the operator's ports are bound: start the coordinator and its run."""
     from fedge.server.coordinator import Coordinator, FleetWatch
 
-    if Path(str(run_config["signing-key"])) == _bundle_signing_key_path(args):
+    if Path(str(run_config[knobs.SIGNING_KEY])) == _bundle_signing_key_path(args):
         _ensure_bundle_signing_key(_bundle_signing_key_path(args))
     coordinator = Coordinator(args.state_dir, keys, host=args.host, port=args.port, control_port=args.control_port,
-                              bundle_port=args.bundle_port, run_dir=Path(str(run_config["run-dir"])))
-    run_dir = Path(str(run_config["run-dir"]))
+                              bundle_port=args.bundle_port, run_dir=Path(str(run_config[knobs.RUN_DIR])))
+    run_dir = Path(str(run_config[knobs.RUN_DIR]))
     watch = FleetWatch(coordinator)
     feed, servers = None, []
     with stop_on_signals():

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fedge import knobs
 from fedge.cli.catalogue import catalogue, describe, missing_extra, no_abbreviations, strategy_names
 from fedge.cli.edge import size_text
 from fedge.cli.workdir import importable_here
@@ -64,16 +65,16 @@ def _simulate_run(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {}
     if args.resume:
         overrides.update(_saved_config(args.resume))
-        overrides.update({"resume": True, "run-dir": args.resume})
+        overrides.update({knobs.RESUME: True, knobs.RUN_DIR: args.resume})
     overrides.update(parse_run_config_args(args.run_config))
-    flags = {"num-rounds": args.rounds, "clients-per-round": args.clients_per_round,
-             "task": args.task, "dataset": args.dataset, "model": args.model, "strategy": args.strategy,
-             "seed": args.seed, "run-dir": args.run_dir}
+    flags = {knobs.NUM_ROUNDS: args.rounds, knobs.CLIENTS_PER_ROUND: args.clients_per_round,
+             knobs.TASK: args.task, knobs.DATASET: args.dataset, knobs.MODEL: args.model, knobs.STRATEGY: args.strategy,
+             knobs.SEED: args.seed, knobs.RUN_DIR: args.run_dir}
     overrides.update({k: v for k, v in flags.items() if v is not None})
-    if ":" in str(overrides.get("task", "")):
+    if ":" in str(overrides.get(knobs.TASK, "")):
         importable_here()
     if args.fleet:
-        key = "fleet-file" if args.fleet.endswith(".toml") else "fleet"
+        key = knobs.FLEET_FILE if args.fleet.endswith(".toml") else knobs.FLEET
         overrides[key] = args.fleet
     if not args.verbose:
         quiet_third_party_logs()

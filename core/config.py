@@ -17,6 +17,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fedge import knobs
 from fedge.errors import ConfigError
 from fedge.knobs import KNOBS, Scalar
 
@@ -32,7 +33,8 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {key: knob.check for key
 
 # Keys that change the model's arrays or meaning: a checkpoint made under other
 # values of these cannot be continued.
-MODEL_KEYS = ("task", "dataset", "model", "strategy", "seed", "synthetic-alpha", "synthetic-beta")
+MODEL_KEYS = (knobs.TASK, knobs.DATASET, knobs.MODEL, knobs.STRATEGY, knobs.SEED, knobs.SYNTHETIC_ALPHA,
+              knobs.SYNTHETIC_BETA)
 
 
 class RunConfig(dict[str, Scalar]):

@@ -409,7 +409,9 @@ def fleet_of(config: Mapping[str, object]) -> Fleet:
     file is parsed again only when its size or modification time changes. The result is shared:
     read it, do not mutate its ``profiles``.
     """
-    spec, fleet_file = str(config["fleet"]), str(config.get("fleet-file", ""))
+    from fedge import knobs  # here, not at the top: fedge.knobs imports this module for its runtimes
+
+    spec, fleet_file = str(config[knobs.FLEET]), str(config.get(knobs.FLEET_FILE, ""))
     return _parsed_fleet(spec, fleet_file, _file_stamp(fleet_file))
 
 

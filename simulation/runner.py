@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from flwr.clientapp import ClientApp
 
+from fedge import knobs
 from fedge.clients.app import make_client_app
 from fedge.config import RunConfig, Scalar, resolve_run_config
 from fedge.errors import ConfigError, FedgeError, RunFailed
@@ -71,13 +72,13 @@ def simulate(
         raise ConfigError(f"unknown backend '{backend}'; use one of: {', '.join(BACKENDS)}")
     config = resolve_run_config(overrides)
     fleet = fleet_of(config)
-    config["run-dir"] = str(run_dir_for(config))  # fixed now so that both backends agree
+    config[knobs.RUN_DIR] = str(run_dir_for(config))  # fixed now so that both backends agree
     if torch_threads:
         torch.set_num_threads(torch_threads)
     if ray_address and backend != "ray":
         raise ConfigError("--ray-address joins a Ray cluster; it needs --backend ray")
     if backend == "inline":
-        grid = InlineGrid(_client_app(config, fleet.size, task=task), FleetNodes(fleet, config.integer("seed")),
+        grid = InlineGrid(_client_app(config, fleet.size, task=task), FleetNodes(fleet, config.integer(knobs.SEED)),
                           config, behaviour=behaviour_of(config, fleet))
         run_dir = run_coordinator(grid, config, progress=progress, task=task)
     else:
@@ -126,7 +127,7 @@ def _run_on_ray(config: RunConfig, num_nodes: int, *, progress: bool, task: Task
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = pythonpath
-    return Path(config.text("run-dir"))
+    return Path(config.text(knobs.RUN_DIR))
 
 
 @contextlib.contextmanager
@@ -163,9 +164,9 @@ def _client_app(config: RunConfig, num_nodes: int,
                 defaults: Mapping[str, Scalar] | None = None, task: Task | None = None) -> ClientApp:
     """fedge's ClientApp, with Byzantine devices mixed in when ``byzantine-fraction`` > 0."""
     honest = make_client_app(task, config_defaults=defaults)
-    if not config["byzantine-fraction"]:
+    if not config[knobs.BYZANTINE_FRACTION]:
         return honest
-    bad = byzantine_partitions(num_nodes, config.number("byzantine-fraction"), config.integer("seed"))
-    log.info("byzantine devices (%s): partitions %s", config["byzantine-attack"], sorted(bad))
-    return make_byzantine_client_app(honest, bad, config.text("byzantine-attack"),
-                                     config.number("attack-scale"))
+    bad = byzantine_partitions(num_nodes, config.number(knobs.BYZANTINE_FRACTION), config.integer(knobs.SEED))
+    log.info("byzantine devices (%s): partitions %s", config[knobs.BYZANTINE_ATTACK], sorted(bad))
+    return make_byzantine_client_app(honest, bad, config.text(knobs.BYZANTINE_ATTACK),
+                                     config.number(knobs.ATTACK_SCALE))

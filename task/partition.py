@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.typing import NDArray
 
+from fedge import knobs
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.task.data import dirichlet_partition, iid_partition
@@ -25,7 +26,8 @@ CACHE_ATTRIBUTE = "_fedge_partitions"
 
 def shard_of(task: Task, partition_id: int, num_partitions: int, config: RunConfig) -> TaskData:
     """Partition ``partition_id`` of ``num_partitions`` of ``task.train_data()``."""
-    key = (num_partitions, config.text("partitioner"), config.number("dirichlet-alpha"), config.integer("seed"))
+    key = (num_partitions, config.text(knobs.PARTITIONER), config.number(knobs.DIRICHLET_ALPHA),
+           config.integer(knobs.SEED))
     cache: dict[tuple[object, ...], tuple[TaskData, list[NDArray[np.int64]]]] = task.__dict__.setdefault(
         CACHE_ATTRIBUTE, {})
     if key not in cache:

@@ -58,6 +58,7 @@ import torch
 from numpy.typing import NDArray
 from torch import nn
 
+from fedge import knobs
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.signature import InputSpec
@@ -175,7 +176,7 @@ class Chars(Task):
               "after tokens[:, t]; labels name the characters; softmax over axis 1 gives probabilities")
 
     def __init__(self, config: RunConfig) -> None:
-        self.test_fraction = config.number("test-fraction")
+        self.test_fraction = config.number(knobs.TEST_FRACTION)
         self._shards: dict[tuple[int, int], list[NDArray[np.int64]]] = {}
 
     @cached_property
@@ -194,9 +195,9 @@ class Chars(Task):
 
     def partition(self, partition_id: int, num_partitions: int, config: RunConfig) -> TaskData:
         """Device ``partition_id``'s windows: by source file, or IID with ``partitioner = "iid"``."""
-        if config.text("partitioner") == "iid":
+        if config.text(knobs.PARTITIONER) == "iid":
             return super().partition(partition_id, num_partitions, config)
-        key = (num_partitions, config.integer("seed"))
+        key = (num_partitions, config.integer(knobs.SEED))
         if key not in self._shards:
             self._shards[key] = by_source(self.corpus[1], *key)
         return self.train_data().take(self._shards[key][partition_id])

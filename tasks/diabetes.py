@@ -54,6 +54,7 @@ import torch
 from numpy.typing import NDArray
 from torch import nn
 
+from fedge import knobs
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.signature import InputSpec
@@ -159,8 +160,8 @@ class Diabetes(Task):
     target_dtype = "float32"
 
     def __init__(self, config: RunConfig) -> None:
-        self.seed = config.integer("seed")
-        self.test_fraction = config.number("test-fraction")
+        self.seed = config.integer(knobs.SEED)
+        self.test_fraction = config.number(knobs.TEST_FRACTION)
         self._shards: dict[tuple[int, float, int], list[NDArray[np.int64]]] = {}
 
     @cached_property
@@ -188,9 +189,9 @@ class Diabetes(Task):
 
     def partition(self, partition_id: int, num_partitions: int, config: RunConfig) -> TaskData:
         """Device ``partition_id``'s examples: IID, or skewed by target quantile for ``dirichlet``."""
-        if config.text("partitioner") == "iid":
+        if config.text(knobs.PARTITIONER) == "iid":
             return super().partition(partition_id, num_partitions, config)
-        key = (num_partitions, config.number("dirichlet-alpha"), config.integer("seed"))
+        key = (num_partitions, config.number(knobs.DIRICHLET_ALPHA), config.integer(knobs.SEED))
         if key not in self._shards:
             self._shards[key] = quantile_skew(self.train_data().targets, *key)
         return self.train_data().take(self._shards[key][partition_id])

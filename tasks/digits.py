@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any
 
+from fedge import knobs
 from fedge.task.api import TaskData
 from fedge.task.data import holdout, load_digits_arrays
 from fedge.task.registry import register_task
@@ -22,6 +23,6 @@ class Digits(FlatClassification):
     @cached_property
     def split(self) -> tuple[TaskData, TaskData]:  # noqa: D102
         x, y = load_digits_arrays()
-        x_train, y_train, (x_test, y_test) = holdout(x, y, self.config.number("test-fraction"),
-                                                     self.config.integer("seed"))
+        x_train, y_train, (x_test, y_test) = holdout(x, y, self.config.number(knobs.TEST_FRACTION),
+                                                     self.config.integer(knobs.SEED))
         return TaskData.from_xy(x_train, y_train), TaskData.from_xy(x_test, y_test)

@@ -7,6 +7,7 @@ from functools import cached_property
 
 from torch import nn
 
+from fedge import knobs
 from fedge.config import RunConfig
 from fedge.signature import InputSpec
 from fedge.task.api import Task, TaskData
@@ -24,9 +25,9 @@ class FlatClassification(Task):
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
-        self.model_name = config.text("model")
+        self.model_name = config.text(knobs.MODEL)
         model_class(self.model_name)  # an unknown model is refused now, naming the registered ones
-        self.name = f"{config.text('dataset')}-{self.model_name}"
+        self.name = f"{config.text(knobs.DATASET)}-{self.model_name}"
 
     @cached_property
     def split(self) -> tuple[TaskData, TaskData]:

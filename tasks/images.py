@@ -49,6 +49,7 @@ import torch
 from numpy.typing import NDArray
 from torch import nn
 
+from fedge import knobs
 from fedge.config import RunConfig
 from fedge.signature import InputSpec
 from fedge.task.api import Task, TaskData
@@ -209,8 +210,8 @@ class Images(Task):
     output = "unnormalised scores of the 10 classes (labels); softmax gives probabilities"
 
     def __init__(self, config: RunConfig) -> None:
-        self.seed = config.integer("seed")
-        self.test_fraction = config.number("test-fraction")
+        self.seed = config.integer(knobs.SEED)
+        self.test_fraction = config.number(knobs.TEST_FRACTION)
 
     @cached_property
     def split(self) -> tuple[TaskData, TaskData]:

@@ -19,6 +19,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from fedge import knobs
 from fedge.config import RunConfig, Scalar, resolve_run_config
 from fedge.errors import ConfigError
 from fedge.task.api import Task, TaskData, seeded_model
@@ -29,7 +30,7 @@ log = logging.getLogger("fedge.tasks")
 
 def task_reference(config: RunConfig) -> str:
     """What names the run's task: ``task``, else the built-in for ``dataset``."""
-    return config.text("task") or config.text("dataset")
+    return config.text(knobs.TASK) or config.text(knobs.DATASET)
 
 
 def load_task(config: RunConfig) -> Task:
@@ -108,7 +109,7 @@ def check_task(task: Task, config: RunConfig) -> None:
     ConfigError
         Naming what failed, in which of the task's methods, and how to fix it.
     """
-    seed = config.integer("seed")
+    seed = config.integer(knobs.SEED)
     first, second = seeded_model(task, seed), seeded_model(task, seed)
     if not isinstance(first, torch.nn.Module):
         raise ConfigError(f"task '{task.name}': build_model() returned {type(first).__name__}, not a torch nn.Module")

@@ -16,6 +16,7 @@ from functools import cached_property
 
 import numpy as np
 
+from fedge import knobs
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.profiles import parse_fleet
@@ -36,7 +37,7 @@ class Synthetic(FlatClassification):
 
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config)
-        self.fleet_size = parse_fleet(config.text("fleet"), config.text("fleet-file")).size
+        self.fleet_size = parse_fleet(config.text(knobs.FLEET), config.text(knobs.FLEET_FILE)).size
         self._recent: OrderedDict[int, tuple[TaskData, TaskData]] = OrderedDict()
 
     def device(self, index: int) -> tuple[TaskData, TaskData]:
@@ -44,11 +45,11 @@ class Synthetic(FlatClassification):
         if index in self._recent:
             self._recent.move_to_end(index)
             return self._recent[index]
-        seed = self.config.integer("seed")
-        x, y = synthetic_device(self.config.number("synthetic-alpha"), self.config.number("synthetic-beta"),
+        seed = self.config.integer(knobs.SEED)
+        x, y = synthetic_device(self.config.number(knobs.SYNTHETIC_ALPHA), self.config.number(knobs.SYNTHETIC_BETA),
                                 index, seed, num_features=NUM_FEATURES, num_classes=NUM_CLASSES)
         order = np.random.default_rng([seed % 2**63, index, 1]).permutation(len(y))
-        n_test = max(1, int(round(len(y) * self.config.number("test-fraction"))))
+        n_test = max(1, int(round(len(y) * self.config.number(knobs.TEST_FRACTION))))
         pair = (TaskData.from_xy(x[order[n_test:]], y[order[n_test:]]),
                 TaskData.from_xy(x[order[:n_test]], y[order[:n_test]]))
         self._recent[index] = pair

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import cached_property
 
+from fedge import knobs
 from fedge.errors import ConfigError
 from fedge.task.api import TaskData
 from fedge.task.data import holdout, load_csv, load_npz
@@ -16,12 +17,12 @@ class UserFile(FlatClassification):
 
     @cached_property
     def split(self) -> tuple[TaskData, TaskData]:  # noqa: D102
-        kind, path = self.config.text("dataset"), self.config.text("data-path")
+        kind, path = self.config.text(knobs.DATASET), self.config.text(knobs.DATA_PATH)
         if not path:
             raise ConfigError(f"dataset '{kind}' needs run-config 'data-path' (a .{kind} file)")
         x, y = load_npz(path) if kind == "npz" else load_csv(path)
-        x_train, y_train, (x_test, y_test) = holdout(x, y, self.config.number("test-fraction"),
-                                                     self.config.integer("seed"))
+        x_train, y_train, (x_test, y_test) = holdout(x, y, self.config.number(knobs.TEST_FRACTION),
+                                                     self.config.integer(knobs.SEED))
         return TaskData.from_xy(x_train, y_train), TaskData.from_xy(x_test, y_test)
 
 
