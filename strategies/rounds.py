@@ -270,12 +270,19 @@ class Rounds:
         return set(rng.sample(sorted(node_ids), int(round(self.straggler_fraction * len(node_ids)))))
 
     def _straggler_record(self, record: RecordDict, config: ConfigRecord, server_round: int, node: int) -> RecordDict:
-        """A straggler's instruction: a random 1..E-1 of the E local epochs (as the FedProx code draws)."""
-        epochs = int(config.get("local-epochs", 1))  # type: ignore[arg-type]
-        partial = random.Random(server_round * 1_000_003 + node).randint(1, max(epochs - 1, 1))
+        """A straggler's instruction: a random 1..E-1 of the E local epochs (as the FedProx code draws).
+
+        Raises
+        ------
+        ConfigError
+            The train config is no fedge train instruction (it names the missing key): a straggler needs
+            the epochs it would have trained.
+        """
+        instruction = wire.TrainInstruction.read(config)
+        partial = random.Random(server_round * 1_000_003 + node).randint(1, max(instruction.local_epochs - 1, 1))
         keys = self.sampling
         return RecordDict({keys.arrayrecord_key: record[keys.arrayrecord_key],
-                           keys.configrecord_key: ConfigRecord({**config, "local-epochs": partial})})
+                           keys.configrecord_key: instruction.with_epochs(partial).written_over(config)})
 
     def drops(self, node: int) -> bool:
         """Whether ``node``'s reply is left out as a straggler's (FedAvg drops them; FedProx keeps them)."""

@@ -119,12 +119,23 @@ def test_straggler_instructions_carry_fewer_epochs() -> None:
     from flwr.app import ArrayRecord, ConfigRecord
     from flwr.clientapp import ClientApp
 
+    from fedge.config import resolve_run_config
+    from fedge.errors import ConfigError
+    from fedge.knobs import LOCAL_EPOCHS
     from fedge.simulation.grid import InlineGrid
     from fedge.strategies import FedAvg
+    from fedge.wire import TrainInstruction
 
+    # Prepare: the coordinator's train instruction of 20 local epochs; half the round straggles
     strategy = FedAvg(clients_per_round=4, straggler_fraction=0.5, wait_for_nodes_s=0)
     grid = InlineGrid(ClientApp(), [{}] * 4, {})
-    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord({"local-epochs": 20}), grid))
-    epochs = sorted(int(m.content["config"]["local-epochs"]) for m in messages)
+    sent = TrainInstruction.from_run_config(resolve_run_config({LOCAL_EPOCHS: 20})).to_record()
+    # Execute
+    messages = list(strategy.configure_train(1, ArrayRecord(), sent, grid))
+    # Assert: two stragglers train 1..19 epochs, the rest 20; a config that is no train instruction is
+    # refused naming what it lacks (a straggler's epochs are not guessed)
+    epochs = sorted(int(m.content["config"][LOCAL_EPOCHS]) for m in messages)
     assert len(strategy.stragglers) == 2
     assert epochs[2:] == [20, 20] and all(1 <= e <= 19 for e in epochs[:2])
+    with pytest.raises(ConfigError, match="has no 'batch-size'"):
+        strategy.configure_train(2, ArrayRecord(), ConfigRecord({LOCAL_EPOCHS: 20}), grid)
