@@ -49,7 +49,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy core server clients edge strategies simulation cli task tasks web
+	$(VENV)/bin/mypy core server clients edge strategies simulation cli task web
 
 bench: $(STAMP)
 	$(PY) bench/sim_vs_flower.py

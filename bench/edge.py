@@ -35,9 +35,9 @@ from fedge.server.bundles import CALIBRATION_SIZE, task_score
 from fedge.server.checkpoint import load_checkpoint
 from fedge.simulation.runner import simulate
 from fedge.task.api import Task, seeded_model
+from fedge.task.loading import load_task
 from fedge.task.models import load_arrays
 from fedge.task.training import train_local
-from fedge.tasks import load_task
 
 HERE = Path(__file__).resolve().parent
 

@@ -49,7 +49,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from fedge.aggregate import WeightedMeanAccumulator
-from fedge.device_protocol import (
+from fedge.clients.gateway.protocol import (
     COUNTER_HEADER,
     MAC_HEADER,
     PREFIX,
@@ -86,7 +86,7 @@ def serve(root: Path, per_round: int, listener: str = "fedge") -> None:
     With FEDGE_PROFILE=PATH the device listener runs on the main thread under cProfile,
     written to PATH when the bench stops it (SIGTERM).
     """
-    from fedge.clients.gateway import DEVICE_LIMITS, Gateway, GatewaySettings, Served, control_app, device_app
+    from fedge.clients.gateway.service import DEVICE_LIMITS, Gateway, GatewaySettings, Served, control_app, device_app
     from fedge.listeners import ListenerLimits, bind, server_tls, uvicorn_options
 
     cert, cert_key = root / "keys" / "gateways" / "bench.crt", root / "keys" / "gateways" / "bench.key"
@@ -280,7 +280,7 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.per_round, args.listener)
         return
-    from fedge.clients.gateway import add_protocol_device
+    from fedge.clients.gateway.service import add_protocol_device
     from fedge.server.pki import add_gateway, init_keys
 
     root = Path(tempfile.mkdtemp(prefix="gateway-load-"))

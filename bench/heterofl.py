@@ -44,7 +44,7 @@ from fedge.profiles import fleet_of
 from fedge.server.report import read_jsonl
 from fedge.simulation.runner import simulate
 from fedge.task.api import Task, TaskData
-from fedge.tasks import load_task
+from fedge.task.loading import load_task
 
 HERE = Path(__file__).resolve().parent
 FLEET = """
@@ -147,7 +147,7 @@ class PhonesHoldSomeClasses(Task):
 def memory_table(task: Task, batch: int) -> list[dict[str, Any]]:
     """Each width's parameters and training memory (estimate, measured one-step peak)."""
     from fedge.task.api import seeded_model
-    from fedge.task.widths import memory_at, width_plan
+    from fedge.task.submodels import memory_at, width_plan
 
     plan = width_plan(task, seeded_model(task, 0))
     rows = []

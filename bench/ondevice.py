@@ -99,8 +99,8 @@ def worker_step_torch(spec: dict[str, Any]) -> dict[str, Any]:
 
     from fedge.config import resolve_run_config
     from fedge.task.api import seeded_model
+    from fedge.task.loading import load_task
     from fedge.task.training import MomentumSGD
-    from fedge.tasks import load_task
 
     torch.set_num_threads(1)
     task = load_task(resolve_run_config(spec["config"]))
@@ -168,8 +168,8 @@ def worker_round_torch(spec: dict[str, Any]) -> dict[str, Any]:
     import fedge.clients.torch_client  # noqa: F401
     from fedge.config import resolve_run_config
     from fedge.task.api import TaskData
+    from fedge.task.loading import load_task
     from fedge.task.training import train_local
-    from fedge.tasks import load_task
 
     torch.set_num_threads(1)
     imported = time.time() - spec["t0"]
@@ -291,7 +291,7 @@ def load_setup(config: dict[str, Any]) -> tuple[Any, Any, Any]:
     """(task, run config, seeded model) of a built-in task."""
     from fedge.config import resolve_run_config
     from fedge.task.api import seeded_model
-    from fedge.tasks import load_task
+    from fedge.task.loading import load_task
 
     run_config = resolve_run_config(config)
     task = load_task(run_config)

@@ -62,9 +62,9 @@ from fedge.simulation.grid import InlineGrid
 from fedge.strategies import FedAvg
 from fedge.strategies.drivers.secure import SecureAggregation
 from fedge.task.api import TaskData
+from fedge.task.builtin.digits import Digits
 from fedge.task.models import model_arrays
 from fedge.task.training import train_local
-from fedge.tasks.digits import Digits
 
 HERE = Path(__file__).resolve().parent
 HIDDEN = 1320  # 64 * 1320 + 1320 + 1320 * 10 + 10 = 99,010 parameters

@@ -75,9 +75,9 @@ from fedge.simulation.grid import FIRST_NODE_ID, InlineGrid
 from fedge.strategies import FedAvg
 from fedge.strategies.drivers.secure import SecureAggregation
 from fedge.task.api import TaskData
+from fedge.task.builtin.digits import Digits
 from fedge.task.models import model_arrays
 from fedge.task.training import train_local
-from fedge.tasks.digits import Digits
 
 HERE = Path(__file__).resolve().parent
 HIDDEN = 13_333  # 64 * 13333 + 13333 + 13333 * 10 + 10 = 999,985 parameters

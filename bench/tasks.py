@@ -54,7 +54,7 @@ def parameters(task: str) -> int:
     """The task model's parameter count."""
     from fedge.config import resolve_run_config
     from fedge.task.api import seeded_model
-    from fedge.tasks import load_task
+    from fedge.task.loading import load_task
 
     model = seeded_model(load_task(resolve_run_config({"task": task})), 0)
     return sum(p.numel() for p in model.parameters())

@@ -75,8 +75,8 @@ def _start_options(start: argparse.ArgumentParser) -> None:
 
 
 def _start(args: argparse.Namespace) -> int:
-    from fedge.clients.gateway import GatewayOptions, GatewaySettings, run_gateway  # noqa: PLC0415
-    from fedge.clients.gateway_web import WebSite  # noqa: PLC0415
+    from fedge.clients.gateway.service import GatewayOptions, GatewaySettings, run_gateway  # noqa: PLC0415
+    from fedge.clients.gateway.web import WebSite  # noqa: PLC0415
     from fedge.errors import ConfigError  # noqa: PLC0415
 
     if args.demo_page and args.ort_web is None:
@@ -97,7 +97,7 @@ def _start(args: argparse.Namespace) -> int:
 
 
 def _demo_data(args: argparse.Namespace) -> int:
-    from fedge.clients.gateway_web import write_demo_data  # noqa: PLC0415
+    from fedge.clients.gateway.web import write_demo_data  # noqa: PLC0415
 
     written = write_demo_data(args.task, args.out, args.devices, prefix=args.prefix, raw=args.raw)
     print(f"wrote {len(written)} demo devices' examples ({written[0].name} .. {written[-1].name}) to {args.out}: "
@@ -107,7 +107,7 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 
 def _add_device(args: argparse.Namespace) -> int:
-    from fedge.clients.gateway import add_protocol_device  # noqa: PLC0415
+    from fedge.clients.gateway.service import add_protocol_device  # noqa: PLC0415
 
     private, public = add_protocol_device(args.devices, args.name, force=args.force)
     print(f"device '{args.name}': give {private} to the device (then delete it here); {public} stays in the "
@@ -116,7 +116,7 @@ def _add_device(args: argparse.Namespace) -> int:
 
 
 def _revoke(args: argparse.Namespace) -> int:
-    from fedge.clients.gateway import revoke_protocol_device  # noqa: PLC0415
+    from fedge.clients.gateway.service import revoke_protocol_device  # noqa: PLC0415
 
     revoke_protocol_device(args.devices, args.name)
     print(f"device '{args.name}' is revoked: gateways reading {args.devices} refuse it within a second")

@@ -34,7 +34,7 @@ from fedge.clients.common import (
     received_weights,
     train_order,
 )
-from fedge.clients.gateway_bridge import gateway_content, is_gateway
+from fedge.clients.gateway.bridge import gateway_content, is_gateway
 from fedge.clients.runtimes import device_task, handlers_for, local_data, onnx_data
 from fedge.clients.secure import add_secure_handlers
 from fedge.errors import FedgeError

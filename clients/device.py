@@ -70,7 +70,7 @@ class DeviceOptions:
     bundles: str = ""  # the coordinator's bundle service HOST:PORT (default: the coordinator's host, port + 1)
     verbose: bool = False  # Flower's log lines on the console too (else only in STATE_DIR/supernode.log)
     offline_limit_s: float = OFFLINE_LIMIT_S  # stop once a joined coordinator has been unreachable this long
-    # a gateway's node (fedge.clients.gateway): its loopback control address and token file; no data of its own
+    # a gateway's node (fedge.clients.gateway.service): its loopback control address and token file; no data of its own
     gateway_control: str = ""
     gateway_token: Path | None = None
 
@@ -99,7 +99,7 @@ def check_device(options: DeviceOptions) -> None:
         _check_onnx_options(options)  # its data is checked against the training graph once pulled
     elif options.task:  # the device's own task reads its own data: checked now, not at the first round
         from fedge.config import resolve_run_config  # noqa: PLC0415 - torch only when a task is named
-        from fedge.tasks import load_task  # noqa: PLC0415
+        from fedge.task.loading import load_task  # noqa: PLC0415
 
         task = load_task(resolve_run_config({"task": options.task}))
         _check_count(options, len(task.device_data(str(options.data.resolve()))))

@@ -49,11 +49,10 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 from fedge.clients import secagg_device
 from fedge.clients.device_data import DeviceArrays, device_arrays
-from fedge.device_protocol import (
+from fedge.clients.gateway.protocol import (
     COUNTER_HEADER,
     ENCODINGS,
     FRAME_TYPE,
-    GATEWAY_CN_PREFIX,
     INT8_DELTA,
     MAC_HEADER,
     NONCE_BYTES,
@@ -77,6 +76,7 @@ from fedge.edge.trainer import OnnxTrainer
 from fedge.edge.training_bundle import TrainingBundle, read_training_bundle
 from fedge.errors import BundleVerificationError, ConfigError, DeviceProtocolError, ProtocolError
 from fedge.files import write_bytes_atomic
+from fedge.listeners import GATEWAY_CN_PREFIX
 from fedge.preprocessing import prepare_device_inputs
 from fedge.secagg import ProtocolViolation
 from fedge.wire import TrainInstruction
@@ -164,7 +164,7 @@ class ProtocolDevice:
     secure : bool
         Require secure aggregation: refuse plain train tasks (the gateway would see this
         device's update) and answer only the SecAgg+ steps, in which the gateway learns
-        only its pool's sum (:mod:`fedge.clients.gateway_secure`).
+        only its pool's sum (:mod:`fedge.clients.gateway.secure_pool`).
     """
 
     def __init__(self, *, gateway: str, name: str, key: Path | PrivateKey, data: Path | DeviceArrays, trust: Path,

@@ -154,7 +154,7 @@ def device_task(context: Context, config: RunConfig) -> Task:
     ConfigError
         The run names another task than the device's, or an unregistered one the device did not choose.
     """
-    from fedge.tasks import load_task, task_reference  # noqa: PLC0415 - tasks import torch
+    from fedge.task.loading import load_task, task_reference  # noqa: PLC0415 - tasks import torch
 
     wanted = task_reference(config)
     own = str(context.node_config.get("task", ""))

@@ -4,7 +4,7 @@ SecAgg (Bonawitz et al., CCS 2017, §4) and SecAgg+ (Bell et al., CCS 2020). Two
 these same functions: a SuperNode's ClientApp (:mod:`fedge.clients.secure`, which keeps the
 state in Flower's ``Context.state`` and reads Flower records) and a protocol device behind a
 gateway (:mod:`fedge.clients.protocol_device`, no Flower, no torch), whose gateway runs the
-coordinator's side over its pool (:mod:`fedge.clients.gateway_secure`). What each step checks,
+coordinator's side over its pool (:mod:`fedge.clients.gateway.secure_pool`). What each step checks,
 and the threat model, is in :mod:`fedge.clients.secure`.
 
 ``state`` is one round's secrets (keys ``c-sk``, ``s-sk``, ``g-sk``, ``round``, ``stage``,

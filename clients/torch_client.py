@@ -10,8 +10,8 @@ from fedge.clients.common import LocalWork, TrainOrder, instructed_scale, receiv
 from fedge.config import RunConfig
 from fedge.task.api import Task, TaskData
 from fedge.task.models import load_arrays, model_arrays
+from fedge.task.submodels import add_scaler, model_for
 from fedge.task.training import evaluate, pick_device, train_local
-from fedge.task.widths import add_scaler, model_for
 
 
 def torch_local_work(msg: Message, config: RunConfig, order: TrainOrder, task: Task,

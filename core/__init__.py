@@ -3,7 +3,7 @@
 The subpackages map to the repository's top-level folders: ``fedge.server`` (coordinator),
 ``fedge.clients`` (device SDK, gateways, the device protocol's reference client),
 ``fedge.edge`` (signed bundles, ONNX export and on-device training), ``fedge.strategies``
-(aggregation), ``fedge.task`` / ``fedge.tasks`` (the Task API / the built-in tasks),
+(aggregation), ``fedge.task`` / ``fedge.task.builtin`` (the Task API / the built-in tasks),
 ``fedge.web`` (the browser SDK's files), ``fedge.simulation`` (one-machine fleets) and
 ``fedge.cli``. This package (the core, folder ``core/``) holds what every side shares: errors,
 the run configuration and its knobs, the wire contract, codecs, fleet profiles, aggregation

@@ -346,3 +346,8 @@ def bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+# the subject CN of a gateway's TLS certificate (`fedge keys add-gateway NAME`): the name devices sign at
+# check-in; the PKI (fedge.server.pki) writes it, the gateway and its devices read it
+GATEWAY_CN_PREFIX = "fedge gateway "

@@ -46,9 +46,9 @@ STEPS = "steps"
 INPUTS = "inputs"
 INPUT_VERDICTS = (RAW_SCALED, OUTSIDE)
 TRAIN_LOSS = "train-loss"
-# a gateway's reply (fedge.clients.gateway): how many devices' updates its weighted mean stands for
+# a gateway's reply (fedge.clients.gateway.service): how many devices' updates its weighted mean stands for
 AGGREGATE_OF = "aggregate-of"
-# ... and, when its pool ran secure aggregation (fedge.clients.gateway_secure), how many devices'
+# ... and, when its pool ran secure aggregation (fedge.clients.gateway.secure_pool), how many devices'
 # masked inputs the unmasked sum holds: the coordinator under secure-aggregation takes no other reply
 SECURE_POOL = "secure-pool"
 # ... its name (the one its TLS certificate and its devices' check-ins carry: one node per name), and how

@@ -42,10 +42,10 @@ from fedge.strategies.registry import names_where
 from fedge.strategies.selection import OortSelector, RandomSelector
 from fedge.strategies.submodels import SubModels
 from fedge.strategies.validation import DeviceTierBounds, ReplyValidator
+from fedge.submodels import as_fraction
 from fedge.task.api import Task, seeded_model
+from fedge.task.loading import check_task, load_task
 from fedge.task.models import load_arrays, model_arrays
-from fedge.tasks import check_task, load_task
-from fedge.widths import as_fraction
 from fedge.work import max_local_steps
 
 if TYPE_CHECKING:
@@ -155,10 +155,10 @@ def check_hierarchical(config: RunConfig, strategy: FedAvg) -> None:
     """Refuse, in one line, what cannot run over gateways' pre-aggregated replies (``gateways = true``).
 
     A gateway replies with the weighted mean of its devices' updates
-    (:mod:`fedge.clients.gateway`); a strategy that needs each device's update, its steps, its
+    (:mod:`fedge.clients.gateway.service`); a strategy that needs each device's update, its steps, its
     arrival or its own clipping would silently compute something else over those means.
     ``secure-aggregation`` composes: each gateway runs SecAgg+ over its pool
-    (:mod:`fedge.clients.gateway_secure`) and the coordinator takes only such pool sums.
+    (:mod:`fedge.clients.gateway.secure_pool`) and the coordinator takes only such pool sums.
     """
     where = "docs/operator.md#gateways-for-phones-and-browsers"
     name = config.text("strategy")

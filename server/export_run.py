@@ -16,8 +16,8 @@ from fedge.errors import ConfigError
 from fedge.server.bundles import export_global_model
 from fedge.server.checkpoint import load_checkpoint
 from fedge.task.api import seeded_model
+from fedge.task.loading import load_task
 from fedge.task.models import load_arrays
-from fedge.tasks import load_task
 
 
 def export_run_round(

@@ -28,9 +28,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedge.device_protocol import GATEWAY_CN_PREFIX
 from fedge.edge.signing import ensure_private_dir, write_public
 from fedge.errors import ConfigError
+from fedge.listeners import GATEWAY_CN_PREFIX
 
 DEVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 

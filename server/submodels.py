@@ -1,9 +1,9 @@
 """The coordinator's side of width-scaled sub-models: each profile's width, refused at start when it cannot work.
 
 A profile's width is its ``model-width`` when the fleet file declares one, else the largest
-width of :data:`fedge.task.widths.WIDTH_LADDER` whose training memory (estimated from the
+width of :data:`fedge.task.submodels.WIDTH_LADDER` whose training memory (estimated from the
 sub-model's parameters and its activations at ``batch-size``:
-:func:`fedge.task.widths.training_memory_bytes`) fits the profile's ``memory-mb``.
+:func:`fedge.task.submodels.training_memory_bytes`) fits the profile's ``memory-mb``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.profiles import Fleet
 from fedge.strategies.submodels import SubModels, extraction
+from fedge.submodels import WidthPlan
 from fedge.task.api import Task
 from fedge.task.models import load_arrays
-from fedge.task.widths import (
+from fedge.task.submodels import (
     TrainingMemory,
     add_scaler,
     check_widths,
@@ -34,7 +35,6 @@ from fedge.task.widths import (
     widest_fitting,
     width_plan,
 )
-from fedge.widths import WidthPlan
 
 log = logging.getLogger("fedge.server")
 

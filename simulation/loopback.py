@@ -24,7 +24,7 @@ import psutil
 from fedge.config import resolve_run_config
 from fedge.server.pki import add_device, init_keys
 from fedge.server.report import read_jsonl
-from fedge.tasks import load_task
+from fedge.task.loading import load_task
 
 FEDGE = str(Path(sys.executable).with_name("fedge"))
 

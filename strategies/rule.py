@@ -20,7 +20,7 @@ A rule declares what drivers may do with it:
 * ``takes_stale_updates``: it folds updates trained from older models (``Update.base``), as
   the asynchronous driver sends them;
 * ``takes_sub_models``: it folds updates of width-scaled sub-models (``Update.window``), each
-  entry averaged over the updates that hold it (HeteroFL, FedRolex: :mod:`fedge.widths`);
+  entry averaged over the updates that hold it (HeteroFL, FedRolex: :mod:`fedge.submodels`);
 * state to checkpoint: :meth:`Rule.state_dict`, whose keys name what a checkpoint holds.
 """
 
@@ -35,7 +35,7 @@ from numpy.typing import NDArray
 
 from fedge.aggregate import WeightedMeanAccumulator, statistic_names
 from fedge.errors import CheckpointMismatch
-from fedge.widths import CoverageMean, Window
+from fedge.submodels import CoverageMean, Window
 
 Arrays = dict[str, NDArray[np.generic]]
 
@@ -61,7 +61,7 @@ class Update:
         asynchronous driver's stale update); None otherwise.
     window : Window, optional
         The part of the global model the device trained (a width-scaled sub-model, see
-        :mod:`fedge.widths`); None: the whole model.
+        :mod:`fedge.submodels`); None: the whole model.
     """
 
     node_id: int

@@ -1,10 +1,10 @@
 """Width-scaled sub-models in a strategy's rounds: who trains which window of the global model.
 
-The math is in :mod:`fedge.widths` (windows, the per-entry mean); this is its plumbing. A
+The math is in :mod:`fedge.submodels` (windows, the per-entry mean); this is its plumbing. A
 strategy given :class:`SubModels` sends each device the window of the global model its
 profile's width holds (on the downlink, and as what its reply is checked against), and its
 linear rule averages each entry over the devices that held it
-(:class:`fedge.widths.CoverageMean`). Which window a width takes in a round is the run's
+(:class:`fedge.submodels.CoverageMean`). Which window a width takes in a round is the run's
 *extraction*, a registry (:func:`register_extraction`):
 
 * ``heterofl``: HeteroFL's leading channels (Diao, Ding and Tarokh, ICLR 2021);
@@ -28,7 +28,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from fedge import wire
 from fedge.errors import ConfigError
 from fedge.strategies.node_profiles import NodeProfiles
-from fedge.widths import Offset, WidthPlan, Window, rolling_offset
+from fedge.submodels import Offset, WidthPlan, Window, rolling_offset
 
 log = logging.getLogger("fedge.strategies.submodels")
 
@@ -114,7 +114,7 @@ class SubModels:
         fleet's smallest width, a guess that fits it (``exclude``: the whole model).
     scaler : bool
         Whether devices train and evaluate their sub-models with HeteroFL's scaler
-        (:func:`fedge.task.widths.add_scaler`; the instruction says so).
+        (:func:`fedge.task.submodels.add_scaler`; the instruction says so).
     stride : int
         ``fedrolex-stride``: units a rolling window moves each round (0: its own length).
     """

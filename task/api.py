@@ -100,7 +100,7 @@ class Task:
     The defaults are those of classification: cross-entropy loss, accuracy as headline,
     fedge's SGD with momentum, partitions split from :meth:`train_data` by the run config's
     ``partitioner``. A task built from the run config is a function ``(RunConfig) -> Task``
-    (see :func:`fedge.tasks.load_task`).
+    (see :func:`fedge.task.loading.load_task`).
     """
 
     name: str = "task"

@@ -1,4 +1,4 @@
-"""Data sets, partitioners and flat-file loaders the built-in tasks (:mod:`fedge.tasks`) use.
+"""Data sets, partitioners and flat-file loaders the built-in tasks (:mod:`fedge.task.builtin`) use.
 
 * ``digits``: scikit-learn's bundled 8x8 handwritten digits (no download).
 * ``synthetic``: the Synthetic(alpha, beta) benchmark of FedProx

@@ -4,7 +4,7 @@ A width's window must take, on a layer's input axis, exactly the units its windo
 outputs of the layers that feed it. When a layer reads one layer's output (or a channel-major
 flatten of it), the same fraction of the axis does that. When ``forward`` joins features with
 ``torch.cat`` (two branches before a head, a U-Net's skip features, raw inputs beside hidden
-ones), the axis is several :class:`fedge.widths.Segment` s, each windowed on its own.
+ones), the axis is several :class:`fedge.submodels.Segment` s, each windowed on its own.
 :class:`LayoutTracer` follows every tensor a forward pass makes (a
 :class:`torch.overrides.TorchFunctionMode`) and notes each weighted layer's input layout.
 
@@ -14,7 +14,7 @@ than in the whole model, so it is a *problem*, named with the module and the lin
 ``forward``; fedge refuses such a model for sub-models. An op whose effect on the feature axis
 is unknown (a matmul contracting it, a reshape that moves it) drops what is known: the next
 layer reads its input as one segment of its own units, the rule fedge had before, and
-:func:`fedge.task.widths.check_widths` still checks the result.
+:func:`fedge.task.submodels.check_widths` still checks the result.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fedge.widths import Segment
+from fedge.submodels import Segment
 
 CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 CHANNEL_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,

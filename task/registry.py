@@ -2,7 +2,7 @@
 
 A registered entry is a factory ``(RunConfig) -> Task`` (a :class:`~fedge.task.api.Task`
 subclass whose constructor takes the run config qualifies). Adding a task is one file with
-``@register_task("name")`` plus tests; :func:`fedge.tasks.load_task` also accepts
+``@register_task("name")`` plus tests; :func:`fedge.task.loading.load_task` also accepts
 ``"package.module:object"`` for tasks that live outside fedge.
 """
 

@@ -12,8 +12,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from flwr.app import Context, RecordDict
 
-from fedge.clients.gateway import Gateway, GatewaySettings, Served, add_protocol_device, control_app, device_app
-from fedge.clients.gateway_bridge import ask_gateway
+from fedge.clients.gateway.bridge import ask_gateway
+from fedge.clients.gateway.service import Gateway, GatewaySettings, Served, add_protocol_device, control_app, device_app
 from fedge.clients.protocol_device import ProtocolDevice
 from fedge.config import resolve_run_config
 from fedge.listeners import ListenerLimits
@@ -26,8 +26,8 @@ from fedge.server.training_bundle import (
     write_run_training_bundle,
 )
 from fedge.task.api import seeded_model
+from fedge.task.loading import load_task
 from fedge.task.models import model_arrays
-from fedge.tasks import load_task
 
 CONFIG = {"local-epochs": 1, "batch-size": 32, "learning-rate": 0.05, "momentum": 0.9, "proximal-mu": 0.0, "seed": 7}
 

@@ -229,8 +229,8 @@ def test_every_fedge_reference_in_a_docstring_resolves() -> None:
 
 
 @pytest.mark.parametrize(("name", "resolves"), [
-    ("fedge.widths.WidthPlan.window", True), ("fedge.clients.protocol_device", True),
-    ("fedge.edge.protocol_client", False), ("fedge.task.Task", False), ("fedge.widths.NoSuchThing", False),
+    ("fedge.submodels.WidthPlan.window", True), ("fedge.clients.protocol_device", True),
+    ("fedge.edge.protocol_client", False), ("fedge.task.Task", False), ("fedge.submodels.NoSuchThing", False),
 ])
 def test_the_reference_checker_tells_a_dangling_name(name: str, resolves: bool) -> None:
     # Assert
@@ -239,7 +239,7 @@ def test_the_reference_checker_tells_a_dangling_name(name: str, resolves: bool) 
 
 def test_no_driver_imports_the_flower_strategy_not_even_for_types() -> None:
     # Prepare: every module of the round drivers, and the gateway's secure pool that runs one
-    sources = [*sorted((ROOT / "strategies" / "drivers").glob("*.py")), ROOT / "clients" / "gateway_secure.py"]
+    sources = [*sorted((ROOT / "strategies" / "drivers").glob("*.py")), ROOT / "clients" / "gateway" / "secure_pool.py"]
     # Execute: what each imports (TYPE_CHECKING blocks included: ast.walk sees them)
     found = [f"{path.relative_to(ROOT)}:{line}: {name}" for path in sources
              for line, name in _imported(ast.parse(path.read_text()), "fedge.strategies.drivers.x")

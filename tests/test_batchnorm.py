@@ -11,7 +11,7 @@ from torch import nn
 
 from fedge.aggregate import WeightedMeanAccumulator, c_contiguous, statistic_names, with_statistics
 from fedge.server.checkpoint import load_checkpoint
-from fedge.tasks.digits import Digits
+from fedge.task.builtin.digits import Digits
 
 
 class BatchNormDigits(Digits):

@@ -37,7 +37,7 @@ from onnx import TensorProto, helper
 
 from fedge.config import resolve_run_config
 from fedge.task.api import Task, seeded_model
-from fedge.tasks import load_task
+from fedge.task.loading import load_task
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = Path(__file__).resolve().parent / "browser"

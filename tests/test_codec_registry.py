@@ -196,7 +196,8 @@ def test_an_unregistered_quantiser_is_an_unknown_codec() -> None:
 
 
 def test_the_device_protocols_encodings_are_the_codec_registrys_entries() -> None:
-    from fedge import codec, device_protocol  # noqa: PLC0415
+    from fedge import codec  # noqa: PLC0415
+    from fedge.clients.gateway import protocol as device_protocol  # noqa: PLC0415
 
     # The protocol's list of encodings is the registry's, and its int8-delta is fedge's one int8 quantiser
     assert device_protocol.ENCODINGS == tuple(codec.ENCODINGS) == ("fp32", "int8-delta")
@@ -206,7 +207,8 @@ def test_the_device_protocols_encodings_are_the_codec_registrys_entries() -> Non
 
 
 def test_int8_delta_is_the_registry_entry_and_rounds_half_to_even(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fedge import codec, device_protocol  # noqa: PLC0415
+    from fedge import codec  # noqa: PLC0415
+    from fedge.clients.gateway import protocol as device_protocol  # noqa: PLC0415
 
     # Prepare: deltas of exactly 0.5, 1.5, 2.5 and -2.5 scale steps (scale = 127 / 127 = 1)
     base = {"w": np.zeros(5, np.float64)}

@@ -85,7 +85,7 @@ def test_digits_ship_with_scikit_learn() -> None:
 
 def test_the_digits_task_splits_every_example_into_one_partition_or_the_test_set() -> None:
     # Prepare
-    from fedge.tasks import load_task
+    from fedge.task.loading import load_task
 
     config = resolve_run_config({"test-fraction": 0.25})
     task = load_task(config)

@@ -30,8 +30,8 @@ from fedge.profiles import BUILTIN_PROFILES, parse_fleet, time_budget_steps
 from fedge.server.bundles import run_signing_key
 from fedge.server.training_bundle import export_training_graph, write_run_training_bundle
 from fedge.task.api import seeded_model
+from fedge.task.loading import load_task
 from fedge.task.models import model_arrays
-from fedge.tasks import load_task
 
 RUN = {"fleet": "laptop=4", "model": "mlp", "local-epochs": 1, "batch-size": 32}
 

@@ -32,8 +32,8 @@ from fedge.server.training_bundle import (
     write_run_training_bundle,
 )
 from fedge.task.api import seeded_model
+from fedge.task.loading import load_task
 from fedge.task.models import model_arrays
-from fedge.tasks import load_task
 
 DIGITS = {"kind": "affine", "scale": 1 / 16, "offset": 0.0, "raw-range": [0, 16]}
 

@@ -90,7 +90,7 @@ def test_every_python_example_is_run_or_covered() -> None:
 def test_the_operator_snippet_writes_the_training_partitions_and_no_held_out_row(in_tmp: Path) -> None:
     # Prepare
     from fedge.config import resolve_run_config
-    from fedge.tasks import load_task
+    from fedge.task.loading import load_task
 
     task = load_task(resolve_run_config({"task": "digits", "partitioner": "iid"}))
     held_out = {row.tobytes() for row in task.central_data().inputs[0]}  # type: ignore[union-attr]

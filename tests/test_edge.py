@@ -26,8 +26,8 @@ from fedge.edge.signing import generate_signing_key, load_private_key
 from fedge.errors import BundleVerificationError
 from fedge.server.bundles import task_score
 from fedge.task.api import Task, TaskData, seeded_model
+from fedge.task.loading import load_task
 from fedge.task.training import train_local
-from fedge.tasks import load_task
 
 
 @pytest.fixture(scope="module")

@@ -136,7 +136,7 @@ def test_predict_refuses_unscaled_inputs_and_points_to_raw(
 
 
 MY_TASK = '''
-from fedge.tasks.digits import Digits
+from fedge.task.builtin.digits import Digits
 
 
 class Mine(Digits):

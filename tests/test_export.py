@@ -12,7 +12,7 @@ import torch
 from fedge.config import resolve_run_config
 from fedge.edge.export import OUTPUT_NAME, PARITY_TOLERANCE, export_onnx
 from fedge.task.api import seeded_model
-from fedge.tasks import load_task
+from fedge.task.loading import load_task
 
 
 @pytest.mark.parametrize("name", ["logreg", "mlp", "cnn"])

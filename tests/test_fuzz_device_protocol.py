@@ -20,10 +20,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedge.clients.gateway import add_protocol_device
-from fedge.clients.gateway_pool import AllowList, DeviceBounds, GatewayRound, Sessions
+from fedge.clients.gateway.pool import AllowList, DeviceBounds, GatewayRound, Sessions
+from fedge.clients.gateway.protocol import b64, check_in_message, decode_frame, encode_frame, int8_delta, read_json
+from fedge.clients.gateway.service import add_protocol_device
 from fedge.clients.protocol_device import load_private_key, sign
-from fedge.device_protocol import b64, check_in_message, decode_frame, encode_frame, int8_delta, read_json
 from fedge.errors import DeviceProtocolError
 from fuzzing import bounded, fuzz, mutated
 

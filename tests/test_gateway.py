@@ -30,12 +30,8 @@ from hypothesis import strategies as st
 from fedge import wire
 from fedge.aggregate import weighted_mean
 from fedge.clients.app import make_default_client_app
-from fedge.clients.gateway import (
-    revoke_protocol_device,
-)
-from fedge.clients.gateway_pool import GatewayRound, Session, device_seed
-from fedge.config import resolve_run_config
-from fedge.device_protocol import (
+from fedge.clients.gateway.pool import GatewayRound, Session, device_seed
+from fedge.clients.gateway.protocol import (
     COUNTER_HEADER,
     MAC_HEADER,
     PREFIX,
@@ -48,13 +44,17 @@ from fedge.device_protocol import (
     int8_delta,
     request_mac,
 )
+from fedge.clients.gateway.service import (
+    revoke_protocol_device,
+)
+from fedge.config import resolve_run_config
 from fedge.errors import BundleVerificationError, ConfigError, DeviceProtocolError
 from fedge.server.bundles import run_signing_key
 from fedge.server.pki import add_gateway, init_keys
 from fedge.server.training_bundle import SIGNING_PUBLIC_KEY
 from fedge.task.api import seeded_model
+from fedge.task.loading import load_task
 from fedge.task.models import model_arrays
-from fedge.tasks import load_task
 from tests.live_gateway import CONFIG, LiveGateway
 
 
@@ -290,7 +290,7 @@ def test_a_hostile_check_in_body_gets_400_not_a_crash(live: LiveGateway, case: s
     ("not an object of records", [1], "must be an object"),
 ])
 def test_malformed_step_records_are_refused_by_name(case: str, records: Any, reason: str) -> None:
-    from fedge.device_protocol import records_from_json  # noqa: PLC0415
+    from fedge.clients.gateway.protocol import records_from_json  # noqa: PLC0415
 
     with pytest.raises(DeviceProtocolError, match=re.escape(reason)):
         records_from_json(records)
@@ -421,7 +421,7 @@ def test_the_protocol_device_imports_neither_flower_nor_torch() -> None:
             "        if name.split('.')[0] in ('flwr', 'torch'):\n"
             "            raise ImportError('blocked: ' + name)\n"
             "sys.meta_path.insert(0, Block())\n"
-            "import fedge.clients.protocol_device, fedge.device_protocol\n"
+            "import fedge.clients.protocol_device, fedge.clients.gateway.protocol\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('flwr', 'torch')))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr

@@ -26,9 +26,9 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from fedge.clients.gateway import GatewaySettings, Served, device_app
-from fedge.clients.gateway_pool import GatewayRound
-from fedge.device_protocol import PREFIX, b64, check_in_message
+from fedge.clients.gateway.pool import GatewayRound
+from fedge.clients.gateway.protocol import PREFIX, b64, check_in_message
+from fedge.clients.gateway.service import GatewaySettings, Served, device_app
 from fedge.listeners import ListenerLimits
 from tests.http_attacks import wait_until
 from tests.live_gateway import LiveGateway
@@ -182,7 +182,7 @@ def test_a_removed_key_ends_its_live_session(small: SmallGateway) -> None:
 
 def _once(device: Any, method: str, path: str) -> tuple[int, bytes]:
     """One authenticated request on the device's session, without checking in again on a 401."""
-    from fedge.device_protocol import COUNTER_HEADER, MAC_HEADER, request_mac  # noqa: PLC0415
+    from fedge.clients.gateway.protocol import COUNTER_HEADER, MAC_HEADER, request_mac  # noqa: PLC0415
 
     token, key = device._session
     device._counter += 1
@@ -226,7 +226,7 @@ def _closed(sock: socket.socket) -> bool:
 def test_the_gateway_raises_its_open_file_limit_to_the_hard_limit() -> None:
     # Prepare: a process whose soft limit is systemd's default, below its hard limit
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    code = ("import resource; from fedge.clients.gateway import raise_file_limit; "
+    code = ("import resource; from fedge.clients.gateway.service import raise_file_limit; "
             f"resource.setrlimit(resource.RLIMIT_NOFILE, (256, {hard})); print(raise_file_limit())")
     # Execute
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)

@@ -22,11 +22,11 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 
 from fedge import wire
 from fedge.aggregate import update_norm, weighted_mean
-from fedge.clients.gateway import GatewaySettings, check_certificate_name
-from fedge.clients.gateway_bridge import secure_settings
+from fedge.clients.gateway.bridge import secure_settings
+from fedge.clients.gateway.protocol import PREFIX, decode_frame, encode_frame
+from fedge.clients.gateway.service import GatewaySettings, check_certificate_name
 from fedge.clients.protocol_device import ProtocolDevice
 from fedge.config import resolve_run_config
-from fedge.device_protocol import PREFIX, decode_frame, encode_frame
 from fedge.errors import ConfigError, UpdateRejected
 from fedge.server.app import build_strategy
 from fedge.strategies.validation import DecodedOnUse, spec_of

@@ -26,13 +26,13 @@ import numpy as np
 import pytest
 
 from fedge.cli.main import main
-from fedge.clients.gateway import add_protocol_device
+from fedge.clients.gateway.service import add_protocol_device
 from fedge.clients.protocol_device import ProtocolDevice
 from fedge.config import resolve_run_config
 from fedge.server.report import read_jsonl
 from fedge.simulation.loopback import LoopbackFederation, free_port
 from fedge.simulation.runner import simulate
-from fedge.tasks import load_task
+from fedge.task.loading import load_task
 
 pytestmark = pytest.mark.slow
 DEVICES, ROUNDS = 6, 3

@@ -25,7 +25,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 
 from fedge import wire
 from fedge.clients.app import make_default_client_app
-from fedge.clients.gateway import GatewayOptions, GatewaySettings, wait_for_training_graph
+from fedge.clients.gateway.service import GatewayOptions, GatewaySettings, wait_for_training_graph
 from fedge.clients.protocol_device import ProtocolDevice
 from fedge.config import resolve_run_config
 from fedge.edge.delivery import NotPublished

@@ -25,7 +25,9 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from fedge import wire
 from fedge.clients.app import make_default_client_app
-from fedge.clients.gateway import (
+from fedge.clients.gateway.pool import GatewayRound
+from fedge.clients.gateway.protocol import PREFIX
+from fedge.clients.gateway.service import (
     Gateway,
     GatewayOptions,
     GatewaySettings,
@@ -33,13 +35,11 @@ from fedge.clients.gateway import (
     tell_devices,
     watch_run_end,
 )
-from fedge.clients.gateway_pool import GatewayRound
 from fedge.config import resolve_run_config
-from fedge.device_protocol import PREFIX
 from fedge.simulation.loopback import free_port
 from fedge.task.api import seeded_model
+from fedge.task.loading import load_task
 from fedge.task.models import model_arrays
-from fedge.tasks import load_task
 from tests.live_gateway import CONFIG, LiveGateway
 
 FEDGE = str(Path(sys.executable).with_name("fedge"))

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 from fedge.aggregate import weighted_mean
-from fedge.clients.gateway import Gateway, GatewaySettings
-from fedge.clients.gateway_pool import device_seed
-from fedge.clients.gateway_secure import SecureExchange, check_secure_settings
+from fedge.clients.gateway.pool import device_seed
+from fedge.clients.gateway.protocol import Frame
+from fedge.clients.gateway.secure_pool import SecureExchange, check_secure_settings
+from fedge.clients.gateway.service import Gateway, GatewaySettings
 from fedge.clients.protocol_device import Outcome, ProtocolDevice
-from fedge.device_protocol import Frame
 from fedge.errors import DeviceProtocolError, FedgeError
 from fedge.secagg import ProtocolViolation
 from tests.live_gateway import LiveGateway
@@ -183,8 +183,8 @@ def test_malformed_secure_settings_are_refused(case: str, settings: Any) -> None
 
 
 def _check_in_body(live: LiveGateway, name: str, capabilities: list[str] | None) -> dict[str, Any]:
+    from fedge.clients.gateway.protocol import b64, check_in_message  # noqa: PLC0415
     from fedge.clients.protocol_device import load_private_key, sign  # noqa: PLC0415
-    from fedge.device_protocol import b64, check_in_message  # noqa: PLC0415
 
     issued, nonce = int(time.time()), b64(os.urandom(16))
     signature = sign(load_private_key(live.allow / f"{name}.key"),

@@ -24,7 +24,17 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from fedge.cli.main import build_parser, main
-from fedge.clients.gateway import (
+from fedge.clients.gateway.pool import AllowList, Sessions
+from fedge.clients.gateway.protocol import (
+    COUNTER_HEADER,
+    MAC_HEADER,
+    NONCE_BYTES,
+    SESSION_HEADER,
+    b64,
+    check_in_message,
+    request_mac,
+)
+from fedge.clients.gateway.service import (
     Gateway,
     GatewayOptions,
     GatewaySettings,
@@ -32,8 +42,7 @@ from fedge.clients.gateway import (
     check_gateway,
     device_app,
 )
-from fedge.clients.gateway_pool import AllowList, Sessions
-from fedge.clients.gateway_web import (
+from fedge.clients.gateway.web import (
     WebSite,
     check_demo_data,
     check_origins,
@@ -43,17 +52,8 @@ from fedge.clients.gateway_web import (
 )
 from fedge.clients.protocol_device import load_private_key, sign
 from fedge.config import resolve_run_config
-from fedge.device_protocol import (
-    COUNTER_HEADER,
-    MAC_HEADER,
-    NONCE_BYTES,
-    SESSION_HEADER,
-    b64,
-    check_in_message,
-    request_mac,
-)
 from fedge.errors import ConfigError
-from fedge.tasks import load_task
+from fedge.task.loading import load_task
 from fedge.web import ORT_FILES
 
 GATEWAY = "gw-test"

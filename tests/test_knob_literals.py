@@ -30,9 +30,10 @@ DECLARATION = "core/knobs.py"
 # set is emptied (and each of their own-concept words added to ALLOWED). A file leaves it when clean.
 NOT_YET_SWEPT = frozenset({
     "server/app.py", "server/compression.py", "clients/app.py", "clients/common.py", "clients/device.py",
-    "clients/gateway.py", "clients/gateway_bridge.py", "clients/gateway_pool.py", "clients/gateway_secure.py",
-    "clients/gateway_web.py", "clients/onnx_client.py", "clients/protocol_device.py", "clients/runtimes.py",
-    "clients/torch_client.py", "core/device_protocol.py", "simulation/loopback.py", "strategies/rounds.py",
+    "clients/gateway/service.py", "clients/gateway/bridge.py", "clients/gateway/pool.py",
+    "clients/gateway/secure_pool.py",
+    "clients/gateway/web.py", "clients/onnx_client.py", "clients/protocol_device.py", "clients/runtimes.py",
+    "clients/torch_client.py", "clients/gateway/protocol.py", "simulation/loopback.py", "strategies/rounds.py",
 })
 
 # (file, key) -> (how many times the word stands there, what it names instead of the run-config key)
@@ -117,10 +118,10 @@ def test_the_allowlist_names_what_is_there() -> None:
 
 def test_the_scan_catches_a_literal_written_anew(tmp_path: Path) -> None:
     # Prepare: a copy of the tree's layout with one module reading a knob by its literal
-    (tmp_path / "pyproject.toml").write_text('[tool.setuptools.package-dir]\n"fedge.tasks" = "tasks"\n')
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "mine.py").write_text('def seed(config):\n    return config.integer("seed")\n')
+    (tmp_path / "pyproject.toml").write_text('[tool.setuptools.package-dir]\n"fedge.task" = "task"\n')
+    (tmp_path / "task" / "builtin").mkdir(parents=True)
+    (tmp_path / "task" / "builtin" / "mine.py").write_text('def seed(config):\n    return config.integer("seed")\n')
     # Execute
     found = knob_literals(tmp_path)
     # Assert
-    assert unexplained(found) == ["tasks/mine.py:2: seed"]
+    assert unexplained(found) == ["task/builtin/mine.py:2: seed"]

@@ -31,8 +31,8 @@ from fedge.server.training_bundle import (
 )
 from fedge.simulation.runner import simulate
 from fedge.task.api import seeded_model
+from fedge.task.loading import load_task
 from fedge.task.models import model_arrays
-from fedge.tasks import load_task
 
 FLEET_TOML = """
 [profiles.phone-onnx]

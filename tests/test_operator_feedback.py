@@ -119,8 +119,8 @@ def test_a_deployed_device_prints_round_samples_loss_and_bytes(runtime: str, tmp
         write_run_training_bundle,
     )
     from fedge.task.api import seeded_model
+    from fedge.task.loading import load_task
     from fedge.task.models import model_arrays
-    from fedge.tasks import load_task
 
     config = resolve_run_config({"model": "logreg", "local-epochs": 1, "batch-size": 10,
                                  "run-dir": str(tmp_path / "run")})

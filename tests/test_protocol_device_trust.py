@@ -28,10 +28,10 @@ from typing import Any
 
 import pytest
 
-from fedge.clients.gateway import Gateway, GatewaySettings, Served, add_protocol_device, device_app
+from fedge.clients.gateway.protocol import PREFIX
+from fedge.clients.gateway.service import Gateway, GatewaySettings, Served, add_protocol_device, device_app
 from fedge.clients.protocol_device import ProtocolDevice
 from fedge.config import resolve_run_config
-from fedge.device_protocol import PREFIX
 from fedge.edge.training_bundle import read_training_bundle, write_training_bundle
 from fedge.errors import BundleVerificationError, DeviceProtocolError, FedgeError
 from fedge.listeners import ListenerLimits
@@ -39,8 +39,8 @@ from fedge.server.bundles import run_signing_key
 from fedge.server.pki import CoordinatorKeys, add_gateway, init_keys
 from fedge.server.training_bundle import export_training_graph
 from fedge.task.api import seeded_model
+from fedge.task.loading import load_task
 from fedge.task.models import model_arrays
-from fedge.tasks import load_task
 from tests.live_gateway import LiveGateway
 
 DAY_S = 86_400

@@ -500,7 +500,7 @@ def test_secagg_digests_and_signatures_follow_the_spec() -> None:
 # --------------------------------------------------------------------------- sessions, as documented
 def _sessions(tmp_path: Path, *, now: float) -> tuple[Any, str, bytes]:
     """A gateway's sessions (gateway ``gw1``) that admitted the check-in vector's device; (sessions, token, key)."""
-    from fedge.clients.gateway_pool import AllowList, Sessions  # noqa: PLC0415 - the gateway's side, not the port's
+    from fedge.clients.gateway.pool import AllowList, Sessions  # noqa: PLC0415 - the gateway's side, not the port's
 
     vector = _vector("check-in")
     (tmp_path / f"{vector['device']}.pub").write_text(vector["public_key_pem"], encoding="utf-8")

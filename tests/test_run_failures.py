@@ -17,7 +17,7 @@ from fedge.errors import ExportError, RunFailed
 from fedge.strategies.drivers.base import RoundReport
 from fedge.strategies.systematic import systematic_reason
 from fedge.strategies.validation import Failure, Rejection
-from fedge.tasks.digits import Digits
+from fedge.task.builtin.digits import Digits
 
 
 def _report(server_round: int, accepted: int = 0, rejected: tuple[str, ...] = (),
@@ -110,7 +110,7 @@ def test_a_model_that_is_not_finite_is_never_signed(tmp_path: Path, fast_config:
 
 
 FRAGILE_TASK = '''
-from fedge.tasks.digits import Digits
+from fedge.task.builtin.digits import Digits
 
 
 class Fragile(Digits):

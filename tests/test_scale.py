@@ -15,8 +15,8 @@ from fedge.config import resolve_run_config
 from fedge.profiles import parse_fleet
 from fedge.simulation.grid import FIRST_NODE_ID, FleetNodes, InlineGrid
 from fedge.strategies.selection import RandomSelector
+from fedge.task.builtin.synthetic import EVALUATION_DEVICES, Synthetic
 from fedge.task.data import synthetic_device
-from fedge.tasks.synthetic import EVALUATION_DEVICES, Synthetic
 
 
 def _recording_app(seen: list[dict[str, object]], keep_state_for: set[int]) -> ClientApp:

@@ -2,7 +2,7 @@
 
 "Correctly" is checked as an identity (for models without norm layers): a width's sub-model,
 holding a window of the whole model, computes what the whole model computes with every entry
-outside that window zeroed (:func:`fedge.task.width_check.first_divergent_layer`), for
+outside that window zeroed (:func:`fedge.task.submodel_check.first_divergent_layer`), for
 HeteroFL's leading window and FedRolex's rolled ones.
 """
 
@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from fedge.errors import ConfigError
+from fedge.submodels import Offset, Segment, WidthPlan
 from fedge.task.api import Task, TaskData, seeded_model
-from fedge.task.width_check import first_divergent_layer
-from fedge.task.widths import check_cut, check_widths, probe_inputs, sub_model, width_plan
-from fedge.widths import Offset, Segment, WidthPlan
+from fedge.task.submodel_check import first_divergent_layer
+from fedge.task.submodels import check_cut, check_widths, probe_inputs, sub_model, width_plan
 
 WIDTHS = (0.5, 0.25)
 OFFSETS = (Offset(), Offset(index=1), Offset(index=3))
@@ -245,7 +245,7 @@ class Grouped(nn.Module):
 @pytest.mark.parametrize("server_round", [1, 2, 3, 5])
 def test_a_rolling_window_keeps_groupnorms_groups_whole(server_round: int) -> None:
     # Prepare
-    from fedge.widths import rolling_offset
+    from fedge.submodels import rolling_offset
 
     task = zoo_task(Grouped, IMAGES)
     model = seeded_model(task, 0)

@@ -20,9 +20,11 @@ from fedge.server.submodels import build_sub_models
 from fedge.strategies import FedAvg
 from fedge.strategies.median import Median
 from fedge.strategies.submodels import MODEL_WIDTH, SubModels, extraction
+from fedge.submodels import WidthPlan
 from fedge.task.api import Task, TaskData, seeded_model
+from fedge.task.loading import load_task
 from fedge.task.models import load_arrays
-from fedge.task.widths import (
+from fedge.task.submodels import (
     add_scaler,
     check_widths,
     fold_scaler,
@@ -32,8 +34,6 @@ from fedge.task.widths import (
     widest_fitting,
     width_plan,
 )
-from fedge.tasks import load_task
-from fedge.widths import WidthPlan
 from tests.replies import train_reply
 
 

@@ -22,7 +22,7 @@ from fedge.errors import ConfigError
 from fedge.signature import InputSpec
 from fedge.simulation.runner import simulate
 from fedge.task.api import Task, TaskData
-from fedge.tasks import check_task, load_task
+from fedge.task.loading import check_task, load_task
 
 FLEET = {"fleet": "phone=6,laptop=3,gpu-box=1", "clients-per-round": 5, "num-rounds": 3, "local-epochs": 2,
          "export-onnx": False, "partitioner": "iid", "learning-rate": 0.05}

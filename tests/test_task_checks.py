@@ -15,8 +15,8 @@ from torch import nn
 from fedge.config import resolve_run_config
 from fedge.errors import ConfigError
 from fedge.task.api import TaskData
-from fedge.tasks.diabetes import Diabetes
-from fedge.tasks.loading import check_task
+from fedge.task.builtin.diabetes import Diabetes
+from fedge.task.loading import check_task
 
 CONFIG = resolve_run_config({"task": "diabetes", "partitioner": "iid"})
 

@@ -12,12 +12,12 @@ import torch
 from fedge.config import RunConfig, resolve_run_config
 from fedge.signature import check_inputs
 from fedge.task.api import Task, TaskData, seeded_model
+from fedge.task.builtin.chars import VOCABULARY_SIZE, by_source, decode, encode
+from fedge.task.builtin.diabetes import FEATURES, load_diabetes_arrays
+from fedge.task.builtin.images import NUM_CLASSES
+from fedge.task.loading import check_task, load_task
 from fedge.task.registry import TASKS
 from fedge.task.training import evaluate, train_local
-from fedge.tasks import check_task, load_task
-from fedge.tasks.chars import VOCABULARY_SIZE, by_source, decode, encode
-from fedge.tasks.diabetes import FEATURES, load_diabetes_arrays
-from fedge.tasks.images import NUM_CLASSES
 
 NAMES = ("images", "chars", "diabetes")
 CPU = torch.device("cpu")

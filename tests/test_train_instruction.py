@@ -108,12 +108,12 @@ def test_a_missing_training_key_is_named_and_the_run_config_fills_it_on_a_device
 
 def test_the_training_keys_are_named_by_the_instruction_and_the_knobs_only() -> None:
     # Each training key's literal appears, outside tests and docs, in core/knobs.py alone (the instruction
-    # derives its keys from its field names); strategies/ is left out while it is being refactored
+    # derives its keys from its field names)
     from fedge import secagg  # noqa: PLC0415
     from fedge.server import app  # noqa: PLC0415
 
     assert app.TRAIN_KEYS is wire.TRAIN_KEYS and {wire.LOCAL_EPOCHS} == secagg.PER_DEVICE_CONFIG
-    folders = ["core", "clients", "edge", "task", "tasks", "simulation"]
+    folders = ["core", "clients", "edge", "task", "simulation", "strategies"]
     for key in (*wire.TRAIN_KEYS, wire.PROXIMAL_MU):
         found = [path.relative_to(ROOT).as_posix() for folder in folders for path in (ROOT / folder).rglob("*.py")
                  if re.search(rf"[\"']{re.escape(key)}[\"']", path.read_text())]
@@ -188,7 +188,7 @@ def test_the_onnx_runtime_trains_what_the_instruction_says(monkeypatch: pytest.M
 
 
 def test_a_gateway_hands_its_devices_the_instructions_protocol_form() -> None:
-    from fedge.clients.gateway_bridge import _config_of  # noqa: PLC0415
+    from fedge.clients.gateway.bridge import _config_of  # noqa: PLC0415
 
     msg, config, _ = _order()
     # Execute

@@ -18,9 +18,9 @@ from fedge.edge.trainer import OnnxTrainer, batch_order
 from fedge.edge.training_graph import TrainingGraphs, export_training_graphs
 from fedge.errors import ConfigError
 from fedge.task.api import Task, seeded_model
+from fedge.task.loading import load_task
 from fedge.task.models import model_arrays
 from fedge.task.training import evaluate, train_local
-from fedge.tasks import load_task
 
 CPU = torch.device("cpu")
 _CACHE: dict[str, Any] = {}

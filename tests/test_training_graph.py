@@ -25,9 +25,9 @@ from fedge.edge.training_graph import PARITY_TOLERANCE, TrainingGraphs, export_t
 from fedge.errors import ExportError
 from fedge.signature import InputSpec
 from fedge.task.api import Task, TaskData, seeded_model
+from fedge.task.loading import load_task
 from fedge.task.models import model_arrays
 from fedge.task.training import train_local
-from fedge.tasks import load_task
 
 CPU = torch.device("cpu")
 SAMPLE = 64

@@ -28,10 +28,10 @@ from flwr.app import Context, RecordDict
 from google.protobuf.internal import encoder
 
 from fedge.batching import batch_order
-from fedge.clients.gateway import GatewaySettings, Served, device_app
-from fedge.clients.gateway_bridge import ask_gateway
-from fedge.clients.gateway_pool import GatewayRound, device_seed
-from fedge.clients.gateway_web import WebSite, demo_examples
+from fedge.clients.gateway.bridge import ask_gateway
+from fedge.clients.gateway.pool import GatewayRound, device_seed
+from fedge.clients.gateway.service import GatewaySettings, Served, device_app
+from fedge.clients.gateway.web import WebSite, demo_examples
 from fedge.config import resolve_run_config
 from fedge.edge.trainer import OnnxTrainer
 from fedge.edge.training_bundle import architecture_of, pack_training_bundle, read_training_bundle

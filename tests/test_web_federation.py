@@ -26,12 +26,12 @@ import pytest
 from chromium import start_chromium, trust_certificate_flag
 
 from fedge.cli.main import main
-from fedge.clients.gateway import add_protocol_device
-from fedge.clients.gateway_web import demo_examples
+from fedge.clients.gateway.service import add_protocol_device
+from fedge.clients.gateway.web import demo_examples
 from fedge.clients.protocol_device import ProtocolDevice
 from fedge.config import resolve_run_config
 from fedge.simulation.loopback import LoopbackFederation, free_port
-from fedge.tasks import load_task
+from fedge.task.loading import load_task
 from fedge.web import ORT_FILES
 from tests.test_web_device import ORT_DIST
 

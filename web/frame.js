@@ -4,7 +4,7 @@
 //
 // The header's "tensors" lists {name, dtype, shape} (and "scale" for int8) in the order their
 // bytes follow: C order, little-endian, nothing between or after them. Every length is checked
-// against what is left before anything is allocated (the Python reader, fedge.device_protocol,
+// against what is left before anything is allocated (the Python reader, fedge.clients.gateway.protocol,
 // does the same).
 
 export const FRAME_TYPE = "application/vnd.fedge.frame";

@@ -39,8 +39,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedge.batching import batch_order
-from fedge.clients.secagg_device import Trained, encode_update
-from fedge.device_protocol import (
+from fedge.clients.gateway.protocol import (
     b64,
     check_in_message,
     encode_frame,
@@ -49,6 +48,7 @@ from fedge.device_protocol import (
     records_to_json,
     request_mac,
 )
+from fedge.clients.secagg_device import Trained, encode_update
 from fedge.edge.signing import fingerprint
 from fedge.edge.trainer import MomentumUpdate, OnnxTrainer
 from fedge.edge.training_bundle import read_training_bundle

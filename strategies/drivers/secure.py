@@ -76,7 +76,7 @@ from fedge.strategies.policies import let_go
 from fedge.strategies.registry import names_where
 from fedge.strategies.rule import LinearRule
 from fedge.strategies.validation import Rejection, decode_arrays
-from fedge.widths import CoverageMean
+from fedge.submodels import CoverageMean
 
 if TYPE_CHECKING:
     from fedge.strategies.rounds import Rounds
@@ -171,7 +171,7 @@ class SecureAggregation(SyncDriver):
         Under width-scaled sub-models (``rounds.submodels``) the devices of one window (width and
         offset) form a group, and each group runs its own protocol instance over its sub-model's
         vector: the coordinator learns each group's sum and nothing finer, then averages each
-        entry over the groups that held it (:class:`fedge.widths.CoverageMean`).
+        entry over the groups that held it (:class:`fedge.submodels.CoverageMean`).
         """
         if rounds is not self.rounds:
             self.bind(rounds)

@@ -162,7 +162,7 @@ def write_demo_data(task_name: str, out: Path, devices: int, *, prefix: str = "b
     """
     from fedge.config import resolve_run_config  # noqa: PLC0415
     from fedge.preprocessing import AFFINE, Preprocessing  # noqa: PLC0415
-    from fedge.tasks import load_task  # noqa: PLC0415
+    from fedge.task.loading import load_task  # noqa: PLC0415
 
     if devices < 1:
         raise ConfigError(f"--devices {devices}: give how many demo devices to make examples for (1 or more)")

@@ -1,7 +1,7 @@
 """fedge's device protocol, version 1: the wire format both ends share (no Flower, no torch).
 
 Phones, browsers and other devices that cannot run a Flower SuperNode talk to a fedge
-gateway (:mod:`fedge.clients.gateway`) over HTTPS: JSON for control, and one small binary
+gateway (:mod:`fedge.clients.gateway.service`) over HTTPS: JSON for control, and one small binary
 container, the *frame*, for tensors. ``docs/device-protocol.md`` is the specification an
 app developer implements (Kotlin, Swift, JS); this module is its one Python reading, used
 by the gateway and by the reference client (:mod:`fedge.clients.protocol_device`).
@@ -47,6 +47,7 @@ from fedge.codec import ENCODINGS as UPDATE_ENCODINGS
 from fedge.codec import INT8_DELTA as INT8_DELTA
 from fedge.codec import Int8
 from fedge.errors import DeviceProtocolError
+from fedge.listeners import GATEWAY_CN_PREFIX
 
 VERSION = 1
 PREFIX = "/v1"
@@ -70,8 +71,6 @@ MAC_HEADER = "x-fedge-mac"
 # what a device's update says it holds: the codec registry's device-protocol encodings (fedge.codec.ENCODINGS)
 ENCODINGS = tuple(UPDATE_ENCODINGS)
 SECURE_AGGREGATION = "secure-aggregation"  # the capability a device declares at check-in besides its encodings
-# the subject CN of a gateway's TLS certificate (`fedge keys add-gateway NAME`): the name devices sign at check-in
-GATEWAY_CN_PREFIX = "fedge gateway "
 
 
 @dataclass(frozen=True)

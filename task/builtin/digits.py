@@ -7,9 +7,9 @@ from typing import Any
 
 from fedge import knobs
 from fedge.task.api import TaskData
+from fedge.task.builtin.flat import FlatClassification
 from fedge.task.data import holdout, load_digits_arrays
 from fedge.task.registry import register_task
-from fedge.tasks.flat import FlatClassification
 
 
 @register_task("digits")

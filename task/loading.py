@@ -19,13 +19,14 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+import fedge.task.builtin  # noqa: E402,F401 - registers the built-in tasks before any lookup
 from fedge import knobs
 from fedge.config import RunConfig, Scalar, resolve_run_config
 from fedge.errors import ConfigError
 from fedge.task.api import Task, TaskData, seeded_model
 from fedge.task.registry import TASKS
 
-log = logging.getLogger("fedge.tasks")
+log = logging.getLogger("fedge.task")
 
 
 def task_reference(config: RunConfig) -> str:
@@ -36,7 +37,7 @@ def task_reference(config: RunConfig) -> str:
 def load_task(config: RunConfig) -> Task:
     """The run's task, built once per process and setting.
 
-    ``task`` is a registered name (``fedge.tasks``' built-ins or ``register_task``) or
+    ``task`` is a registered name (``fedge.task.builtin``' built-ins or ``register_task``) or
     ``"package.module:object"`` where the object is a :class:`Task`, a Task subclass or a
     factory ``(RunConfig) -> Task``. Empty: the built-in task for ``dataset``.
 

@@ -7,9 +7,9 @@ from functools import cached_property
 from fedge import knobs
 from fedge.errors import ConfigError
 from fedge.task.api import TaskData
+from fedge.task.builtin.flat import FlatClassification
 from fedge.task.data import holdout, load_csv, load_npz
 from fedge.task.registry import register_task
-from fedge.tasks.flat import FlatClassification
 
 
 class UserFile(FlatClassification):

@@ -22,8 +22,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 
 from fedge import wire
 from fedge.clients.common import evaluation_content, received_weights, train_order
+from fedge.clients.gateway.protocol import FRAME_TYPE, decode_frame, encode_frame
 from fedge.config import RunConfig
-from fedge.device_protocol import FRAME_TYPE, decode_frame, encode_frame
 from fedge.errors import FedgeError
 from fedge.strategies.validation import POOL_CLIPPING
 

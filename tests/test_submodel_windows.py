@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedge.errors import ConfigError
-from fedge.widths import CoverageMean, Offset, Segment, WidthPlan, as_fraction, covered_within, rolling_offset
+from fedge.submodels import CoverageMean, Offset, Segment, WidthPlan, as_fraction, covered_within, rolling_offset
 
 ROWS = WidthPlan({"w": (4, 2)}, {"w": (0,)})  # 4 hidden units (rows), 2 fixed inputs (columns)
 

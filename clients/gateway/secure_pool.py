@@ -40,8 +40,8 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedge.clients.gateway_pool import refused
-from fedge.device_protocol import Frame, assemble_frame, frame_tensors, records_from_json, records_to_json
+from fedge.clients.gateway.pool import refused
+from fedge.clients.gateway.protocol import Frame, assemble_frame, frame_tensors, records_from_json, records_to_json
 from fedge.errors import ConfigError
 from fedge.strategies.drivers.secure import MIN_DEVICES, SecureAggregation
 from fedge.strategies.rounds import FixedSampling, Rounds

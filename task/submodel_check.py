@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedge.submodels import Window
 from fedge.task.api import Task
 from fedge.task.feature_layout import WEIGHTED, feature_dim
-from fedge.widths import Window
 
 UNIT_MIXING_NORMS = (nn.LayerNorm,)  # statistics over all of a layer's units: a window changes them
 RTOL, ATOL = 1e-4, 1e-5  # float32 sums in another order

@@ -1,7 +1,7 @@
 """A gateway's devices and rounds, without HTTP: who may check in, their sessions, and the round
 in progress with its running aggregate.
 
-The HTTP layer (:mod:`fedge.clients.gateway`) turns requests into calls here and the
+The HTTP layer (:mod:`fedge.clients.gateway.service`) turns requests into calls here and the
 answers into responses; everything a device sends is checked here before it is used.
 
 Threat model: devices are untrusted. A device proves its key once, at check-in (a signature
@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from numpy.typing import NDArray
 
 from fedge.aggregate import WeightedMeanAccumulator, clip_update
-from fedge.device_protocol import (
+from fedge.clients.gateway.protocol import (
     CLOCK_SKEW_S,
     ENCODINGS,
     INT8_DELTA,

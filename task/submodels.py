@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from fedge.errors import ConfigError
+from fedge.submodels import Offset, Segment, WidthPlan
 from fedge.task.api import Task, seeded_model
 from fedge.task.feature_layout import NORMS, WEIGHTED, Layout, LayoutTracer
-from fedge.task.width_check import first_divergent_layer, mixes_units
-from fedge.widths import Offset, Segment, WidthPlan
+from fedge.task.submodel_check import first_divergent_layer, mixes_units
 
 SCALABLE = "Linear, Conv1d/2d/3d (groups = 1), Embedding, BatchNorm, GroupNorm, LayerNorm (one axis), InstanceNorm"
 
@@ -280,7 +280,7 @@ def check_whole_groups(model: nn.Module, plan: WidthPlan, width: float) -> None:
 def check_cut(task: Task, model: nn.Module, plan: WidthPlan, width: float, inputs: Sequence[torch.Tensor]) -> None:
     """Refuse a plan that does not cut ``model`` consistently at ``width``: its sub-model must compute what
     the whole model computes with the entries outside its window zeroed
-    (:func:`fedge.task.width_check.first_divergent_layer`), for the leading window and rolled ones; a
+    (:func:`fedge.task.submodel_check.first_divergent_layer`), for the leading window and rolled ones; a
     model with a LayerNorm (statistics over all units) is checked for whole GroupNorm groups only."""
     check_whole_groups(model, plan, width)
     if mixes_units(model):

@@ -21,9 +21,9 @@ from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.profiles import parse_fleet
 from fedge.task.api import TaskData
+from fedge.task.builtin.flat import FlatClassification
 from fedge.task.data import synthetic_device
 from fedge.task.registry import register_task
-from fedge.tasks.flat import FlatClassification
 
 NUM_FEATURES = 60
 NUM_CLASSES = 10

@@ -3,7 +3,7 @@
 A gateway is one node of the Flower federation (a SuperNode, started as ``fedge device``
 starts one, with its own node key) and an HTTPS server for devices that speak fedge's device
 protocol (``docs/device-protocol.md``). When the coordinator sends the gateway a train (or
-evaluate) instruction, the gateway's ClientApp (:mod:`fedge.clients.gateway_bridge`) hands
+evaluate) instruction, the gateway's ClientApp (:mod:`fedge.clients.gateway.bridge`) hands
 it to this process over a loopback control port; the gateway offers the round to its
 checked-in devices, folds their validated results into a weighted mean as they arrive, and
 replies with the mean and the examples behind it: hierarchical FedAvg (Bonawitz et al.,
@@ -11,7 +11,7 @@ replies with the mean and the examples behind it: hierarchical FedAvg (Bonawitz 
 the same devices.
 
 Why a hand-written HTTP service rather than Flower's Fleet API: see
-:mod:`fedge.device_protocol` and ``docs/device-protocol.md`` (one signature per check-in
+:mod:`fedge.clients.gateway.protocol` and ``docs/device-protocol.md`` (one signature per check-in
 instead of per request, the body bound by a MAC, no protobuf or gRPC in the device, and the
 coordinator's SuperLink keeps one node per gateway instead of one per phone).
 
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from fedge.clients.gateway_pool import (
+from fedge.clients.gateway.pool import (
     AllowList,
     DeviceBounds,
     GatewayRound,
@@ -56,15 +56,7 @@ from fedge.clients.gateway_pool import (
     new_session_answer,
     refused,
 )
-from fedge.clients.gateway_secure import (
-    MIN_DEVICES,
-    SecureExchange,
-    check_secure_settings,
-    pool_node_id,
-    secure_pool_round,
-)
-from fedge.clients.gateway_web import WebSite, check_origins, check_web, cors_middleware, demo_page_warning, web_routes
-from fedge.device_protocol import (
+from fedge.clients.gateway.protocol import (
     COUNTER_HEADER,
     ENCODINGS,
     FRAME_TYPE,
@@ -78,6 +70,14 @@ from fedge.device_protocol import (
     encode_frame,
     read_json,
 )
+from fedge.clients.gateway.secure_pool import (
+    MIN_DEVICES,
+    SecureExchange,
+    check_secure_settings,
+    pool_node_id,
+    secure_pool_round,
+)
+from fedge.clients.gateway.web import WebSite, check_origins, check_web, cors_middleware, demo_page_warning, web_routes
 from fedge.errors import ConfigError, DeviceProtocolError, FedgeError
 from fedge.listeners import ListenerLimits, bind, server_tls, uvicorn_options
 
@@ -376,7 +376,7 @@ def device_app(gateway: Gateway, *, max_body: int = 64 << 20, web: WebSite | Non
     """The Starlette app devices talk to (``/v1/...``), and with ``web`` the web SDK's demo page (``/web/...``).
 
     ``allow_origins`` (``--allow-origin``): the web apps' origins whose pages may call ``/v1`` (CORS,
-    :func:`fedge.clients.gateway_web.cors_middleware`); none: same-origin pages only.
+    :func:`fedge.clients.gateway.web.cors_middleware`); none: same-origin pages only.
     """
     from starlette.applications import Starlette  # noqa: PLC0415
     from starlette.requests import ClientDisconnect  # noqa: PLC0415
