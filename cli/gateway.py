@@ -56,7 +56,10 @@ def _start_options(start: argparse.ArgumentParser) -> None:
     start.add_argument("--max-per-address", type=int, default=32,
                        help="requests in progress one client address may hold (default 32)")
     start.add_argument("--max-num-examples", type=int, default=100_000, help="largest example count one device claims")
-    start.add_argument("--uplink", default="fp32", choices=("fp32", "int8-delta"), help="what devices send")
+    from fedge.codec import ENCODINGS  # noqa: PLC0415 - numpy only: --help stays light
+
+    start.add_argument("--uplink", default="fp32", choices=tuple(ENCODINGS),
+                       help="what devices send (the codec registry's device-protocol encodings)")
     start.add_argument("--bundles", default="",
                        help="HOST:PORT of the coordinator's bundle service (default: the coordinator's port + 1)")
     start.add_argument("--state-dir", type=Path, help="this gateway's working files (default ~/.fedge-gateway)")

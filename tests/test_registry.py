@@ -194,27 +194,3 @@ def test_no_strategy_or_driver_is_a_mixin() -> None:
                for _, cls in inspect.getmembers(module, inspect.isclass) if cls.__module__.startswith("fedge.")}
     # Assert: no class has two fedge bases (composition, not multiple inheritance)
     assert classes and all(sum(base.__module__.startswith("fedge.") for base in cls.__bases__) <= 1 for cls in classes)
-
-
-NEW_COMMAND = '''
-"""``fedge hello``: a command added as one file."""
-
-
-def add_parsers(sub):
-    hello = sub.add_parser("hello", help="say hello")
-    hello.add_argument("name")
-    hello.set_defaults(handler=lambda args: print(f"hello {args.name}") or 0)
-'''
-
-
-def test_adding_a_cli_command_is_one_file(tmp_path: Path) -> None:
-    # Prepare: the new command's file, and what `fedge --help` and `fedge hello world` do
-    then = """
-        from fedge.cli.main import build_parser, main
-        print("hello" in build_parser().format_help())
-        sys.exit(main(["hello", "world"]))
-    """
-    # Execute
-    printed = _with_one_more_file(tmp_path, "cli", "hello.py", NEW_COMMAND, then)
-    # Assert: --help lists it and `fedge hello world` runs its handler
-    assert printed == ["True", "hello", "world"]
