@@ -20,7 +20,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedge import wire
+from fedge import knobs, wire
 from fedge.behaviour import Behaviour
 from fedge.config import RunConfig, config_fingerprint, model_keys, resolve_run_config
 from fedge.errors import CheckpointMismatch, ConfigError, ExportError
@@ -39,6 +39,7 @@ from fedge.strategies.drivers.secure import MIN_DEVICES, SecureAggregation
 from fedge.strategies.fedavg import DownlinkLayer, PrivacyLayer
 from fedge.strategies.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
 from fedge.strategies.registry import names_where
+from fedge.strategies.rounds import GATEWAY_NODES
 from fedge.strategies.selection import OortSelector, RandomSelector
 from fedge.strategies.submodels import SubModels
 from fedge.strategies.validation import DeviceTierBounds, ReplyValidator
@@ -69,7 +70,7 @@ def make_server_app(
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         config = resolve_run_config({**(config_defaults or {}), **context.run_config})
-        run_coordinator(grid, config, progress=progress, simulated=not config["deployment"], task=task)
+        run_coordinator(grid, config, progress=progress, simulated=not config[knobs.DEPLOYMENT], task=task)
 
     return app
 
@@ -88,23 +89,24 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_na
     ``num_nodes`` (the simulated fleet's size) is checked against ``clients-per-round``;
     in deployment it is unknown and the strategy waits for devices to connect.
     """
-    per_round = config.integer("clients-per-round")
+    per_round = config.integer(knobs.CLIENTS_PER_ROUND)
     if num_nodes is not None and per_round > num_nodes:
         raise ConfigError(f"clients-per-round = {per_round} exceeds the fleet's {num_nodes} "
                           "devices; lower clients-per-round or enlarge the fleet")
-    spec = strategy_spec(config.text("strategy"))
+    spec = strategy_spec(config.text(knobs.STRATEGY))
     extra = spec.options(config, num_nodes)
-    if config["secure-aggregation"] and config["asynchronous"]:
+    if config[knobs.SECURE_AGGREGATION] and config[knobs.ASYNCHRONOUS]:
         raise ConfigError("secure-aggregation runs synchronous rounds (it sums one round's masked updates); turn "
                           "asynchronous off or drop secure-aggregation")
-    if config["secure-aggregation"] and not config["gateways"]:  # over gateways: each runs it over its pool
+    if config[knobs.SECURE_AGGREGATION] and not config[knobs.GATEWAYS]:  # over gateways: each runs it over its pool
         extra["driver"] = SecureAggregation(**secure_options(config, build_policy(config).selection_size(per_round)))
-    if config["asynchronous"]:
+    if config[knobs.ASYNCHRONOUS]:
         extra["driver"] = AsynchronousDriver.from_config(config, num_nodes)
-    validator = ReplyValidator(max_num_examples=config.integer("max-num-examples"),
+    validator = ReplyValidator(max_num_examples=config.integer(knobs.MAX_NUM_EXAMPLES),
                                max_local_steps=local_step_limit(config),
-                               accepts_aggregates=bool(config["gateways"]),
-                               secure_pool=MIN_DEVICES if config["gateways"] and config["secure-aggregation"] else 0,
+                               accepts_aggregates=bool(config[knobs.GATEWAYS]),
+                               secure_pool=(MIN_DEVICES if config[knobs.GATEWAYS] and config[knobs.SECURE_AGGREGATION]
+                                            else 0),
                                device_tier=device_tier_bounds(config))
     with _without_flower(FRACTION_EVALUATE_WARNING):
         strategy: FedAvg = spec.cls(
@@ -112,12 +114,12 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_na
             policy=build_policy(config),
             validator=validator,
             selector=build_selector(config),
-            min_train_replies=min(config.integer("min-train-replies"), per_round),
-            wait_for_nodes_s=config.number("round-timeout"),
-            straggler_fraction=config.number("straggler-fraction"),
+            min_train_replies=min(config.integer(knobs.MIN_TRAIN_REPLIES), per_round),
+            wait_for_nodes_s=config.number(knobs.ROUND_TIMEOUT),
+            straggler_fraction=config.number(knobs.STRAGGLER_FRACTION),
             flower_lines=False,  # fedge's console has its own round lines
-            fraction_evaluate=config.number("fraction-evaluate"),
-            min_evaluate_nodes=0 if not config["fraction-evaluate"] else 1,
+            fraction_evaluate=config.number(knobs.FRACTION_EVALUATE),
+            min_evaluate_nodes=0 if not config[knobs.FRACTION_EVALUATE] else 1,
             min_available_nodes=1,  # evaluation rounds run with the nodes connected (Flower waits for 2 by default)
             buffer_names=buffer_names,
             privacy=privacy,
@@ -125,9 +127,9 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_na
             submodels=submodels,
             **extra,
         )
-    if config["gateways"]:
+    if config[knobs.GATEWAYS]:
         check_hierarchical(config, strategy)
-        strategy.node_word = "gateways"  # its nodes are gateways: its lines say so
+        strategy.node_word = GATEWAY_NODES  # its nodes are gateways: its lines say so
     return strategy
 
 
@@ -161,17 +163,18 @@ def check_hierarchical(config: RunConfig, strategy: FedAvg) -> None:
     (:mod:`fedge.clients.gateway.secure_pool`) and the coordinator takes only such pool sums.
     """
     where = "docs/operator.md#gateways-for-phones-and-browsers"
-    name = config.text("strategy")
+    name = config.text(knobs.STRATEGY)
     if not strategy.rule.hierarchical:
         raise ConfigError(f"strategy '{name}' ({type(strategy.rule).__name__}) needs each device's update, which "
                           f"gateways pre-aggregate; with gateways = true run "
                           f"{names_where(lambda rule: rule.hierarchical)} ({where})")
     refusals = {
-        "asynchronous": (config["asynchronous"] or strategy.driver.asynchronous,
+        knobs.ASYNCHRONOUS: (config[knobs.ASYNCHRONOUS] or strategy.driver.asynchronous,
                          "a gateway answers once a round, so per-device staleness is lost"),
-        "dp": (config.text("dp") != "off", "DP clips each device's update, and a gateway's reply is a mean of many"),
-        "selector": (config.text("selector") == "oort", "Oort ranks devices by their own utility; the coordinator "
-                     "sees gateways"),
+        knobs.DP: (config.text(knobs.DP) != "off",
+                   "DP clips each device's update, and a gateway's reply is a mean of many"),
+        knobs.SELECTOR: (config.text(knobs.SELECTOR) == "oort",
+                         "Oort ranks devices by their own utility; the coordinator sees gateways"),
     }
     for knob, (chosen, why) in refusals.items():
         if chosen:
@@ -181,9 +184,9 @@ def check_hierarchical(config: RunConfig, strategy: FedAvg) -> None:
 
 def device_tier_bounds(config: RunConfig) -> DeviceTierBounds:
     """What bounds a gateway's reply: the devices it may stand for, their weight cap, the update norm."""
-    return DeviceTierBounds(max_device_examples=config.integer("max-device-examples"),
-                            max_gateway_devices=config.integer("max-gateway-devices"),
-                            max_update_norm=config.number("max-update-norm"))
+    return DeviceTierBounds(max_device_examples=config.integer(knobs.MAX_DEVICE_EXAMPLES),
+                            max_gateway_devices=config.integer(knobs.MAX_GATEWAY_DEVICES),
+                            max_update_norm=config.number(knobs.MAX_UPDATE_NORM))
 
 
 def local_step_limit(config: RunConfig) -> Callable[[int], int]:
@@ -216,42 +219,43 @@ def secure_options(config: RunConfig, selected: int) -> dict[str, Any]:
     if selected < MIN_DEVICES:
         raise ConfigError(f"secure-aggregation needs at least 3 devices a round, got clients-per-round = {selected}: "
                           "with 2, each device learns the other's update from the sum; raise clients-per-round")
-    clip, precision = config.number("secagg-clip"), config.number("secagg-precision")
-    bits = config.integer("secagg-bits")
+    clip, precision = config.number(knobs.SECAGG_CLIP), config.number(knobs.SECAGG_PRECISION)
+    bits = config.integer(knobs.SECAGG_BITS)
     if bits_needed(selected, clip, precision) > bits:
         raise ConfigError(
             f"secagg-bits = {bits} is too small: {selected} devices x secagg-clip {clip:g} / secagg-precision "
             f"{precision:g} overflow it (needs {bits_needed(selected, clip, precision)} bits); raise secagg-bits "
             "(up to 64), lower secagg-clip, coarsen secagg-precision or select fewer devices")
-    return {"threshold": config.number("secagg-threshold"), "neighbours": config.integer("secagg-neighbours"),
+    return {"threshold": config.number(knobs.SECAGG_THRESHOLD), "neighbours": config.integer(knobs.SECAGG_NEIGHBOURS),
             "clip": clip, "precision": precision, "bits": bits,
-            "weight_clip": config.number("max-num-examples"), "work_cap": FEDNOVA_WORK_CAP}
+            "weight_clip": config.number(knobs.MAX_NUM_EXAMPLES), "work_cap": FEDNOVA_WORK_CAP}
 
 
 def build_selector(config: RunConfig) -> RandomSelector:
     """Random selection, or Oort-style capability-aware selection."""
-    if config["selector"] == "oort":
-        return OortSelector(config.integer("seed"), preferred_s=config.number("preferred-round-s"),
-                            epsilon=config.number("exploration"), fairness_rounds=config.integer("fairness-rounds"),
-                            max_num_examples=config.integer("max-num-examples"))
-    return RandomSelector(config.integer("seed"))
+    if config[knobs.SELECTOR] == "oort":
+        return OortSelector(config.integer(knobs.SEED), preferred_s=config.number(knobs.PREFERRED_ROUND_S),
+                            epsilon=config.number(knobs.EXPLORATION),
+                            fairness_rounds=config.integer(knobs.FAIRNESS_ROUNDS),
+                            max_num_examples=config.integer(knobs.MAX_NUM_EXAMPLES))
+    return RandomSelector(config.integer(knobs.SEED))
 
 
 def build_policy(config: RunConfig) -> RoundPolicy:
     """The round policy named by ``round-policy``."""
-    if config["round-policy"] == "deadline":
-        return DeadlinePolicy(config.number("deadline-s"), config.number("over-selection"))
+    if config[knobs.ROUND_POLICY] == "deadline":
+        return DeadlinePolicy(config.number(knobs.DEADLINE_S), config.number(knobs.OVER_SELECTION))
     return SyncPolicy()
 
 
 def check_deadline(config: RunConfig, fleet: Fleet, model_bytes: int) -> None:
     """Refuse a deadline that no device in the fleet could meet with even one batch of work."""
-    if config["round-policy"] != "deadline":
+    if config[knobs.ROUND_POLICY] != "deadline":
         return
-    fastest = min(reply_seconds(profile, model_bytes, model_bytes, config.integer("batch-size"))
+    fastest = min(reply_seconds(profile, model_bytes, model_bytes, config.integer(knobs.BATCH_SIZE))
                   for name, profile in fleet.profiles.items() if name in dict(fleet.mix))
-    if config.number("deadline-s") < fastest:
-        raise ConfigError(f"deadline-s = {config['deadline-s']} is shorter than any device could finish a round "
+    if config.number(knobs.DEADLINE_S) < fastest:
+        raise ConfigError(f"deadline-s = {config[knobs.DEADLINE_S]} is shorter than any device could finish a round "
                           f"(the fastest needs {fastest:.3g} s for one batch and the model's transfer); "
                           "raise deadline-s")
 
@@ -266,12 +270,12 @@ def with_evaluation(config: RunConfig, task: Task, num_nodes: int | None) -> Run
     """
     if task.central_data() is not None:
         return config
-    if config.number("fraction-evaluate") > 0:
+    if config.number(knobs.FRACTION_EVALUATE) > 0:
         return config
-    fraction = 1.0 if num_nodes is None else min(1.0, config.integer("clients-per-round") / num_nodes)
+    fraction = 1.0 if num_nodes is None else min(1.0, config.integer(knobs.CLIENTS_PER_ROUND) / num_nodes)
     log.info("task '%s' has no central data: devices evaluate the global model (fraction-evaluate = %.3g)",
              task.name, fraction)
-    return resolve_run_config({**config, "fraction-evaluate": fraction})
+    return resolve_run_config({**config, knobs.FRACTION_EVALUATE: fraction})
 
 
 def check_deployment(config: RunConfig, *, registered: int | None) -> None:
@@ -286,23 +290,23 @@ def check_deployment(config: RunConfig, *, registered: int | None) -> None:
     ConfigError
         One line naming the problem and the fix.
     """
-    per_round = config.integer("clients-per-round")
+    per_round = config.integer(knobs.CLIENTS_PER_ROUND)
     # with gateways = true the registered nodes are gateways: each replies once a round, for all its devices
-    nodes = "gateways" if config["gateways"] else "devices"
-    why = " (each gateway replies once a round, for all its devices)" if config["gateways"] else ""
+    nodes = GATEWAY_NODES if config[knobs.GATEWAYS] else "devices"
+    why = " (each gateway replies once a round, for all its devices)" if config[knobs.GATEWAYS] else ""
     if registered is not None and per_round > registered:
         raise ConfigError(f"clients-per-round = {per_round} but only {registered} {nodes[:-1]}(s) are registered{why}; "
                           f"register more with `fedge keys add-device NAME` or lower --clients-per-round (to "
                           f"{registered})")
-    if registered is not None and config.integer("min-train-replies") > registered:
-        raise ConfigError(f"min-train-replies = {config['min-train-replies']} but only {registered} {nodes[:-1]}(s) "
-                          f"are registered{why}; lower it (--run-config 'min-train-replies={registered}') or register "
-                          f"more {nodes}")
+    if registered is not None and config.integer(knobs.MIN_TRAIN_REPLIES) > registered:
+        raise ConfigError(f"min-train-replies = {config[knobs.MIN_TRAIN_REPLIES]} but only {registered} "
+                          f"{nodes[:-1]}(s) are registered{why}; lower it "
+                          f"(--run-config 'min-train-replies={registered}') or register more {nodes}")
     fleet = fleet_of(config)
     task = load_task(config)
     check_task(task, config)
     check_codecs(config, fleet)
-    model = seeded_model(task, config.integer("seed"))
+    model = seeded_model(task, config.integer(knobs.SEED))
     build_strategy(config, None, privacy=build_privacy(config, registered or per_round),
                    submodels=build_sub_models(config, task, model, fleet))
     check_deadline(config, fleet, sum(len(array.data) for array in model_arrays(model).values()))
@@ -334,7 +338,7 @@ def publish_training_graph(training: tuple[Any, list[str]], task: Task, config: 
     graphs, metrics = training
     manifest = write_run_training_bundle(graphs, metrics, task, run_dir, private_key=run_signing_key(config, run_dir),
                                          path=training_bundle_for(width))
-    if config["deployment"]:  # devices fetch it from the coordinator's bundle service (`fedge pull`)
+    if config[knobs.DEPLOYMENT]:  # devices fetch it from the coordinator's bundle service (`fedge pull`)
         from fedge.server.publish import publish_from_environment  # noqa: PLC0415
 
         publish_from_environment(inference_kind(width, "training"), run_dir / training_bundle_for(width))
@@ -343,8 +347,8 @@ def publish_training_graph(training: tuple[Any, list[str]], task: Task, config: 
 
 def behaviour_of(config: RunConfig, fleet: Fleet) -> Behaviour:
     """The simulated fleet's behaviour (availability, dropout, jitter) from the run config."""
-    return Behaviour.from_fleet(fleet, seed=config.integer("seed"), enabled=config.flag("device-behaviour"),
-                                jitter=config.number("jitter"))
+    return Behaviour.from_fleet(fleet, seed=config.integer(knobs.SEED), enabled=config.flag(knobs.DEVICE_BEHAVIOUR),
+                                jitter=config.number(knobs.JITTER))
 
 
 def run_coordinator(
@@ -365,13 +369,13 @@ def run_coordinator(
     if simulated:  # a fleet the data cannot be split across is refused now, not by every device
         task.partition(0, fleet.size, config)
     config = with_evaluation(config, task, fleet.size if simulated else None)
-    model = seeded_model(task, config.integer("seed"))
-    if config["init-checkpoint"]:
-        saved = load_checkpoint(config.text("init-checkpoint")).arrays
+    model = seeded_model(task, config.integer(knobs.SEED))
+    if config[knobs.INIT_CHECKPOINT]:
+        saved = load_checkpoint(config.text(knobs.INIT_CHECKPOINT)).arrays
         load_arrays(model, ArrayRecord({name: Array(value) for name, value in saved.items()}),
-                    source=f"checkpoint '{config['init-checkpoint']}'")
+                    source=f"checkpoint '{config[knobs.INIT_CHECKPOINT]}'")
     check_codecs(config, fleet)
-    downlink = DownlinkEncoder(config, seed=config.integer("seed"))
+    downlink = DownlinkEncoder(config, seed=config.integer(knobs.SEED))
     submodels = build_sub_models(config, task, model, fleet)
     strategy = build_strategy(config, fleet.size if simulated else None,
                               buffer_names=frozenset(name for name, _ in model.named_buffers()),  # never stepped
@@ -381,7 +385,7 @@ def run_coordinator(
     training = training_graph_for(task, model, config, fleet, simulated=simulated)
     width_training = width_training_graphs(task, model, config, submodels, fleet) if training is not None else {}
     run_dir = run_dir_for(config, task.name)
-    history = _resume_into(model, strategy, run_dir, config) if config["resume"] else None
+    history = _resume_into(model, strategy, run_dir, config) if config[knobs.RESUME] else None
     if history is None and (run_dir / "checkpoint.npz").exists():
         raise ConfigError(f"run directory '{run_dir}' already holds a run; continue it with "
                           "--resume or choose another --run-dir")
@@ -392,14 +396,14 @@ def run_coordinator(
     log.info("%s", task.describe())
     log.info("run directory: %s", run_dir)
 
-    poll = config.number("grid-poll-interval")
+    poll = config.number(knobs.GRID_POLL_INTERVAL)
     metered = MeteredGrid(grid, fleet, poll_interval=poll if poll > 0 else None,
                           behaviour=behaviour_of(config, fleet) if simulated else None)
     recorder = RoundRecorder(run_dir, config, metered, strategy, task, model, progress=progress,
                              history=history, widths=list(trained_widths(submodels, fleet).values()))
     instruction = wire.TrainInstruction.from_run_config(config)  # what every device trains; strategies vary it
     if strategy.privacy is not None and strategy.privacy.client_side:
-        instruction = replace(instruction, dp_client_clipping=config.text("dp").removeprefix("client-"))
+        instruction = replace(instruction, dp_client_clipping=config.text(knobs.DP).removeprefix("client-"))
     evaluate_config = ConfigRecord()
     if training is not None:  # onnx devices train and evaluate with this graph (fetching it if they hold another)
         instruction = replace(instruction, training_graph=publish_training_graph(training, task, config, run_dir))
@@ -409,8 +413,8 @@ def run_coordinator(
             submodels.training_graphs[as_fraction(width)] = publish_training_graph(graphs, task, config, run_dir,
                                                                                    width=width)
     with recorder.progress:
-        strategy.start(metered, model_arrays(model), config.integer("num-rounds"),
-                       timeout=config.number("round-timeout"), train_config=instruction.to_record(),
+        strategy.start(metered, model_arrays(model), config.integer(knobs.NUM_ROUNDS),
+                       timeout=config.number(knobs.ROUND_TIMEOUT), train_config=instruction.to_record(),
                        evaluate_config=evaluate_config,
                        evaluate_fn=recorder.on_round_end,
                        start_round=int(history[-1]["round"]) + 1 if history else 1)

@@ -15,7 +15,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from fedge import wire
+from fedge import knobs, wire
 from fedge.codec import codec_for, encode_tensor, parse_codec
 from fedge.config import CODEC_PREFIXES, Scalar, codec_policy
 from fedge.errors import ConfigError
@@ -41,12 +41,12 @@ def check_codecs(config: Mapping[str, Scalar], fleet: Fleet) -> None:
             raise ConfigError(f"run-config '{key}' names profile '{profile}', which the fleet does not have; "
                               f"profiles: {', '.join(sorted(fleet.profiles))}")
     lossy = sorted(key for key, value in policy.items() if not parse_codec(str(value), key=key).lossless)
-    if lossy and config["secure-aggregation"]:
+    if lossy and config[knobs.SECURE_AGGREGATION]:
         raise ConfigError(f"{lossy[0]} = '{policy[lossy[0]]}' cannot be combined with secure-aggregation: the protocol "
                           "quantises updates itself; send fewer bytes with a smaller secagg-bits / coarser "
                           "secagg-precision instead")
-    if lossy and config["dp"] != "off":
-        raise ConfigError(f"{lossy[0]} = '{policy[lossy[0]]}' cannot be combined with dp = '{config['dp']}' yet "
+    if lossy and config[knobs.DP] != "off":
+        raise ConfigError(f"{lossy[0]} = '{policy[lossy[0]]}' cannot be combined with dp = '{config[knobs.DP]}' yet "
                           "(Flower's clipping works on plain arrays); drop one of them")
 
 

@@ -38,6 +38,9 @@ from fedge.strategies.validation import ReplyValidator
 
 log = logging.getLogger("fedge.strategies")
 
+# What a round's lines call its nodes when they are gateways (gateways = true): a noun, not the run-config key
+GATEWAY_NODES = "gateways"
+
 
 class Sampling(Protocol):
     """Flower's sampling settings and record keys (a Flower ``FedAvg``'s attributes)."""
@@ -173,7 +176,7 @@ class Rounds:
 
     def replies_hint(self) -> str:
         """Under gateways, how a run with fewer gateways than ``min-train-replies`` changes the model."""
-        if self.node_word != "gateways":
+        if self.node_word != GATEWAY_NODES:
             return ""
         return (f" (each gateway is one reply a round, for all its devices: with fewer than {self.min_train_replies} "
                 "gateways, lower min-train-replies, e.g. --run-config 'min-train-replies=1' for one gateway)")
