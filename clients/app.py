@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedge import wire
+from fedge import knobs, wire
 from fedge.clients.common import (
     RESIDUAL,
     compressed,
@@ -162,7 +162,7 @@ def work_label(context: Context, meta: Any) -> str:
 
 def device_runtime_label(context: Context) -> str:
     """``onnx`` or ``torch`` as the node config says (``torch`` unless the device chose onnx)."""
-    return str(context.node_config.get("runtime", "torch"))
+    return str(context.node_config.get(knobs.RUNTIME, "torch"))
 
 
 def make_default_client_app(config_defaults: Mapping[str, Any] | None = None) -> ClientApp:

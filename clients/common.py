@@ -16,7 +16,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 from flwr.clientapp.typing import ClientAppCallable
 
-from fedge import wire
+from fedge import knobs, wire
 from fedge.codec import Codec, codec_for, decode_update, encode_update, is_encoded
 from fedge.config import RunConfig, Scalar, resolve_run_config
 from fedge.preprocessing import AS_GIVEN, RAW_SCALED, Preprocessing, prepare_device_inputs
@@ -30,12 +30,12 @@ RESIDUAL = "codec-residual"
 # What a deployed device decides for itself, never the coordinator: what trains (torch runs the task's
 # Python, onnx a graph), where its trust anchors and graph are (a run directory), which profiles file
 # it reads, which data it trains on.
-DEVICE_OWNED = ("runtime", "run-dir", "fleet-file", "data-path")
+DEVICE_OWNED = (knobs.RUNTIME, knobs.RUN_DIR, knobs.FLEET_FILE, knobs.DATA_PATH)
 
 
 def is_deployed(context: Context) -> bool:
     """A real device under a SuperNode: ``fedge device`` names its own ``data-path`` in the node config."""
-    return "data-path" in context.node_config
+    return knobs.DATA_PATH in context.node_config
 
 
 def own_settings(context: Context) -> dict[str, Scalar]:
@@ -48,8 +48,8 @@ def own_settings(context: Context) -> dict[str, Scalar]:
     device read any of its files, or probe which paths exist on it.
     """
     node = context.node_config
-    return {"runtime": str(node.get("runtime", "torch")), "run-dir": "",
-            "fleet-file": str(node.get("fleet-file", "")), "data-path": str(node["data-path"])}
+    return {knobs.RUNTIME: str(node.get(knobs.RUNTIME, "torch")), knobs.RUN_DIR: "",
+            knobs.FLEET_FILE: str(node.get(knobs.FLEET_FILE, "")), knobs.DATA_PATH: str(node[knobs.DATA_PATH])}
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def train_order(msg: Message, context: Context, config: RunConfig) -> TrainOrder
         instruction=instruction,
         server_round=server_round,
         profile=profile,
-        seed=training_seed(context, config.integer("seed"), server_round),
+        seed=training_seed(context, config.integer(knobs.SEED), server_round),
         max_steps=step_budget(context, config, instruction, profile),
     )
 
@@ -195,7 +195,7 @@ def device_profiles(context: Context, config: Mapping[str, Any]) -> dict[str, De
     """The profiles this device knows: a deployed device's built-ins and its own fleet file
     (``fedge device --fleet-file``), a simulated device's the run's fleet."""
     if is_deployed(context):
-        own = str(context.node_config.get("fleet-file", ""))
+        own = str(context.node_config.get(knobs.FLEET_FILE, ""))
         return {**BUILTIN_PROFILES, **(load_profiles_toml(own)[0] if own else {})}
     return dict(fleet_of(config).profiles)
 
@@ -222,7 +222,7 @@ def device_profile_name(context: Context, config: Mapping[str, Any]) -> str:
         return str(context.node_config["profile"])
     fleet = fleet_of(config)
     partition_id = int(context.node_config.get("partition-id", 0))
-    assignment = fleet.assignment(int(config["seed"]))
+    assignment = fleet.assignment(int(config[knobs.SEED]))
     return assignment[partition_id] if partition_id < len(assignment) else "unknown"
 
 
@@ -233,11 +233,11 @@ def device_runtime(context: Context, config: RunConfig) -> str:
     it names none) and nothing else; else the run's ``runtime`` knob when it names one for every device; else the device
     profile's ``runtime`` (built-in profiles: torch).
     """
-    own = context.node_config.get("runtime")
+    own = context.node_config.get(knobs.RUNTIME)
     if own or is_deployed(context):
         return str(own or "torch")
-    if config.text("runtime") != "profile":
-        return config.text("runtime")
+    if config.text(knobs.RUNTIME) != "profile":
+        return config.text(knobs.RUNTIME)
     fleet = fleet_of(config)
     profile = fleet.profiles.get(device_profile_name(context, config))
     return profile.runtime if profile else "torch"

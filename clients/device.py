@@ -27,6 +27,7 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
+from fedge import knobs
 from fedge.clients.device_session import (
     SUPERNODE_LOG,
     console_line,
@@ -101,7 +102,7 @@ def check_device(options: DeviceOptions) -> None:
         from fedge.config import resolve_run_config  # noqa: PLC0415 - torch only when a task is named
         from fedge.task.loading import load_task  # noqa: PLC0415
 
-        task = load_task(resolve_run_config({"task": options.task}))
+        task = load_task(resolve_run_config({knobs.TASK: options.task}))
         _check_count(options, len(task.device_data(str(options.data.resolve()))))
     else:
         _check_count(options, len(load_local_file(str(options.data.resolve()))[1]))

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 
-from fedge import wire
+from fedge import knobs, wire
 from fedge.clients.common import (
     LocalWork,
     TrainOrder,
@@ -60,11 +60,11 @@ def bundle_location(context: Context, config: RunConfig, width: float = 1.0) -> 
     """The training bundle this device uses (for a sub-model of ``width``: that width's, beside the
     whole model's) and the public key it trusts for it."""
     node = context.node_config
-    if "training-bundle" in node or "data-path" in node:  # deployed: its own files only, never the run's
+    if "training-bundle" in node or knobs.DATA_PATH in node:  # deployed: its own files only, never the run's
         own = Path(str(node.get("training-bundle", "")))
         return (own if width >= 1 else own.with_name(training_bundle_for(width).name),
                 Path(str(node.get("trusted-key", ""))))
-    run_dir = Path(config.text("run-dir"))
+    run_dir = Path(config.text(knobs.RUN_DIR))
     return run_dir / training_bundle_for(width), run_dir / SIGNING_PUBLIC_KEY
 
 

@@ -50,7 +50,9 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from fedge.clients import secagg_device
 from fedge.clients.device_data import DeviceArrays, device_arrays
 from fedge.clients.gateway.protocol import (
+    CHECK_IN_DEVICE,
     COUNTER_HEADER,
+    DEVICE_SEED,
     ENCODINGS,
     FRAME_TYPE,
     INT8_DELTA,
@@ -58,6 +60,7 @@ from fedge.clients.gateway.protocol import (
     NONCE_BYTES,
     PREFIX,
     SECURE_AGGREGATION,
+    TASK_ID,
     b64,
     certified_gateway_name,
     check_in_message,
@@ -312,7 +315,7 @@ class ProtocolDevice:
             self.gateway_name = self._gateway_name(str(self._json(status, body, "hello")["gateway"]))
         issued, nonce = int(time.time()), b64(secrets.token_bytes(NONCE_BYTES))
         message = check_in_message(device=self.name, gateway=self.gateway_name, issued_at=issued, nonce=nonce)
-        request = {"protocol": 1, "device": self.name, "time": issued, "nonce": nonce,
+        request = {"protocol": 1, CHECK_IN_DEVICE: self.name, "time": issued, "nonce": nonce,
                    "signature": b64(sign(self.key, message)),
                    "capabilities": [*ENCODINGS, SECURE_AGGREGATION]}
         status, _, body = self._send("POST", f"{PREFIX}/check-in", json.dumps(request).encode(),
@@ -396,7 +399,7 @@ class ProtocolDevice:
         server_round = int(task["server-round"])
         if task["kind"] == "evaluate":
             scores = trainer.evaluate(weights, inputs, targets)
-            result = encode_frame({"task": task["task"], "kind": "evaluate", "num-examples": len(targets),
+            result = encode_frame({TASK_ID: task[TASK_ID], "kind": "evaluate", "num-examples": len(targets),
                                    "metrics": {k: float(v) for k, v in scores.items()}}, {})
             shown = ", ".join(f"{k} {float(v):.4f}" for k, v in scores.items())
             return self._sent(result, "evaluate", server_round, f"evaluated on {len(targets)} examples, {shown}")
@@ -420,9 +423,9 @@ class ProtocolDevice:
         instruction = TrainInstruction.read(task["config"])
         trained, work = trainer.train(
             weights, inputs, targets, epochs=instruction.local_epochs, batch_size=instruction.batch_size,
-            learning_rate=instruction.learning_rate, momentum=instruction.momentum, seed=int(task["seed"]),
+            learning_rate=instruction.learning_rate, momentum=instruction.momentum, seed=int(task[DEVICE_SEED]),
             proximal_mu=instruction.proximal_term, max_steps=None)
-        header = {"task": task["task"], "kind": "train", "num-examples": work.num_examples,
+        header = {TASK_ID: task[TASK_ID], "kind": "train", "num-examples": work.num_examples,
                   "samples-processed": work.samples_processed, "steps": work.steps,
                   "metrics": {"train-loss": float(work.loss)}, "encoding": task.get("uplink", "fp32")}
         if header["encoding"] == INT8_DELTA:
@@ -445,13 +448,13 @@ class ProtocolDevice:
                 raise DeviceProtocolError(f"malformed {action} step: 'server-round' is not a whole number")
             records, out_tensors = self._secure_answer(action, task, records_from_json(task.get("records", {})),
                                                        tensors)
-            reply: dict[str, Any] = {"task": task["task"], "kind": "secagg", "records": records_to_json(records)}
+            reply: dict[str, Any] = {TASK_ID: task[TASK_ID], "kind": "secagg", "records": records_to_json(records)}
         except (ProtocolError, DeviceProtocolError, KeyError, TypeError, ValueError) as exc:
             self._secagg = None
             reason = str(exc) if isinstance(exc, ProtocolError | DeviceProtocolError) else \
                 f"malformed {action} step ({type(exc).__name__}: {exc})"
             log.warning("device %s: %s", self.name, reason)
-            reply = {"task": task.get("task"), "kind": "secagg", "error": reason}
+            reply = {TASK_ID: task.get(TASK_ID), "kind": "secagg", "error": reason}
         known_round = server_round if isinstance(server_round, int) else None
         status, answer = self._result_answer(encode_frame(reply, out_tensors))
         if status == 409:  # the step was over (this device counts as its dropout): normal, not an error
@@ -506,7 +509,7 @@ class ProtocolDevice:
                 {name: value.copy() for name, value in weights.items()}, inputs, targets,
                 epochs=instruction.local_epochs, batch_size=instruction.batch_size,
                 learning_rate=instruction.learning_rate, momentum=instruction.momentum,
-                seed=int(task["seed"]), proximal_mu=instruction.proximal_term, max_steps=None)
+                seed=int(task[DEVICE_SEED]), proximal_mu=instruction.proximal_term, max_steps=None)
             self._work = (work.num_examples, float(work.loss))
             return secagg_device.Trained(arrays=trained, num_examples=work.num_examples, steps=work.steps)
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from flwr.app import Context, Message, RecordDict
 
+from fedge import knobs
 from fedge.clients.common import (
     TrainOrder,
     evaluation_content,
@@ -132,7 +133,7 @@ def onnx_data(task: Task | None, context: Context, config: RunConfig) -> DeviceA
 
     if is_deployed(context):
         bundle, _ = load_trainer(context, config, None)
-        path = str(context.node_config["data-path"])
+        path = str(context.node_config[knobs.DATA_PATH])
         inputs, targets = device_arrays(path, bundle.manifest)
         return prepared_device_inputs(inputs, bundle.manifest.get("preprocessing"), source=path,
                                       context=context), targets
@@ -157,7 +158,7 @@ def device_task(context: Context, config: RunConfig) -> Task:
     from fedge.task.loading import load_task, task_reference  # noqa: PLC0415 - tasks import torch
 
     wanted = task_reference(config)
-    own = str(context.node_config.get("task", ""))
+    own = str(context.node_config.get(knobs.TASK, ""))
     if own and own != wanted:
         raise ConfigError(f"this device runs task '{own}', but the run asks for '{wanted}'; start the device "
                           f"with --task '{wanted}' to join this run")
@@ -170,7 +171,7 @@ def device_task(context: Context, config: RunConfig) -> Task:
 def local_data(task: Task, context: Context, config: RunConfig) -> TaskData:
     """A real device's own file (``data-path``), else the simulated device's partition."""
     if is_deployed(context):
-        path = str(context.node_config["data-path"])
+        path = str(context.node_config[knobs.DATA_PATH])
         data = task.device_data(path)
         inputs = prepared_device_inputs(data.inputs, task.preprocessing, source=path, context=context)
         return dataclasses.replace(data, inputs=inputs)

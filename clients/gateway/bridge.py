@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from fedge import wire
+from fedge import knobs, wire
 from fedge.clients.common import evaluation_content, received_weights, train_order
-from fedge.clients.gateway.protocol import FRAME_TYPE, decode_frame, encode_frame
+from fedge.clients.gateway.protocol import FRAME_TYPE, NUM_ROUNDS, decode_frame, encode_frame
 from fedge.config import RunConfig
 from fedge.errors import FedgeError
 from fedge.strategies.validation import POOL_CLIPPING
@@ -36,24 +36,25 @@ def is_gateway(context: Context) -> bool:
     return CONTROL in context.node_config
 
 
-BOUND_KEYS = ("max-device-examples", "max-update-norm")  # the run's bounds on each device, sent with every round
+# the run's bounds on each device, sent with every round
+BOUND_KEYS = (knobs.MAX_DEVICE_EXAMPLES, knobs.MAX_UPDATE_NORM)
 
 
 def _config_of(msg: Message, context: Context, config: RunConfig, kind: str) -> dict[str, Any]:
     bounds = {key: config[key] for key in BOUND_KEYS}
     if kind != "train":
-        return {"seed": config.integer("seed"), **bounds}
+        return {knobs.SEED: config.integer(knobs.SEED), **bounds}
     instruction = train_order(msg, context, config).instruction  # its devices' training keys: the protocol's form
-    return {**instruction.protocol_config(), "seed": config.integer("seed"), **bounds}
+    return {**instruction.protocol_config(), knobs.SEED: config.integer(knobs.SEED), **bounds}
 
 
 def secure_settings(config: RunConfig) -> dict[str, float] | None:
     """The run's secure-aggregation settings for the gateway's pool round, or ``None`` when it is off."""
-    if not config["secure-aggregation"]:
+    if not config[knobs.SECURE_AGGREGATION]:
         return None
-    return {"threshold": config.number("secagg-threshold"), "neighbours": config.integer("secagg-neighbours"),
-            "clip": config.number("secagg-clip"), "precision": config.number("secagg-precision"),
-            "bits": config.integer("secagg-bits"), "weight-clip": config.number("max-device-examples")}
+    return {"threshold": config.number(knobs.SECAGG_THRESHOLD), "neighbours": config.integer(knobs.SECAGG_NEIGHBOURS),
+            "clip": config.number(knobs.SECAGG_CLIP), "precision": config.number(knobs.SECAGG_PRECISION),
+            "bits": config.integer(knobs.SECAGG_BITS), "weight-clip": config.number(knobs.MAX_DEVICE_EXAMPLES)}
 
 
 def ask_gateway(context: Context, header: dict[str, Any], weights: dict[str, np.ndarray]) -> tuple[dict[str, Any],
@@ -92,7 +93,7 @@ def gateway_content(msg: Message, context: Context, config: RunConfig, kind: str
     instruction = msg.content.config_records.get(wire.CONFIG)
     server_round = int(instruction.get(wire.SERVER_ROUND, 0)) if instruction is not None else 0  # type: ignore[arg-type]
     graph = str(instruction.get(wire.TRAINING_GRAPH, "")) if instruction is not None else ""
-    header = {"kind": kind, "server-round": server_round, "num-rounds": config.integer("num-rounds"), "graph": graph,
+    header = {"kind": kind, "server-round": server_round, NUM_ROUNDS: config.integer(knobs.NUM_ROUNDS), "graph": graph,
               "config": _config_of(msg, context, config, kind),
               "secure": secure_settings(config) if kind == "train" else None}
     result, arrays = ask_gateway(context, header, weights)

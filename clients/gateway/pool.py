@@ -36,14 +36,17 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from numpy.typing import NDArray
 
+from fedge import knobs
 from fedge.aggregate import WeightedMeanAccumulator, clip_update
 from fedge.clients.gateway.protocol import (
+    CHECK_IN_DEVICE,
     CLOCK_SKEW_S,
     ENCODINGS,
     INT8_DELTA,
     NONCE_BYTES,
     SECURE_AGGREGATION,
     SESSION_KEY_BYTES,
+    TASK_ID,
     Frame,
     b64,
     check_in_message,
@@ -219,7 +222,7 @@ class Sessions:
     def check_in(self, body: Mapping[str, Any], now: float | None = None) -> tuple[str, bytes, Session]:
         """Verify a check-in and open a session; (token, session key, session)."""
         now = time.time() if now is None else now
-        device = body.get("device")
+        device = body.get(CHECK_IN_DEVICE)
         if not isinstance(device, str) or not 0 < len(device) <= DEVICE_NAME_MAX:
             raise refused(400, f"'device' must be the device's name (1-{DEVICE_NAME_MAX} characters)")
         issued = body.get("time")
@@ -390,8 +393,8 @@ class DeviceBounds:
             return float(value)
 
         epochs, batch = config.get(LOCAL_EPOCHS), config.get(BATCH_SIZE)  # the instruction's (a train round's)
-        return cls(max_device_examples=max(1, int(number("max-device-examples", cls.max_device_examples))),
-                   max_update_norm=number("max-update-norm", cls.max_update_norm),
+        return cls(max_device_examples=max(1, int(number(knobs.MAX_DEVICE_EXAMPLES, cls.max_device_examples))),
+                   max_update_norm=number(knobs.MAX_UPDATE_NORM, cls.max_update_norm),
                    epochs=int(number(LOCAL_EPOCHS, 1)) if epochs is not None else None,
                    batch_size=max(1, int(number(BATCH_SIZE, 1))) if batch is not None else None)
 
@@ -456,7 +459,7 @@ class GatewayRound:
         ``max-update-norm`` (each counted); metric means must stay finite.
         """
         header = frame.header
-        if header.get("task") != self.task_id or header.get("kind") != self.kind:
+        if header.get(TASK_ID) != self.task_id or header.get("kind") != self.kind:
             raise refused(409, "this result answers another task (the round it belonged to is over); "
                                "ask for the current one (GET /v1/task)")
         try:

@@ -71,6 +71,12 @@ MAC_HEADER = "x-fedge-mac"
 # what a device's update says it holds: the codec registry's device-protocol encodings (fedge.codec.ENCODINGS)
 ENCODINGS = tuple(UPDATE_ENCODINGS)
 SECURE_AGGREGATION = "secure-aggregation"  # the capability a device declares at check-in besides its encodings
+# fields of the protocol's JSON whose words are also run-config keys (fedge.knobs), named here once
+CHECK_IN_DEVICE = "device"  # a check-in's device name
+TASK_ID = "task"  # a task's id (task and secagg step headers), echoed by the device's reply
+DEVICE_SEED = "seed"  # a task's seed for this device and round (its config's seed is the run's)
+NUM_ROUNDS = "num-rounds"  # the run's last round: in the coordinator's instruction to a gateway and in a task
+DEADLINE_S = "deadline-s"  # a task's seconds left to reply
 
 
 @dataclass(frozen=True)

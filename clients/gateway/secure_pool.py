@@ -40,8 +40,17 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedge import knobs
 from fedge.clients.gateway.pool import refused
-from fedge.clients.gateway.protocol import Frame, assemble_frame, frame_tensors, records_from_json, records_to_json
+from fedge.clients.gateway.protocol import (
+    DEVICE_SEED,
+    TASK_ID,
+    Frame,
+    assemble_frame,
+    frame_tensors,
+    records_from_json,
+    records_to_json,
+)
 from fedge.errors import ConfigError
 from fedge.strategies.drivers.secure import MIN_DEVICES, SecureAggregation
 from fedge.strategies.rounds import FixedSampling, Rounds
@@ -126,7 +135,7 @@ class SecureExchange:
         """Take ``device``'s reply to its step; :class:`DeviceProtocolError` (409/422) if it is not one."""
         with self._changed:
             step = self._steps.get(device)
-            if step is None or step.reply is not None or frame.header.get("task") != step.task:
+            if step is None or step.reply is not None or frame.header.get(TASK_ID) != step.task:
                 raise refused(409, "this result answers no secure-aggregation step of this device in flight "
                                     "(the step it belonged to is over); ask for the current task")
             step.reply = _reply_message(step.message, frame)
@@ -149,8 +158,8 @@ def _step_frame(message: Message, task: str, server_round: int, seed: int, graph
     if key not in encoded:
         encoded[key] = frame_tensors({f"{name}/{k}": array.numpy() for name, record in records
                                       for k, array in record.items()})
-    header = {"kind": "secagg", "action": action, "task": task, "node": message.metadata.dst_node_id,
-              "server-round": server_round, "seed": seed, "graph": graph,
+    header = {"kind": "secagg", "action": action, TASK_ID: task, "node": message.metadata.dst_node_id,
+              "server-round": server_round, DEVICE_SEED: seed, "graph": graph,
               "records": records_to_json({name: dict(record) for name, record in
                                           message.content.config_records.items()})}
     return assemble_frame(header, *encoded[key])
@@ -273,7 +282,8 @@ def secure_pool_round(exchange: SecureExchange, devices: Mapping[int, str], *, s
                                    weight_clip=secure["weight-clip"])
         rounds = Rounds("the gateway's secure pool", Mean(), clients_per_round=count, min_train_replies=MIN_DEVICES,
                         sampling=FixedSampling(min_train_nodes=count, min_available_nodes=count, fraction_evaluate=0.0),
-                        wait_for_nodes_s=0.0, flower_lines=False, selector=RandomSelector(int(config.get("seed", 0))))
+                        wait_for_nodes_s=0.0, flower_lines=False,
+                        selector=RandomSelector(int(config.get(knobs.SEED, 0))))
         driver.bind(rounds)
         grid = PoolGrid(exchange, devices, server_round)
         arrays = ArrayRecord({name: Array(np.ascontiguousarray(value)) for name, value in weights.items()})

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from fedge import knobs
 from fedge.clients.gateway.pool import (
     AllowList,
     DeviceBounds,
@@ -58,11 +59,15 @@ from fedge.clients.gateway.pool import (
 )
 from fedge.clients.gateway.protocol import (
     COUNTER_HEADER,
+    DEADLINE_S,
+    DEVICE_SEED,
     ENCODINGS,
     FRAME_TYPE,
     MAC_HEADER,
+    NUM_ROUNDS,
     PREFIX,
     SESSION_HEADER,
+    TASK_ID,
     VERSION,
     assemble_frame,
     certified_gateway_name,
@@ -178,7 +183,7 @@ class Gateway:
         A round that comes after the run was declared over (the coordinator came back, or
         started a new run on this node) puts the gateway back to serving rounds.
         """
-        server_round, total = header.get("server-round"), header.get("num-rounds")
+        server_round, total = header.get("server-round"), header.get(NUM_ROUNDS)
         known = all(isinstance(value, int) and not isinstance(value, bool) for value in (server_round, total))
         self.last_round = int(total) if known else 0  # type: ignore[arg-type]
         self.final_round_seen = known and 0 < int(total) <= int(server_round)  # type: ignore[arg-type]
@@ -235,12 +240,13 @@ class Gateway:
         if current is None or current.closed or current.complete.is_set() or current.has_answered(session.device):
             return None
         left = max(0.0, self.settings.round_deadline_s - (time.monotonic() - current.opened))
-        header = {"kind": current.kind, "task": current.task_id, "server-round": current.server_round,
+        header = {"kind": current.kind, TASK_ID: current.task_id, "server-round": current.server_round,
                   "graph": current.graph, "config": current.config, "uplink": self.settings.uplink,
-                  "seed": device_seed(int(current.config.get("seed", 0)), current.server_round, session.device),
-                  "deadline-s": round(left, 1)}
+                  DEVICE_SEED: device_seed(int(current.config.get(knobs.SEED, 0)), current.server_round,
+                                           session.device),
+                  DEADLINE_S: round(left, 1)}
         if self.last_round > 0:  # the run's number of rounds: a device follows the run (the web demo page's progress)
-            header["num-rounds"] = self.last_round
+            header[NUM_ROUNDS] = self.last_round
         current.hand_out(session.device)
         return assemble_frame(header, *current.tensors)
 
@@ -322,7 +328,7 @@ class Gateway:
         secure = check_secure_settings(header.get("secure"))
         self.sessions.secure_run = True  # from now on, devices that cannot do secure aggregation are refused
         server_round, config = int(header.get("server-round", 0)), dict(header.get("config", {}))
-        run_seed = int(config.get("seed", 0))
+        run_seed = int(config.get(knobs.SEED, 0))
         if self.exchange is not None:
             raise refused(409, f"round {server_round}: a secure-aggregation round is still running on this gateway; "
                                "this one is refused (the coordinator goes on without this gateway)")

@@ -160,6 +160,7 @@ def write_demo_data(task_name: str, out: Path, devices: int, *, prefix: str = "b
         An unknown task, a count below 1, a prefix that makes no device name, or ``raw`` for a task
         whose preprocessing is not affine.
     """
+    from fedge import knobs  # noqa: PLC0415
     from fedge.config import resolve_run_config  # noqa: PLC0415
     from fedge.preprocessing import AFFINE, Preprocessing  # noqa: PLC0415
     from fedge.task.loading import load_task  # noqa: PLC0415
@@ -168,9 +169,9 @@ def write_demo_data(task_name: str, out: Path, devices: int, *, prefix: str = "b
         raise ConfigError(f"--devices {devices}: give how many demo devices to make examples for (1 or more)")
     if not DATA_NAME.match(f"{prefix}{devices - 1}"):
         raise ConfigError(f"--prefix {prefix!r}: device names are letters, digits, '.', '_', '-' (e.g. browser)")
-    overrides: dict[str, Any] = {"task": task_name}
+    overrides: dict[str, Any] = {knobs.TASK: task_name}
     if seed is not None:
-        overrides["seed"] = seed
+        overrides[knobs.SEED] = seed
     config = resolve_run_config(overrides)
     task = load_task(config)
     preprocessing = Preprocessing.of(task.preprocessing)
