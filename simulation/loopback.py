@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,10 +32,51 @@ FEDGE = str(Path(sys.executable).with_name("fedge"))
 
 COORDINATOR_PORTS = 3  # a coordinator at port P takes P (devices), P + 1 (bundles) and P + 2 (health, metrics)
 
+# Ports are chosen below the kernel's ephemeral range (32768-60999 on Linux), which bind(("", 0)) and
+# every outgoing connection draw from: a port handed out here is not taken by some client socket
+# between the check and the coordinator's bind. Each pytest-xdist worker (PYTEST_XDIST_WORKER=gwN)
+# walks a slice of its own, so two workers of a run never hand out the same port; a process outside
+# xdist has slice 0. The walk starts at a random place in the slice (two separate runs at once rarely
+# meet) and moves on with every call (a port handed out is not handed out again before its slice wraps).
+PORT_BASE, PORT_SLICE, PORT_SLICES = 20000, 800, 16  # 20000 .. 32799: above Ray's worker ports (10002-19999)
+_next_offset: int | None = None
+
+
+def _port_slice() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        return 1 + int(worker[2:]) % (PORT_SLICES - 1)
+    return 0
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere the bind check below still holds
+
 
 def free_port(span: int = COORDINATOR_PORTS) -> int:
     """A TCP port P on 127.0.0.1 such that nothing is bound to P .. P + span - 1 right now (by default the
-    ports a coordinator at P takes: a free P whose P + 1 was taken made a test's bundle service fail)."""
+    ports a coordinator at P takes: a free P whose P + 1 was taken made a test's bundle service fail),
+    from this process's slice of the ports below the ephemeral range (see ``PORT_BASE``)."""
+    global _next_offset
+    low = PORT_BASE + _port_slice() * PORT_SLICE
+    if low + PORT_SLICE > min(_ephemeral_low(), 65536):  # a machine whose ephemeral range starts low
+        return _any_free_port(span)
+    if _next_offset is None:
+        _next_offset = random.randrange(PORT_SLICE)
+    for _ in range(PORT_SLICE):
+        if _next_offset + span > PORT_SLICE:
+            _next_offset = 0
+        port, _next_offset = low + _next_offset, _next_offset + span
+        if all(_bindable(port + step) for step in range(span)):
+            return port
+    raise RuntimeError(f"no {span} consecutive free ports on 127.0.0.1 in {low} .. {low + PORT_SLICE - 1}")
+
+
+def _any_free_port(span: int) -> int:
+    """A free P .. P + span - 1 starting at a port the kernel hands out (the ephemeral range)."""
     for _ in range(200):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))

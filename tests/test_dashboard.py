@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -156,9 +155,9 @@ def test_the_api_is_described_by_openapi(finished_run: Path) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    from fedge.simulation.loopback import free_port
+
+    return free_port(1)  # a port of this xdist worker's own
 
 
 @pytest.fixture

@@ -53,9 +53,9 @@ def device_files(tmp_path: Path) -> dict[str, Path]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from fedge.simulation.loopback import free_port
+
+    return free_port(1)  # a port of this xdist worker's own
 
 
 DEVICE_CASES = [

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tomllib
@@ -112,9 +111,9 @@ def test_the_scaffold_runs_with_fedge_simulate_from_its_directory_and_learns(pro
 
 
 def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    from fedge.simulation.loopback import free_port
+
+    return free_port(1)  # a port of this xdist worker's own
 
 
 def _mentions(process: psutil.Process, flwr_home: Path) -> bool:
@@ -158,6 +157,7 @@ def flower_env(tmp_path: Path) -> Iterator[dict[str, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # Flower's local simulation runtime starts a Ray instance
 def test_the_scaffold_runs_with_flwr_run_on_a_local_simulation(project: Path, tmp_path: Path,
                                                               flower_env: dict[str, str]) -> None:
     # Prepare: Flower's default config (created on first use) has the `local` connection

@@ -49,6 +49,7 @@ def _loopback(ip: str) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # one local Ray instance at a time: a new one joins one already running
 def test_ray_backend_runs_the_same_apps_for_two_rounds(fast_config: dict[str, Any], tmp_path: Path) -> None:
     # Prepare: fedge's device app, wrapped to note the sockets Ray's processes listen on mid-run
     from fedge.clients.app import make_client_app  # noqa: PLC0415
@@ -111,6 +112,7 @@ class Wave(Task):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")
 def test_a_task_outside_fedge_runs_on_ray(fast_config: dict[str, Any], tmp_path: Any,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: the user's module, importable by the driver and by Ray's workers (PYTHONPATH)
@@ -130,6 +132,7 @@ def test_a_task_outside_fedge_runs_on_ray(fast_config: dict[str, Any], tmp_path:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")
 def test_ray_backend_runs_a_fleet_of_torch_and_onnx_devices(tmp_path: Any) -> None:
     # Prepare: 3 onnx phones and 3 torch laptops, every device every round, on Ray's workers
     fleet = tmp_path / "fleet.toml"

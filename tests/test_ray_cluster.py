@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,9 +36,9 @@ RAY = str(Path(sys.executable).with_name("ray"))
 
 
 def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    from fedge.simulation.loopback import free_port
+
+    return free_port(1)  # a port of this xdist worker's own
 
 
 def _ray(*args: str, temp_dir: str) -> None:
@@ -112,6 +111,7 @@ def _recording(inner: Any, record_dir: str) -> Any:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # a local Ray instance started meanwhile would join this cluster
 def test_a_run_joins_a_two_node_ray_cluster_and_uses_both_nodes(
         two_node_cluster: str, fast_config: dict[str, Any], tmp_path: Path) -> None:
     # Prepare: fedge's own device app, wrapped to record where each call ran
