@@ -109,6 +109,10 @@ def test_an_onnx_device_without_torch_trains_in_a_deployment(tmp_path: Path) -> 
         # Execute
         federation.start_device(0)
         federation.start_device(1)
+        # the onnx device once the run's graph is published (a loaded machine takes longer to export it
+        # than the device waits for a graph that is not there: it then stops, as it should)
+        federation.wait_for((federation.root / "state" / "published" / "training.zip").exists, 300,
+                            "the published training graph")
         federation.start_device(2, None, "--runtime", "onnx", "--trust", str(federation.bundle_signing_key),
                                 fedge=str(bin_dir / "fedge"))
         federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 300, "the summary")
