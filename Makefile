@@ -41,7 +41,7 @@ browser:
 		npm install --prefix $(ORTWEB_DIR) onnxruntime-web@$(ORTWEB_VERSION) --save-exact --no-audit --no-fund --silent >/dev/null 2>&1; then :; \
 	else echo "WARNING: could not install onnxruntime-web@$(ORTWEB_VERSION) with npm into $(ORTWEB_DIR): the browser training test will be SKIPPED"; fi
 
-# The suite runs on TEST_WORKERS pytest-xdist processes (its deployment tests mostly wait on
+# The suite runs on TEST_WORKERS pytest-xdist processes (its deployment tests partly wait on
 # processes and sockets, so more workers than cores pay): each test file on one worker, files
 # that share state outside their tmp_path in named groups (tests/conftest.py). TEST_WORKERS=0,
 # or no xdist in the venv, runs it in this one process. The 25 slowest tests are printed.
