@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import psutil
 
+from fedge import knobs
 from fedge.config import resolve_run_config
 from fedge.server.pki import add_device, init_keys
 from fedge.server.report import read_jsonl
@@ -113,7 +114,7 @@ class LoopbackFederation:
     def __init__(self, root: Path, num_devices: int, env: dict[str, str] | None = None) -> None:
         self.root, self.port, self.extra_env = root, free_port(), dict(env or {})
         self.keys = init_keys(root / "keys")
-        config = resolve_run_config({"partitioner": "iid"})
+        config = resolve_run_config({knobs.PARTITIONER: "iid"})
         task = load_task(config)
         for index in range(num_devices):
             shard = task.partition(index, num_devices, config)

@@ -46,7 +46,7 @@ def federation(tmp_path: Path) -> Iterator[LoopbackFederation]:
     fed.close()
 
 
-def _start_gateway(federation: LoopbackFederation, index: int, port: int) -> None:
+def _start_gateway(federation: LoopbackFederation, index: int, port: int, deadline_s: float = 120.0) -> None:
     keys, cert = federation.keys, federation.keys.directory / "gateways" / f"gw{index}"
     if not cert.with_suffix(".crt").exists():  # its TLS certificate for devices, as an operator makes it
         assert main(["keys", "add-gateway", f"gw{index}", "--dir", str(keys.directory)]) == 0
@@ -56,7 +56,8 @@ def _start_gateway(federation: LoopbackFederation, index: int, port: int) -> Non
          "--ca", str(keys.ca_cert), "--trust", str(federation.bundle_signing_key),
          "--cert", str(cert.with_suffix(".crt")), "--cert-key", str(cert.with_suffix(".key")), "--port", str(port),
          "--state-dir", str(federation.root / f"gw{index}"),
-         "--devices-per-round", str(DEVICES // 2), "--poll-interval", "0.5"], f"gateway{index}.log")
+         "--devices-per-round", str(DEVICES // 2), "--poll-interval", "0.5", "--round-deadline", str(deadline_s)],
+        f"gateway{index}.log")
 
 
 # `fedge protocol-device` in a process where importing Flower or torch fails, as on a device without them
@@ -148,7 +149,8 @@ def _summary_then_devices_told(federation: LoopbackFederation, fleet: ProtocolFl
     federation.wait_for(fleet.told, 300, "the devices to hear from their gateways that the run is over")
 
 
-def _start(federation: LoopbackFederation, rounds: int, run_config: str = RUN) -> list[int]:
+def _start(federation: LoopbackFederation, rounds: int, run_config: str = RUN,
+           gateway_deadline_s: float = 120.0) -> list[int]:
     """Allow-list, coordinator (2 nodes a round: the gateways) and both gateways; their device ports."""
     for index in range(DEVICES):
         add_protocol_device(federation.root / "allow", f"phone{index}")
@@ -156,7 +158,7 @@ def _start(federation: LoopbackFederation, rounds: int, run_config: str = RUN) -
     federation.wait_for(federation.bundle_signing_key.exists, 120, "the bundle signing key")
     ports = [free_port(), free_port()]
     for index, port in enumerate(ports):
-        _start_gateway(federation, index, port)
+        _start_gateway(federation, index, port, gateway_deadline_s)
     return ports
 
 
@@ -220,8 +222,11 @@ def test_a_gateway_restart_loses_at_most_its_round_in_flight(federation: Loopbac
 
 
 def test_secure_aggregation_through_two_gateways_trains_protocol_devices(federation: LoopbackFederation) -> None:
-    # Prepare: the coordinator asks for secure aggregation; every device requires it (one without Flower or torch)
-    ports = _start(federation, ROUNDS, RUN + " secure-aggregation=true")
+    # Prepare: the coordinator asks for secure aggregation; every device requires it (one without Flower or torch).
+    # Every round must take both pools, so no deadline may end one on a loaded machine (rounds end on their
+    # devices' answers: the deadlines only bound a round that lost its devices, which this test has none of)
+    ports = _start(federation, ROUNDS, RUN.replace("round-timeout=120.0", "round-timeout=900.0")
+                   + " secure-aggregation=true", gateway_deadline_s=900.0)
     # Execute
     fleet = ProtocolFleet(federation, ports, processes=1, secure=True)
     try:
