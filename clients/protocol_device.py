@@ -196,6 +196,9 @@ class ProtocolDevice:
         self.gateway_name: str | None = None
         self.secure = secure
         self._secagg: dict[str, Any] | None = None  # this round's secure-aggregation secrets
+        # the last secure step answered: its task id, reply and encoded frame (a step sent again, its answer lost
+        # on the way, gets the same answer again instead of being taken for a replay)
+        self._answered: tuple[str, dict[str, Any], bytes] | None = None
         self._unmasked: int | None = None  # the last round this device unmasked in
         self.run_over: str | None = None  # once the gateway said the run is over: why (its words)
         self._work: tuple[int, float] | None = None  # (examples, loss) of the masked step just trained
@@ -441,6 +444,33 @@ class ProtocolDevice:
         the reason and forgets the round's secrets: it takes no further part in that round.
         """
         action, server_round = str(task.get("action", "")), task.get("server-round")
+        known_round = server_round if isinstance(server_round, int) else None
+        if self._answered is not None and task.get(TASK_ID) == self._answered[0]:
+            # the step this device answered last, sent again: its answer did not reach the gateway (a POST lost
+            # to a timeout or a reset connection); the same answer again, not a second (refused) run of the step
+            log.info("device %s: round %s: the %s step came again (its answer was lost); answering it again",
+                     self.name, known_round, action)
+            _, reply, frame = self._answered
+        else:
+            reply, frame = self._secure_reply(action, task, tensors)
+            self._answered = (str(task.get(TASK_ID)), reply, frame)
+        status, answer = self._result_answer(frame)
+        if status == 409:  # the step was over (this device counts as its dropout): normal, not an error
+            log.info("device %s: round %s: the %s step closed before this device's answer arrived (%s)", self.name,
+                     known_round, action, _printable(answer.get("error", "409")))
+            return Outcome("late", float(answer.get("next-in-s", 0.5)), known_round)
+        if action == "secagg_masked" and "error" not in reply and self._work is not None:
+            examples, loss = self._work
+            log.info("device %s: round %s: trained on %d examples, loss %.4f, sent masked (secure aggregation)",
+                     self.name, known_round, examples, loss)
+        # a round counts as trained once this device's update is in an unmasked sum (its last step)
+        kind = "train" if action == "secagg_unmask" and "error" not in reply else "secagg"
+        return Outcome(kind, float(answer.get("next-in-s", 0.5)), known_round)
+
+    def _secure_reply(self, action: str, task: dict[str, Any],
+                      tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], bytes]:
+        """A step's reply header and its encoded frame: the step's answer, or the reason it is refused."""
+        server_round = task.get("server-round")
         out_tensors: dict[str, np.ndarray] = {}
         self._work = None
         try:
@@ -455,19 +485,7 @@ class ProtocolDevice:
                 f"malformed {action} step ({type(exc).__name__}: {exc})"
             log.warning("device %s: %s", self.name, reason)
             reply = {TASK_ID: task.get(TASK_ID), "kind": "secagg", "error": reason}
-        known_round = server_round if isinstance(server_round, int) else None
-        status, answer = self._result_answer(encode_frame(reply, out_tensors))
-        if status == 409:  # the step was over (this device counts as its dropout): normal, not an error
-            log.info("device %s: round %s: the %s step closed before this device's answer arrived (%s)", self.name,
-                     known_round, action, _printable(answer.get("error", "409")))
-            return Outcome("late", float(answer.get("next-in-s", 0.5)), known_round)
-        if action == "secagg_masked" and "error" not in reply and self._work is not None:
-            examples, loss = self._work
-            log.info("device %s: round %s: trained on %d examples, loss %.4f, sent masked (secure aggregation)",
-                     self.name, known_round, examples, loss)
-        # a round counts as trained once this device's update is in an unmasked sum (its last step)
-        kind = "train" if action == "secagg_unmask" and "error" not in reply else "secagg"
-        return Outcome(kind, float(answer.get("next-in-s", 0.5)), known_round)
+        return reply, encode_frame(reply, out_tensors)
 
     def _secure_answer(self, action: str, task: dict[str, Any], records: dict[str, dict[str, Any]],
                        tensors: dict[str, np.ndarray]) -> tuple[dict[str, dict[str, Any]], dict[str, np.ndarray]]:

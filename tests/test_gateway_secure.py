@@ -136,6 +136,39 @@ def test_a_device_that_leaves_after_sharing_is_a_dropout_and_its_masks_are_remov
     assert max(float(np.max(np.abs(arrays[k] - mean[k]))) for k in mean) <= 1e-5
 
 
+class LosingDevice(ProtocolDevice):
+    """A phone whose first answer to the masked step is lost on the way (a POST that times out before the
+    gateway has it), as on a loaded machine or a flaky network: the gateway then sends the step again."""
+
+    lost = False
+
+    def _result_answer(self, frame: bytes) -> tuple[int, dict[str, Any]]:
+        if not self.lost and b"secagg-received" in frame:
+            self.lost = True
+            raise TimeoutError("the answer to the masked step timed out on the way")
+        return super()._result_answer(frame)
+
+
+def test_a_secure_step_sent_again_after_its_answer_was_lost_gets_the_same_answer(
+        pool: LiveGateway, run: dict[str, Any]) -> None:
+    # Prepare: four phones; one loses its masked answer once (before: the step came again, the phone refused it as
+    # a replay and the whole pool's round failed)
+    names = ["phone0", "phone1", "phone2"]
+    losing = LosingDevice(gateway=pool.url, name="phone3", key=pool.allow / "phone3.key", data=run["shards"][3],
+                          trust=run["trust"], ca=run["keys"].ca_cert, state_dir=pool.root / "phone3", secure=True)
+    polling = Polling([*(pool.device(name, int(name[-1]), secure=True) for name in names), losing])
+    # Execute
+    try:
+        header, arrays = pool.round(secure=SECURE)
+    finally:
+        polling.close()
+    # Assert: the answer was lost once, and the round is the mean of all four, none rejected
+    mean, examples = _expected_mean(pool, run, [*names, "phone3"])
+    assert losing.lost
+    assert header["secure-pool"] == 4 and header["num-examples"] == examples and header["rejected"] == 0
+    assert max(float(np.max(np.abs(arrays[k] - mean[k]))) for k in mean) <= 1e-5
+
+
 def test_a_device_that_requires_secure_aggregation_refuses_a_plain_train_task(live: LiveGateway) -> None:
     # Prepare: a gateway that offers a plain round of 3 (it would see each update); one phone requires secure
     # aggregation
