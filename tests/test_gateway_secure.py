@@ -111,6 +111,18 @@ def test_a_secure_pool_round_sends_the_pool_mean_and_the_gateway_sees_only_maske
     assert plain == [] and sum(polling.trained.values()) == 4
 
 
+def _round_with_phone3(pool: LiveGateway, run: dict[str, Any],
+                       kind: type[ProtocolDevice]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """One secure pool round of phone0-2 (reference devices) and phone3 of ``kind``, all polling."""
+    phone3 = kind(gateway=pool.url, name="phone3", key=pool.allow / "phone3.key", data=run["shards"][3],
+                  trust=run["trust"], ca=run["keys"].ca_cert, state_dir=pool.root / "phone3", secure=True)
+    polling = Polling([*(pool.device(f"phone{index}", index, secure=True) for index in range(3)), phone3])
+    try:
+        return pool.round(secure=SECURE)
+    finally:
+        polling.close()
+
+
 class LeavingDevice(ProtocolDevice):
     """A phone that goes away after sharing its secrets: it refuses the masked step."""
 
@@ -122,14 +134,8 @@ def test_a_device_that_leaves_after_sharing_is_a_dropout_and_its_masks_are_remov
         pool: LiveGateway, run: dict[str, Any]) -> None:
     # Prepare: three phones that stay and one that leaves after the share step
     names = ["phone0", "phone1", "phone2"]
-    leaving = LeavingDevice(gateway=pool.url, name="phone3", key=pool.allow / "phone3.key", data=run["shards"][3],
-                            trust=run["trust"], ca=run["keys"].ca_cert, state_dir=pool.root / "phone3", secure=True)
-    polling = Polling([*(pool.device(name, int(name[-1]), secure=True) for name in names), leaving])
     # Execute
-    try:
-        header, arrays = pool.round(secure=SECURE)
-    finally:
-        polling.close()
+    header, arrays = _round_with_phone3(pool, run, LeavingDevice)
     # Assert: the three stayers' mean (the leaver's pairwise masks rebuilt from its shares and removed)
     mean, examples = _expected_mean(pool, run, names)
     assert header["secure-pool"] == 3 and header["num-examples"] == examples and header["rejected"] == 1
@@ -143,8 +149,8 @@ class LosingDevice(ProtocolDevice):
     lost = False
 
     def _result_answer(self, frame: bytes) -> tuple[int, dict[str, Any]]:
-        if not self.lost and b"secagg-received" in frame:
-            self.lost = True
+        if not LosingDevice.lost and b"secagg-received" in frame:
+            LosingDevice.lost = True
             raise TimeoutError("the answer to the masked step timed out on the way")
         return super()._result_answer(frame)
 
@@ -154,17 +160,12 @@ def test_a_secure_step_sent_again_after_its_answer_was_lost_gets_the_same_answer
     # Prepare: four phones; one loses its masked answer once (before: the step came again, the phone refused it as
     # a replay and the whole pool's round failed)
     names = ["phone0", "phone1", "phone2"]
-    losing = LosingDevice(gateway=pool.url, name="phone3", key=pool.allow / "phone3.key", data=run["shards"][3],
-                          trust=run["trust"], ca=run["keys"].ca_cert, state_dir=pool.root / "phone3", secure=True)
-    polling = Polling([*(pool.device(name, int(name[-1]), secure=True) for name in names), losing])
+    LosingDevice.lost = False
     # Execute
-    try:
-        header, arrays = pool.round(secure=SECURE)
-    finally:
-        polling.close()
+    header, arrays = _round_with_phone3(pool, run, LosingDevice)
     # Assert: the answer was lost once, and the round is the mean of all four, none rejected
     mean, examples = _expected_mean(pool, run, [*names, "phone3"])
-    assert losing.lost
+    assert LosingDevice.lost
     assert header["secure-pool"] == 4 and header["num-examples"] == examples and header["rejected"] == 0
     assert max(float(np.max(np.abs(arrays[k] - mean[k]))) for k in mean) <= 1e-5
 
