@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from fedge.errors import ConfigError, DeviceProtocolError
-from fedge.web import ASSETS, ORT_FILES, SDK_FILES
+from fedge.web import ASSETS, ORT_FILES, SDK_FILES, VENDOR_FILES
 
 MEDIA = {".js": "text/javascript", ".mjs": "text/javascript", ".wasm": "application/wasm", ".html": "text/html",
          ".json": "application/json", ".pem": "text/plain"}
@@ -235,7 +235,8 @@ def demo_page_warning(host: str) -> str | None:
 
 
 def web_routes(site: WebSite, *, authenticate: Authenticate) -> list[Any]:
-    """Starlette routes for ``/web/...``: the SDK, ``ort/``, ``data/NAME.json`` and ``bundle-key.pem``.
+    """Starlette routes for ``/web/...``: the SDK (and ``vendor/``, the pinned code it imports), ``ort/``,
+    ``data/NAME.json`` and ``bundle-key.pem``.
 
     ``data/NAME.json`` is answered only to a request ``authenticate`` accepts as device NAME's
     session (401/403 otherwise, before anything is looked up); the other files are public.
@@ -243,7 +244,7 @@ def web_routes(site: WebSite, *, authenticate: Authenticate) -> list[Any]:
     from starlette.responses import FileResponse, JSONResponse  # noqa: PLC0415
     from starlette.routing import Route  # noqa: PLC0415
 
-    files = {f"/web/{name}": ASSETS / name for name in SDK_FILES}
+    files = {f"/web/{name}": ASSETS / name for name in (*SDK_FILES, *VENDOR_FILES)}
     files.update({f"/web/ort/{name}": site.ort / name for name in ORT_FILES})
     files["/web/bundle-key.pem"] = site.bundle_key
 
