@@ -28,6 +28,14 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from numpy.typing import NDArray
 
 from fedge.aggregate import fednova_norm
+from fedge.distributed_noise import (
+    DP_CLIP,
+    DP_MIN_SURVIVORS,
+    DP_SCALE,
+    DP_STDDEV,
+    DistributedNoise,
+    noise_generator,
+)
 from fedge.secagg import (
     PUBLIC_KEYS,
     SHARE_BYTES,
@@ -240,8 +248,11 @@ def encode_update(global_arrays: Arrays, trained: Trained, params: Mapping[str, 
     1 if the weight was capped.
 
     A coordinator that sends no ``update-clip`` (before issue 39) gets the old layout:
-    ``w * delta / a`` clipped at ``clip``, no counts.
+    ``w * delta / a`` clipped at ``clip``, no counts. One that sends ``dp-stddev`` runs distributed
+    DP (:func:`encode_noised`).
     """
+    if DP_STDDEV in params:
+        return encode_noised(global_arrays, trained, params)
     weight, momentum = float(trained.num_examples), float(params["work-momentum"])
     work = min(fednova_norm(max(trained.steps, 1), momentum), float(params["work-cap"])) if momentum >= 0 else 1.0
     delta = np.concatenate([(np.asarray(trained.arrays[k]).astype(np.float64) - global_arrays[k]).ravel()
@@ -272,6 +283,33 @@ def encode_update(global_arrays: Arrays, trained: Trained, params: Mapping[str, 
                            counts.encode(np.array([entries, float(entries > 0), float(capped)]))])
 
 
+def dp_noise(params: Mapping[str, Any]) -> DistributedNoise:
+    """The distributed-DP encoding the coordinator's ``secagg`` parameters name."""
+    return DistributedNoise(clip=float(params[DP_CLIP]), scale=float(params[DP_SCALE]),
+                            stddev=float(params[DP_STDDEV]), bits=int(params["bits"]),
+                            min_survivors=int(params[DP_MIN_SURVIVORS]))
+
+
+def encode_noised(global_arrays: Arrays, trained: Trained, params: Mapping[str, Any]) -> Vector:
+    """Distributed DP (Kairouz, Liu and Steinke, ICML 2021): the update clipped to L2 norm
+    ``dp-clip``, scaled, rounded and noised with this device's discrete Gaussian share; then
+    weight 1 and work 1 (DP averages devices uniformly, over a fixed denominator) and zero
+    clipping counts (whether this device clipped is a statistic of its data: it stays here).
+    """
+    delta = np.concatenate([(np.asarray(trained.arrays[k]).astype(np.float64) - global_arrays[k]).ravel()
+                            for k in sorted(global_arrays)])
+    bits = int(params["bits"])
+    noised, clipped = dp_noise(params).encode(delta, rng=noise_generator())
+    if clipped:
+        log.info("this device's update was clipped to L2 norm %g for distributed DP (not reported: a device's "
+                 "norm is private)", float(params[DP_CLIP]))
+    weights = FixedPoint(float(params["weight-clip"]), float(params["weight-scale"]), bits)
+    works = FixedPoint(float(params["work-clip"]), float(params["work-scale"]), bits)
+    counts = FixedPoint(float(params["count-clip"]), 1.0, bits)
+    return np.concatenate([noised, weights.encode(np.array([1.0])), works.encode(np.array([1.0])),
+                           counts.encode(np.zeros(len(COUNTS)))])
+
+
 def masked(state: State, *, inbox: Mapping[str, Any], params: Mapping[str, Any], config: Mapping[str, Any],
            global_arrays: Arrays, me: int, train: Callable[[], Trained]) -> Masked:
     """Round 2 (MaskedInputCollection): open the relayed shares, train, mask the encoded update, sign
@@ -291,6 +329,7 @@ def masked(state: State, *, inbox: Mapping[str, Any], params: Mapping[str, Any],
         raise ProtocolViolation(f"refusing secagg_masked: shares from only {len(holding)} neighbours reached "
                                 f"this device, fewer than the threshold {threshold}")
     state["holding"] = holding
+    state[DP_MIN_SURVIVORS] = int(params.get(DP_MIN_SURVIVORS, 0))
     trained = train()
     encoded = encode_update(global_arrays, trained, params)
     mask_key = X25519PrivateKey.from_private_bytes(bytes(state["s-sk"]))
@@ -306,12 +345,14 @@ def masked(state: State, *, inbox: Mapping[str, Any], params: Mapping[str, Any],
 
 
 def check_survivors(*, survivors: list[int], me: int, holding: list[int], neighbours: list[int],
-                    threshold: int) -> None:
+                    threshold: int, min_survivors: int = 0) -> None:
     """The device's checks on a survivor set before it signs it (the ConsistencyCheck round).
 
     Bonawitz et al., CCS 2017, §4 round 3: ``U3 subset of U2`` and ``|U3| >= t``, here per
     neighbourhood (Bell et al., CCS 2020): this device is a survivor, every surviving
-    neighbour is one whose shares it holds, and at least ``t`` neighbours survive.
+    neighbour is one whose shares it holds, and at least ``t`` neighbours survive. Under
+    distributed DP, the set also holds at least ``min_survivors`` devices: the noise was
+    calibrated for that many shares, and a smaller sum would carry less than accounted for.
 
     Raises
     ------
@@ -325,6 +366,10 @@ def check_survivors(*, survivors: list[int], me: int, holding: list[int], neighb
     if foreign:
         raise ProtocolViolation(f"refusing the survivor set: it names neighbour {foreign[0]}, whose shares never "
                                 "reached this device (it cannot have masked with it)")
+    if len(alive) < min_survivors:
+        raise ProtocolViolation(f"refusing the survivor set: it holds {len(alive)} devices, fewer than the "
+                                f"{min_survivors} the distributed-DP noise was calibrated for (their sum would "
+                                "carry less noise than accounted for)")
     count = len(alive & set(holding))
     if count < threshold:
         raise ProtocolViolation(f"refusing the survivor set: it holds {count} of this device's neighbours, "
@@ -367,7 +412,7 @@ def consistency(state: State, check: Mapping[str, Any], *, me: int) -> bytes:
     advance(state, "secagg_consistency", int(check["server-round"]))
     survivors = sorted(set(ids(check["survivors"])))
     check_survivors(survivors=survivors, me=me, holding=ids(state["holding"]), neighbours=ids(state["neighbours"]),
-                    threshold=int(state["threshold"]))
+                    threshold=int(state["threshold"]), min_survivors=int(state.get(DP_MIN_SURVIVORS, 0)))
     check_same_received(state, check, survivors=survivors)
     signing_key = Ed25519PrivateKey.from_private_bytes(bytes(state["g-sk"]))
     signature = sign_survivors(signing_key, server_round=int(state["round"]), survivors=survivors)

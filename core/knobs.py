@@ -301,8 +301,9 @@ KNOBS: dict[str, Knob] = {
     SECAGG_PRECISION: Knob(0.0001, "quantisation step of w * delta / a", "strategies", check=above(0)),
     SECAGG_BITS: Knob(32, "ring width: arithmetic in Z_2^bits", "strategies", check=within(8, 64)),
     # ---- differential privacy
-    DP: Knob("off", "Flower's DP wrappers: where clipping happens and how", "server",
-             choices=("off", "server-fixed", "client-fixed", "server-adaptive", "client-adaptive")),
+    DP: Knob("off", "differential privacy: central (Flower's DP wrappers: where clipping happens and how) or "
+             "distributed (devices add the noise inside secure aggregation)", "server",
+             choices=("off", "server-fixed", "client-fixed", "server-adaptive", "client-adaptive", "distributed")),
     DP_NOISE_MULTIPLIER: Knob(1.0, "Gaussian noise / clipping norm", "server", check=at_least(0)),
     DP_CLIPPING_NORM: Knob(1.0, "L2 clipping norm (initial one when adaptive)", "server", check=above(0)),
     DP_DELTA: Knob(1e-05, "delta of the reported (epsilon, delta)", "server", check=within(0, 1, closed="()")),

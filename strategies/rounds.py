@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -26,6 +26,7 @@ from flwr.supercore import log as flower_log
 from numpy.typing import NDArray
 
 from fedge import wire
+from fedge.distributed_noise import DistributedNoise
 from fedge.errors import ConfigError
 from fedge.strategies.drivers.base import RoundReport
 from fedge.strategies.policies import RoundPolicy, SyncPolicy
@@ -97,6 +98,17 @@ class PrivacyLayer(Protocol):
     def state_dict(self) -> dict[str, NDArray[np.generic]]: ...
 
     def load_state_dict(self, state: dict[str, NDArray[np.generic]]) -> None: ...
+
+
+@runtime_checkable
+class NoiseLayer(Protocol):
+    """What the secure driver needs from distributed DP (see :class:`fedge.server.privacy.DistributedPrivacy`)."""
+
+    clipping_norm: float
+
+    def noise(self, *, scale: float, dimension: int, min_survivors: int, bits: int) -> DistributedNoise: ...
+
+    def release_sum(self, noise: DistributedNoise, *, survivors: int, dimension: int) -> float: ...
 
 
 class DownlinkLayer(Protocol):

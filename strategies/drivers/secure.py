@@ -46,6 +46,7 @@ from flwr.serverapp import Grid
 
 from fedge import wire
 from fedge.aggregate import c_contiguous
+from fedge.distributed_noise import DP_CLIP, DP_MIN_SURVIVORS, DP_SCALE, DP_STDDEV, DistributedNoise
 from fedge.errors import ConfigError, ProtocolError, SecureRoundFailed, UpdateRejected
 from fedge.secagg import (
     PUBLIC_KEYS,
@@ -74,6 +75,7 @@ from fedge.strategies.drivers.base import RoundReport
 from fedge.strategies.drivers.sync import SyncDriver
 from fedge.strategies.policies import let_go
 from fedge.strategies.registry import names_where
+from fedge.strategies.rounds import NoiseLayer
 from fedge.strategies.rule import LinearRule
 from fedge.strategies.validation import Rejection, decode_arrays
 from fedge.submodels import CoverageMean
@@ -139,6 +141,7 @@ class SecureAggregation(SyncDriver):
         self.requested_work_cap = self.work_cap = work_cap
         self.rounds: Rounds | None = None
         self.rule: LinearRule | None = None
+        self.noise_layer: NoiseLayer | None = None  # distributed DP: the devices add noise to what they mask
         self.clipping: dict[int, Clipping] = {}
         """What the devices' encodings clipped, by round (the round's totals, summed securely)."""
 
@@ -158,9 +161,15 @@ class SecureAggregation(SyncDriver):
                 f"secure-aggregation works with linear rules, not {rounds.name}'s "
                 f"{type(rule).__name__}: {why}; use {names_where(lambda each: each.linear)}, or drop "
                 "secure-aggregation")
-        if rounds.privacy is not None:
-            raise ConfigError("dp with secure-aggregation is not supported yet (the coordinator cannot clip updates it "
-                              "cannot see, and fedge does not add distributed noise on devices); turn one of them off")
+        privacy = rounds.privacy
+        if privacy is not None and not isinstance(privacy, NoiseLayer):
+            raise ConfigError("central dp (the coordinator clips the updates and adds the noise) cannot work on "
+                              "updates secure aggregation hides; use dp = 'distributed' (the devices clip and add "
+                              "the noise inside secure aggregation), or turn one of them off")
+        if privacy is not None and rounds.submodels is not None:
+            raise ConfigError("dp = 'distributed' with width-scaled sub-models is not supported yet (each width "
+                              "group's sum would be a release of its own); drop sub-models or dp")
+        self.noise_layer = privacy
         self.rounds, self.rule = rounds, rule
         self.work_cap = self.requested_work_cap if rule.work_momentum is not None else 1.0  # FedNova's a_i
 
@@ -189,6 +198,9 @@ class SecureAggregation(SyncDriver):
         report.accepted, report.aggregated = len(sums.survivors), True
         self._note_clipping(server_round, sums.clipping, report)
         delta = sums.summed / sums.weight * (sums.weighted_work / sums.weight)
+        if sums.noise is not None:  # DP's uniform mean over a fixed denominator: the devices asked
+            delta = sums.summed / len(instructions)
+            self._note_release(server_round, sums, report)
         rule.begin(rounds.round_context())
         new = rule.step(self._apply(arrays, delta))
         return ArrayRecord({name: Array(c_contiguous(new[name])) for name in arrays}), MetricRecord(
@@ -204,6 +216,21 @@ class SecureAggregation(SyncDriver):
         length = entries + TAIL  # update, w, w * a, the clipping counts
         total, survivors = self._attempts(grid, server_round, instructions, codecs, timeout, report, length)
         return self._decoded(total, codecs, survivors)
+
+    def _note_release(self, server_round: int, sums: _Sums, report: RoundReport) -> None:
+        """Account a distributed-DP sum and show what it spent and what it brought back into range."""
+        assert self.noise_layer is not None and sums.noise is not None
+        dimension = len(sums.summed)
+        report.epsilon = self.noise_layer.release_sum(sums.noise, survivors=len(sums.survivors), dimension=dimension)
+        report.dp_out_of_range = sums.outside
+        log.info("round %d: distributed DP: %d devices' noise shares (sigma %.4g each, %.4g in the sum, L2 clip %g): "
+                 "epsilon %.3f so far", server_round, len(sums.survivors), sums.noise.stddev / sums.noise.scale,
+                 sums.noise.stddev / sums.noise.scale * math.sqrt(len(sums.survivors)), sums.noise.clip,
+                 report.epsilon)
+        if sums.outside:
+            log.warning("round %d: %d entries of the noised sum lay outside what %d clipped devices and the noise can "
+                        "reach (a device that did not clip?); brought back into range", server_round, sums.outside,
+                        len(sums.survivors))
 
     def _grouped_round(self, rounds: Rounds, grid: Grid, server_round: int, arrays: ArrayRecord,
                        instructions: dict[int, RecordDict], timeout: float,
@@ -289,8 +316,11 @@ class SecureAggregation(SyncDriver):
 
     def _decoded(self, total: Any, codecs: _Codecs, survivors: list[int]) -> _Sums:
         """The unmasked sums, checked: a wrong share unmasks to noise, which lands out of range."""
-        count = len(survivors)
-        summed = codecs.values.decode_sum(total[:-TAIL], count)
+        count, outside = len(survivors), 0
+        if codecs.noise is not None:
+            summed, outside = codecs.noise.decode_sum(total[:-TAIL], count)
+        else:
+            summed = codecs.values.decode_sum(total[:-TAIL], count)
         weight = float(codecs.weights.decode_sum(total[-TAIL:-TAIL + 1], count)[0])
         weighted_work = float(codecs.works.decode_sum(total[-TAIL + 1:-TAIL + 2], count)[0])
         entries, devices, capped = (int(c) for c in codecs.counts.decode_sum(total[-TAIL + 2:], count))
@@ -299,9 +329,14 @@ class SecureAggregation(SyncDriver):
                      and np.abs(summed).max(initial=0.0) <= count * codecs.values.clip
                      and 0 <= entries <= count * codecs.counts.clip and 0 <= devices <= min(count, entries)
                      and 0 <= capped <= count)
+        if codecs.noise is not None:  # every device sends weight 1, work 1 and no clipping counts (a wrong share
+            # unmasks the tail to noise too; the update's entries out of range were counted and brought back)
+            plausible = (abs(weight - count) < 0.5 and abs(weighted_work - count) < 0.5
+                         and entries == devices == capped == 0)
         if not plausible:
             raise SecureRoundFailed("the unmasked sum is out of range (a wrong share or a tampered input)")
-        return _Sums(summed, weight, weighted_work, survivors, Clipping(entries, devices, capped))
+        return _Sums(summed, weight, weighted_work, survivors, Clipping(entries, devices, capped), codecs.noise,
+                     outside)
 
     def _codecs(self, selected: int, entries: int) -> _Codecs:
         """Fixed point for the weighted update, for ``w`` and ``w * a`` (as fine as fits), for the counts.
@@ -326,7 +361,24 @@ class SecureAggregation(SyncDriver):
         work_clip = self.weight_clip * self.work_cap
         def finest(clip: float) -> FixedPoint:
             return FixedPoint(clip, (2 ** (self.bits - 1) - 1) / (max(selected, 1) * clip) * (1 - 1e-9), self.bits)
-        return _Codecs(values, finest(self.weight_clip), finest(work_clip), FixedPoint(counted, 1.0, self.bits))
+        return _Codecs(values, finest(self.weight_clip), finest(work_clip), FixedPoint(counted, 1.0, self.bits),
+                       self._noise(selected, entries, scale))
+
+    def _noise(self, selected: int, entries: int, scale: float) -> DistributedNoise | None:
+        """Distributed DP's encoding for a round of ``selected`` devices, or ``None`` without it."""
+        if self.noise_layer is None:
+            return None
+        noise = self.noise_layer.noise(scale=scale, dimension=entries, min_survivors=self._needed(), bits=self.bits)
+        if not noise.fits(selected):
+            raise ConfigError(f"secagg-bits = {self.bits} cannot hold the noised sum of {selected} devices (clip "
+                              f"{noise.clip} at secagg-precision {self.precision}, noise sigma {noise.stddev:.4g} "
+                              "ring units each): raise secagg-bits or secagg-precision")
+        return noise
+
+    def _needed(self) -> int:
+        """The fewest masked inputs a round goes on with (sub-models: per width group)."""
+        rounds = self._rounds
+        return MIN_DEVICES if rounds.submodels is not None else max(MIN_DEVICES, rounds.min_train_replies)
 
     def _note_clipping(self, server_round: int, clipping: Clipping, report: RoundReport) -> None:
         """Keep the round's clipping counts (:attr:`clipping`, the round report where it has the
@@ -380,9 +432,7 @@ class SecureAggregation(SyncDriver):
         if folded.bad_shares:
             raise _BadShares(_blame(folded.bad_shares, graph, threshold))
         survivors = [n for n in shared if n in summed]
-        needed = MIN_DEVICES if self._rounds.submodels is not None else max(MIN_DEVICES,
-                                                                            self._rounds.min_train_replies)
-        if len(survivors) < needed:  # sub-models: min-train-replies counts the round's groups together
+        if len(survivors) < self._needed():  # sub-models: min-train-replies counts the round's groups together
             raise SecureRoundFailed(f"{len(survivors)} devices sent masked inputs, need {MIN_DEVICES} and "
                                     f"min-train-replies {self._rounds.min_train_replies}")
         _enough_holders(graph, shared, survivors, threshold, "sent masked inputs")
@@ -484,7 +534,7 @@ class SecureAggregation(SyncDriver):
                                "update-clip": self.clip, "count-clip": codecs.counts.clip,
                                "weight-clip": weights.clip, "weight-scale": weights.scale,
                                "work-clip": works.clip, "work-scale": works.scale, "work-cap": self.work_cap,
-                               "work-momentum": _work_momentum(self._rule)})
+                               "work-momentum": _work_momentum(self._rule), **_noise_params(codecs.noise)})
         targets = [n for n in inboxes if not self._rounds.drops(n)]
         report.late += len(inboxes) - len(targets)  # FedAvg leaves stragglers out: they count as dropouts
         messages = [Message(RecordDict({wire.ARRAYS: instructions[n][wire.ARRAYS],
@@ -574,12 +624,21 @@ class Clipping:
 
 @dataclass(frozen=True)
 class _Codecs:
-    """A protocol instance's fixed-point encodings: the weighted update, ``w``, ``w * a``, the counts."""
+    """A protocol instance's fixed-point encodings: the weighted update, ``w``, ``w * a``, the counts,
+    and distributed DP's encoding of the update when it is on."""
 
     values: FixedPoint
     weights: FixedPoint
     works: FixedPoint
     counts: FixedPoint
+    noise: DistributedNoise | None = None
+
+
+def _noise_params(noise: DistributedNoise | None) -> dict[str, float | int]:
+    """The ``secagg`` parameters that tell devices to clip and noise (:func:`fedge.clients.secagg_device.dp_noise`)."""
+    if noise is None:
+        return {}
+    return {DP_CLIP: noise.clip, DP_SCALE: noise.scale, DP_STDDEV: noise.stddev, DP_MIN_SURVIVORS: noise.min_survivors}
 
 
 @dataclass(frozen=True)
@@ -591,6 +650,8 @@ class _Sums:
     weighted_work: float
     survivors: list[int]
     clipping: Clipping
+    noise: DistributedNoise | None = None  # distributed DP: the encoding the devices noised with
+    outside: int = 0  # ... entries of the sum brought back into range
 
 
 @dataclass(frozen=True)
