@@ -35,10 +35,12 @@ const of = (e) => e.round + (e.numRounds ? " of " + e.numRounds : "");
 // only "error" is shown as one.
 const STATUS = {
   wait: () => "waiting for a round",
-  train: (e) => "round " + of(e) + ": trained and sent",
+  train: (e) => "round " + of(e) + (e.secure ? ": trained and sent masked (secure aggregation: the gateway sees only the pool's sum)"
+                                            : ": trained and sent"),
   evaluate: (e) => "round " + of(e) + ": evaluated and sent",
   late: (e) => "round " + of(e) + " closed before this tab's result arrived (not counted); waiting for the next",
-  refused: (e) => "round " + of(e) + ": refused (secure aggregation is not implemented in the browser)",
+  secagg: (e) => "round " + of(e) + ": secure aggregation, " + String(e.action || "").replace("secagg_", "") + " step sent",
+  refused: (e) => "round " + of(e) + ": this tab refused a secure-aggregation step: " + e.reason,
   done: (e) => "the run is over: " + e.reason,
   inputs: (e) => e.message,
   error: (e) => "error: " + e.error,

@@ -30,12 +30,17 @@
 // browser hides why a request failed, so when a gateway never answered, after `maxNetworkFailures` failures in a
 // row run() stops with an error naming the likely causes (the origin, the TLS trust, the address) instead of
 // retrying forever; a gateway that answered before and then goes away (a restart) is waited for.
-// Secure aggregation is not implemented here: the check-in says so ("capabilities"), a gateway whose
-// run is secure refuses it with the reason, and a secure step that reaches it anyway is refused.
+// Secure aggregation (kind "secagg" tasks): the five SecAgg+ steps of secagg.js (Bonawitz et al., CCS 2017; Bell et
+// al., CCS 2020), answered as fedge.clients.protocol_device answers them, byte-compatible with Python devices in one
+// gateway pool; the check-in declares "secure-aggregation". The masked step trains with the same worker as a plain
+// round and sends only the masked ring vector: the gateway learns the pool's sum, not this tab's update. A step the
+// tab refuses (secagg.js' checks) is answered with the reason and forgets the round's secrets; a step sent again
+// with the same task id (its answer was lost on the way) gets the same answer again, not a second run of the step.
 
 import {FRAME_TYPE, decodeFrame, encodeFrame, int8Delta} from "./frame.js";
 import {importBundleKey, recordAccepted, verifyInferenceBundle, verifyTrainingBundle} from "./bundle.js";
 import {AS_GIVEN, OUTSIDE, inputsMessage, prepareDeviceInputs} from "./preprocessing.js";
+import * as secagg from "./secagg.js";
 
 const PREFIX = "/v1";
 const enc = new TextEncoder();
@@ -115,6 +120,10 @@ export class FedgeDevice {
     this.graph = null;  // the architecture of the verified graph loaded in the worker
     this.inference = null;  // the manifest of the verified inference model loaded in the worker
     this.log = [];
+    this.secagg = null;  // this round's secure-aggregation secrets (secagg.js state)
+    this.answered = null;  // the last secure step answered: {task, reply, frame} (sent again if the step comes again)
+    this.unmasked = null;  // the last round this device unmasked in (a later setup at or before it is refused)
+    this.secureWork = null;  // what the masked step trained: {loss, numExamples}
   }
 
   call(message, transfer) {
@@ -159,7 +168,7 @@ export class FedgeDevice {
     const signature = new Uint8Array(await crypto.subtle.sign({name: "ECDSA", hash: "SHA-256"}, keys.privateKey, message));
     const answer = FedgeDevice.json(await this.send("POST", PREFIX + "/check-in", JSON.stringify({
       protocol: 1, device: this.name, time: issued, nonce: nonce, signature: b64(signature),
-      capabilities: ["fp32", "int8-delta"]}),  // no secure aggregation yet: a secure run refuses this check-in
+      capabilities: ["fp32", "int8-delta", "secure-aggregation"]}),
       {"Content-Type": "application/json"}), "check-in");
     const key = await crypto.subtle.importKey("raw", unb64(answer.key), {name: "HMAC", hash: "SHA-256"}, false, ["sign"]);
     this.session = {token: answer.session, key: key, counter: 0};
@@ -251,7 +260,9 @@ export class FedgeDevice {
   // ---------------------------------------------------------------- one poll
   // What it did: {kind, nextInS, round, ...}. kind: "wait"; "train" (loss) or "evaluate" (metrics), sent;
   // "late": the result came after its round closed (409, a normal outcome: it was not counted; reason says why);
-  // "refused" (a secure step); "done": the run is over (reason: the gateway's words). A task's outcome carries
+  // "secagg": a secure-aggregation step answered (action; the masked step's loss), and "train" for its last step
+  // (secure: true); "refused": a secure step this tab refused (reason); "done": the run is over (reason: the
+  // gateway's words). A task's outcome carries
   // numRounds, the run's number of rounds, when the gateway knows it.
   async poll() {
     const answer = await this.authenticated("GET", PREFIX + "/task");
@@ -261,7 +272,7 @@ export class FedgeDevice {
       return {kind: "wait", nextInS: body["next-in-s"] || 1};
     }
     const {header: task, tensors} = decodeFrame(answer.body.buffer);
-    if (task.kind === "secagg") return this.refuseSecure(task);
+    if (task.kind === "secagg") return this.secureStep(task, tensors, answer.body);
     await this.ready(task.graph);
     const data = this.preparedData();
     const numRounds = Number.isInteger(task["num-rounds"]) && task["num-rounds"] > 0 ? {numRounds: task["num-rounds"]} : {};
@@ -295,10 +306,118 @@ export class FedgeDevice {
             ...(sent.late ? {reason: sent.reason} : {})};
   }
 
-  async refuseSecure(task) {
-    const sent = await this.result(encodeFrame({task: task.task, kind: "secagg",
-      error: "this web device does not implement secure aggregation yet"}));
-    return {kind: "refused", nextInS: sent["next-in-s"] || 1, round: task["server-round"]};
+  // ---------------------------------------------------------------- secure aggregation
+  // One SecAgg+ step the gateway asked for, answered (clients/protocol_device.py's _secure_step). Outcome kinds:
+  // "secagg" (a step answered), "train" (the unmask step: this tab's update is in the pool's sum), "refused" (this
+  // tab refused the step: reason), "late" (the step closed before the answer arrived: 409, normal).
+  async secureStep(task, tensors, frame) {
+    const action = String(task.action || "");
+    const round = Number.isInteger(task["server-round"]) ? task["server-round"] : null;
+    let reply, body;
+    if (this.answered && task.task === this.answered.task) {
+      // the step answered last, sent again: its answer did not reach the gateway; the same answer again
+      ({reply, frame: body} = this.answered);
+    } else {
+      ({reply, frame: body} = await this.secureReply(action, task, tensors, frame));
+      this.answered = {task: task.task, reply: reply, frame: body};
+    }
+    const sent = await this.result(body);
+    const nextInS = sent["next-in-s"] ?? 0.5;
+    if (sent.late) return {kind: "late", nextInS: nextInS, round: round, action: action, reason: sent.reason};
+    if (reply.error) return {kind: "refused", nextInS: nextInS, round: round, action: action, reason: printable(reply.error)};
+    if (action === "secagg_unmask") {
+      return {kind: "train", nextInS: nextInS, round: round, secure: true, ...(this.secureWork || {})};
+    }
+    return {kind: "secagg", nextInS: nextInS, round: round, action: action,
+            ...(action === "secagg_masked" && this.secureWork ? this.secureWork : {})};
+  }
+
+  // {reply (the answer's header), frame (its bytes)}: the step's answer, or the reason it is refused.
+  async secureReply(action, task, tensors, frame) {
+    let records = {}, out = {};
+    try {
+      if (!Number.isInteger(task["server-round"])) throw new secagg.ProtocolViolation("malformed " + action + " step: 'server-round' is not a whole number");
+      [records, out] = await this.secureAnswer(action, task, tensors, frame);
+      const reply = {task: task.task, kind: "secagg", records: secagg.recordsToJson(records)};
+      return {reply: reply, frame: encodeFrame(reply, out)};
+    } catch (error) {
+      // a graph this tab refuses, or a gateway out of reach: not the step's fault; run() handles it (the step stays)
+      if (error.network || /training bundle refused|training graph/.test(String(error.message))) throw error;
+      this.secagg = null;
+      const reason = error instanceof secagg.ProtocolViolation ? error.message
+        : "malformed " + action + " step (" + (error.name || "Error") + ": " + String(error.message || error) + ")";
+      console.warn("device " + this.name + ": " + reason);
+      const reply = {task: task.task, kind: "secagg", error: reason};
+      return {reply: reply, frame: encodeFrame(reply)};
+    }
+  }
+
+  async secureAnswer(action, task, tensors, frame) {
+    const node = task.node, round = task["server-round"];
+    if (!Number.isInteger(node)) throw new secagg.ProtocolViolation("malformed " + action + " step: 'node' is not a whole number");
+    const records = secagg.recordsFromJson(task.records || {});
+    if (action === "secagg_setup") {
+      this.secureWork = null;
+      secagg.checkNotUnmasked(this.unmasked, round);
+      const {state, keys} = await secagg.setup(round);
+      this.secagg = {...state, me: node};
+      return [{keys: keys}, {}];
+    }
+    const state = this.secagg;
+    if (!state) {
+      throw new secagg.ProtocolViolation("refusing " + action + ": this device has no secure-aggregation round in " +
+                                         "progress (a replayed or reordered step)");
+    }
+    if (state.me !== node) throw new secagg.ProtocolViolation("refusing " + action + ": the gateway changed this device's node id mid-round");
+    const need = (name) => {
+      if (!records[name]) throw new secagg.ProtocolViolation("malformed " + action + " step: no record '" + name + "'");
+      return records[name];
+    };
+    if (action === "secagg_share") return [{sealed: await secagg.share(state, need("peers"), node)}, {}];
+    if (action === "secagg_masked") return this.secureMasked(state, task, records, tensors, frame, node);
+    if (action === "secagg_consistency") {
+      return [{consistency: {signature: await secagg.consistency(state, need("check"), node)}}, {}];
+    }
+    if (action === "secagg_unmask") {
+      const revealed = await secagg.unmask(state, need("ask"), node);
+      this.secagg = null;
+      this.unmasked = state.round;
+      return [{revealed: revealed}, {}];
+    }
+    throw new secagg.ProtocolViolation("refusing '" + action.slice(0, 40) + "': not a secure-aggregation step");
+  }
+
+  // The masked step: train on the step's global arrays with the worker (as a plain round), mask the update, sign the
+  // digests of the model and config received. The config digest reads the header's own text (parsePython), so that
+  // 1.0 stays a float and 1 an int, as a Python device's json reading keeps them.
+  async secureMasked(state, task, records, tensors, frame, node) {
+    for (const name of ["config", "inbox", "secagg"]) {
+      if (!records[name]) throw new secagg.ProtocolViolation("malformed secagg_masked step: no record '" + name + "'");
+    }
+    const weights = {}, arrays = [];
+    for (const [key, tensor] of Object.entries(tensors)) {
+      if (!key.startsWith("arrays/")) continue;
+      const name = key.slice("arrays/".length);
+      weights[name] = tensor.data;
+      arrays.push({name: name, shape: tensor.shape, data: tensor.data});
+    }
+    await this.ready(task.graph);
+    const data = this.preparedData();
+    const typed = secagg.parsePython(secagg.frameHeaderText(frame)).records;
+    const train = async () => {
+      const trained = await this.call({type: "train", weights: weights, config: records.config, seed: String(task.seed), ...data});
+      this.secureWork = {loss: trained.stats.loss, numExamples: trained.stats.numExamples};
+      return {arrays: trained.weights, numExamples: trained.stats.numExamples, steps: trained.stats.steps};
+    };
+    const answer = await secagg.masked(state, {inbox: records.inbox, params: records.secagg, config: records.config,
+                                               typedRecords: [typed.config, typed.secagg], globalArrays: arrays,
+                                               me: node, train: train});
+    if (answer.bad) {
+      this.secagg = null;
+      return [{"secagg-bad-shares": {senders: answer.bad}}, {}];
+    }
+    return [{"secagg-received": answer.received, fedge: {"server-round": state.round}},
+            {"masked/vector": {data: answer.vector, shape: [answer.vector.length]}}];
   }
 
   // The gateway's answer to a result; {late: true, reason} when it came after its round closed (409): normal.
