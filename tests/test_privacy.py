@@ -91,7 +91,7 @@ def test_a_resumed_run_goes_on_spending_privacy(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("overrides", "reason"), [
     ({"dp": "server-fixed", "strategy": "median"}, "works with strategy fedavg, fedprox"),
-    ({"dp": "client-fixed", "secure-aggregation": "true"}, "dp with secure-aggregation is not supported"),
+    ({"dp": "client-fixed", "secure-aggregation": "true"}, "use dp = 'distributed'"),
     ({"dp": "server-fixed", "dp-noise-multiplier": 0.0}, "ε is infinite"),
     ({"dp": "central"}, "use one of: off, server-fixed"),
     ({"dp-delta": 1.5}, "must be in (0, 1)"),
