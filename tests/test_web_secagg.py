@@ -241,6 +241,19 @@ def test_the_gateway_serves_and_the_package_ships_the_vendored_chacha20(page: An
     assert "@noble/ciphers 2.4.0" in readme and "MIT" in (ASSETS / "vendor" / "noble-ciphers" / "LICENSE").read_text()
 
 
+def test_the_browser_refuses_a_masked_step_under_distributed_dp_rather_than_send_it_without_noise(page: Any) -> None:
+    # Execute: a masked step whose parameters ask for distributed DP noise (which secagg.js does not add yet)
+    out = _in_page(page, "const state = {round: 3, stage: 'secagg_share', threshold: 2, neighbours: []};"
+                         "let trained = false;"
+                         "try { await S.masked(state, {inbox: {}, params: {'dp-stddev': 1.0, bits: 32},"
+                         " config: {'server-round': 3}, typedRecords: [], globalArrays: [], me: 1,"
+                         " train: async () => { trained = true; }}); return {refused: null}; }"
+                         "catch (error) { return {refused: error instanceof S.ProtocolViolation ? error.message : "
+                         "String(error), trained: trained}; }")
+    # Assert: refused by name, before any training
+    assert "distributed differential privacy" in out["refused"] and out["trained"] is False
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 def _expected_mean(run: dict[str, Any], names: list[str], server_round: int) -> tuple[dict[str, np.ndarray], int]:
     """Each device's training recomputed by the Python trainer (its shard, the round's seed); their weighted mean."""

@@ -33,6 +33,7 @@ export const STEPS = ["secagg_setup", "secagg_share", "secagg_masked", "secagg_c
 export const PUBLIC_KEYS = ["c-pk", "s-pk", "g-pk"];
 export const PRIME = (1n << 521n) - 1n;  // the Mersenne prime 2^521 - 1: one field element holds a 32-byte secret
 export const SHARE_BYTES = 2 + 66;  // holder index (u16, big-endian) + field element (66 bytes, big-endian)
+const DISTRIBUTED_DP = "dp-stddev";  // in `secagg`: the round adds distributed DP noise (fedge.distributed_noise)
 const PER_DEVICE_CONFIG = new Set(["local-epochs"]);  // left out of the config digest (fedge.secagg.PER_DEVICE_CONFIG)
 export const COUNTS = ["clipped-entries", "clipped-devices", "capped-weights"];
 
@@ -738,6 +739,11 @@ async function openShares(state, inbox, me) {
 // {vector, received: {arrays, config, signature}} or {bad: [peers whose shares did not open]}.
 export async function masked(state, {inbox, params, config, typedRecords, globalArrays, me, train}) {
   advance(state, "secagg_masked", whole(config["server-round"], "server-round"));
+  if (DISTRIBUTED_DP in params) {  // noise this port does not add: an update without it would void the accounting
+    throw new ProtocolViolation("refusing secagg_masked: the round runs distributed differential privacy (" +
+                                DISTRIBUTED_DP + "), whose noise this web device does not add yet; it takes no part " +
+                                "rather than send an update without its share of the noise");
+  }
   const serverRound = state.round, threshold = state.threshold;
   const {holding, bad} = await openShares(state, inbox, me);
   if (bad.length) {
