@@ -220,3 +220,94 @@ def test_a_consistency_signature_binds_the_round_and_the_exact_survivor_set() ->
 def test_the_threshold_floor_is_a_strict_majority_and_at_least_two(neighbours: int, floor: int) -> None:
     assert minimum_threshold(neighbours) == floor
     assert 2 * floor > neighbours and floor >= 2
+
+
+# The coordinator's fast Ed25519 key check (a Jacobi symbol and the torsion points' y) must give the
+# verdict of RFC 8032's decoding (_ed25519_point) and the doubling test (_ed25519_small_order).
+
+ED25519_ORDER = 2**252 + 27742317777372353535851937790883648493  # the prime order of the base point's group
+
+
+def _edwards_add(p: tuple[int, int], q: tuple[int, int]) -> tuple[int, int]:
+    """Affine addition on -x^2 + y^2 = 1 + d x^2 y^2 (complete: d is not a square)."""
+    from fedge.secagg import _ED_D
+
+    (x1, y1), (x2, y2) = p, q
+    t = _ED_D * x1 * x2 * y1 * y2 % ED25519_P
+    return ((x1 * y2 + y1 * x2) * pow(1 + t, -1, ED25519_P) % ED25519_P,
+            (y1 * y2 + x1 * x2) * pow(1 - t, -1, ED25519_P) % ED25519_P)
+
+
+def _times(scalar: int, point: tuple[int, int]) -> tuple[int, int]:
+    result, addend = (0, 1), point
+    while scalar:
+        if scalar & 1:
+            result = _edwards_add(result, addend)
+        addend, scalar = _edwards_add(addend, addend), scalar >> 1
+    return result
+
+
+def _encode(point: tuple[int, int]) -> bytes:
+    return (point[1] | ((point[0] & 1) << 255)).to_bytes(32, "little")
+
+
+def test_the_torsion_points_are_the_keys_refused_as_small_order() -> None:
+    """The 8-torsion subgroup derived from scratch (order-l multiples of random points) has exactly the
+    y coordinates the fast check refuses, and each of its points is refused, whichever x sign."""
+    import random
+
+    from fedge.secagg import _ED_TORSION_Y, _ed25519_point, _ed25519_small_order
+
+    rng, torsion = random.Random(7), set()
+    while len(torsion) < 8:
+        point = _ed25519_point(rng.randbytes(32))
+        if point is not None:
+            torsion.add(_times(ED25519_ORDER, point))
+    assert {y for _, y in torsion} == _ED_TORSION_Y
+    for point in torsion:
+        assert _ed25519_small_order(point)
+        with pytest.raises(InvalidPublicKey, match="small order"):
+            check_ed25519_public(_encode(point))
+
+
+def test_the_fast_ed25519_check_gives_the_rfc_decodings_verdict() -> None:
+    import random
+
+    from fedge.secagg import _ED_TORSION_Y, _ed25519_point, _ed25519_small_order
+
+    def reference(raw: bytes) -> str:
+        point = _ed25519_point(raw)
+        return "off" if point is None else "small" if _ed25519_small_order(point) else "ok"
+
+    def fast(raw: bytes) -> str:
+        try:
+            check_ed25519_public(raw)
+        except InvalidPublicKey as exc:
+            return "off" if "curve point" in str(exc) else "small"
+        return "ok"
+
+    rng = random.Random(3)
+    edges = [*_ED_TORSION_Y, 2, 3, *range(ED25519_P - 3, ED25519_P + 20), 2**255 - 1]
+    raws = [rng.randbytes(32) for _ in range(3000)] + [
+        (y | sign << 255).to_bytes(32, "little") for y in edges for sign in (0, 1)] + [
+        signing_public_bytes(Ed25519PrivateKey.generate()) for _ in range(100)]
+    verdicts = [(reference(raw), fast(raw)) for raw in raws]
+    assert all(a == b for a, b in verdicts)
+    assert {a for a, _ in verdicts} == {"off", "small", "ok"}
+
+
+def test_a_secret_rebuilds_from_any_threshold_of_its_shares_in_any_order() -> None:
+    """Lagrange weights are cached by the holders' indices: any subset, any order, same secret."""
+    import itertools
+    import random
+
+    rng = random.Random(5)
+    for threshold, holders in ((2, 3), (3, 5), (7, 12)):
+        secret = rng.randbytes(32)
+        shares = list(share_secret(secret, threshold, list(range(100, 100 + holders))).values())
+        subsets = list(itertools.combinations(shares, threshold))[:40] + [tuple(shares)]
+        for subset in subsets:
+            picked = list(subset)
+            rng.shuffle(picked)
+            assert rebuild_secret(picked) == secret
+        assert rebuild_secret(shares[:threshold - 1]) != secret

@@ -67,9 +67,10 @@ from fedge.secagg import (
     ring_accumulate,
     ring_dtype,
     ring_range,
+    survivors_message,
     unmask,
     valid_received_signature,
-    valid_survivors_signature,
+    valid_signature,
 )
 from fedge.strategies.drivers.base import RoundReport
 from fedge.strategies.drivers.sync import SyncDriver
@@ -408,7 +409,7 @@ class SecureAggregation(SyncDriver):
         (``t`` neighbours among the signers). Nothing is revealed unless every secret
         the sum needs can be rebuilt from the latter.
         """
-        setup = self._step(grid, "secagg_setup", {n: RecordDict({"config": ConfigRecord(
+        setup = self._step(grid, "secagg_setup", {n: RecordDict({"config": _relayed(
             {wire.SERVER_ROUND: server_round})}) for n in instructions}, timeout, report)
         keys = _read_each(setup, _read_keys, "secagg_setup", "the round goes on without it", server_round, report)
         alive = _distinct_keys(list(keys), keys, server_round, report)
@@ -419,7 +420,7 @@ class SecureAggregation(SyncDriver):
                             lambda node, reply: _read_sealed(node, reply, graph[node]), "secagg_share",
                             "the round goes on without it", server_round, report)
         shared = [n for n in alive if n in sealed]
-        inboxes = {n: ConfigRecord({f"from/{p}": sealed[p][n] for p in graph[n] if p in shared}) for n in shared}
+        inboxes = {n: _relayed({f"from/{p}": sealed[p][n] for p in graph[n] if p in shared}) for n in shared}
         few = [n for n, inbox in inboxes.items() if len(inbox) < threshold]
         if few:  # it would refuse to mask (its self-mask alone would hide its input): a dropout
             log.warning("round %d: devices %s got shares from fewer than %d neighbours; left out", server_round,
@@ -440,8 +441,8 @@ class SecureAggregation(SyncDriver):
         signers = set(signatures)
         unmaskers = [n for n in survivors if n in signers and len(graph[n] & signers) >= threshold]
         _enough_holders(graph, shared, unmaskers, threshold, "signed the survivor set")
-        asks = {n: RecordDict({"ask": ConfigRecord({"survivors": survivors, wire.SERVER_ROUND: server_round,
-                                                    **{f"sig/{p}": signatures[p] for p in graph[n] & signers}})})
+        asks = {n: RecordDict({"ask": _relayed({"survivors": survivors, wire.SERVER_ROUND: server_round,
+                                                **{f"sig/{p}": signatures[p] for p in graph[n] & signers}})})
                 for n in unmaskers}
         index = {owner: {holder: x for x, holder in enumerate(sorted(holders), start=1)}  # each share's Shamir x
                  for owner, holders in graph.items()}
@@ -469,12 +470,13 @@ class SecureAggregation(SyncDriver):
         recorded as a failure of its sender.
         """
         alive = set(survivors)
-        checks = {n: RecordDict({"check": ConfigRecord({
+        checks = {n: RecordDict({"check": _relayed({
             "survivors": survivors, wire.SERVER_ROUND: server_round,
             **{f"received/{p}": received[p] for p in sorted(graph[n] & alive)}})}) for n in survivors}
         replies = self._step(grid, "secagg_consistency", checks, timeout, report)
+        signed = survivors_message(server_round=server_round, survivors=survivors)  # what each signs: made once
         return _read_each(
-            replies, lambda node, reply: _read_signature(node, reply, keys[node]["g-pk"], server_round, survivors),
+            replies, lambda node, reply: _read_signature(node, reply, keys[node]["g-pk"], signed),
             "secagg_consistency", "it cannot unmask; its input stays in the sum", server_round, report)
 
     def _sum_masked(self, replies: Iterable[Message], expected: _Expected, length: int, server_round: int,
@@ -509,7 +511,7 @@ class SecureAggregation(SyncDriver):
         """Add ``node``'s masked input to ``folded`` or note its bad-share report; a malformed one is named."""
         if self.rounds is not None and self.rounds.submodels is not None:  # its public meta names its profile
             self.rounds.submodels.learn([reply])
-        if wire.SECAGG_BAD_SHARES in reply.content.config_records:
+        if _config(reply, wire.SECAGG_BAD_SHARES) is not None:
             folded.bad_shares.update(_read_each(
                 {node: reply}, lambda node, reply: _read_bad_shares(node, reply, expected.graph[node]),
                 "secagg_masked", "its report is ignored", server_round, report))
@@ -710,14 +712,18 @@ def _blame(reports: Mapping[int, list[int]], graph: Mapping[int, set[int]], thre
 
 def _sent_digests(instructions: Mapping[int, RecordDict], targets: Iterable[int],
                   params: ConfigRecord) -> dict[int, Received]:
-    """The digests of the model and config each target is sent (the model hashed once per distinct record)."""
+    """The digests of the model and config each target is sent (each hashed once per distinct record: the
+    instructions hold them, so their ids stay theirs meanwhile)."""
     by_record: dict[int, bytes] = {}
+    by_config: dict[int, bytes] = {}
     digests = {}
     for node in targets:
-        arrays = instructions[node][wire.ARRAYS]
+        arrays, config = instructions[node][wire.ARRAYS], instructions[node][wire.CONFIG]
         if id(arrays) not in by_record:
             by_record[id(arrays)] = arrays_digest({name: array.numpy() for name, array in arrays.items()})  # type: ignore[union-attr]
-        digests[node] = Received(by_record[id(arrays)], config_digest(instructions[node][wire.CONFIG], params))  # type: ignore[arg-type]
+        if id(config) not in by_config:
+            by_config[id(config)] = config_digest(config, params)
+        digests[node] = Received(by_record[id(arrays)], by_config[id(config)])
     return digests
 
 
@@ -787,7 +793,7 @@ def _read_keys(node: int, reply: Message) -> Keys:
     neighbour's key agreement with it fail: without this check one device could make
     every secure round fail and have the errors land on honest devices.
     """
-    record = reply.content.config_records.get("keys")
+    record = _config(reply, "keys")
     if record is None:
         raise ProtocolError("invalid public key: no keys record", node_id=node)
     try:
@@ -800,7 +806,7 @@ def _read_keys(node: int, reply: Message) -> Keys:
 
 def _read_sealed(node: int, reply: Message, neighbours: set[int]) -> dict[int, bytes]:
     """The ciphertext ``node`` sealed for each of its ``neighbours``, by neighbour."""
-    record = reply.content.config_records.get("sealed")
+    record = _config(reply, "sealed")
     if record is None:
         raise ProtocolError("invalid share reply: it has no sealed record", node_id=node)
     sealed = {peer: record.get(f"to/{peer}") for peer in sorted(neighbours)}
@@ -814,7 +820,8 @@ def _read_masked(node: int, reply: Message, length: int, bits: int,
                  expected: _Expected) -> tuple[np.ndarray, bytes]:
     """``node``'s masked input (``length`` ring elements of Z_{2^bits}, header checked before
     decoding) and its signature over the digests of what it was sent (:func:`_read_received`)."""
-    record = reply.content.array_records.get("masked")
+    record = reply.content.get("masked")
+    record = record if isinstance(record, ArrayRecord) else None
     if record is None:
         raise ProtocolError("invalid masked input: the reply has no masked record", node_id=node)
     signature = _read_received(node, reply, expected)
@@ -831,7 +838,7 @@ def _read_received(node: int, reply: Message, expected: _Expected) -> bytes:
     A device that signs other digests would make every neighbour refuse the survivor set
     (and the round fail); named here, it is left out of the sum instead.
     """
-    record = reply.content.config_records.get(wire.SECAGG_RECEIVED)
+    record = _config(reply, wire.SECAGG_RECEIVED)
     if record is None:
         raise ProtocolError("invalid masked input: no signed digests of what it was sent", node_id=node)
     sent, signature = expected.digests[node], record.get("signature")
@@ -846,19 +853,19 @@ def _read_received(node: int, reply: Message, expected: _Expected) -> bytes:
 
 def _read_bad_shares(node: int, reply: Message, neighbours: set[int]) -> list[int]:
     """The neighbours ``node`` says sealed it shares that do not open: node ids among its neighbours."""
-    senders = reply.content.config_records[wire.SECAGG_BAD_SHARES].get("senders")
+    senders = reply.content[wire.SECAGG_BAD_SHARES].get("senders")  # a ConfigRecord: _fold checked
     if (not isinstance(senders, list) or not senders or len(set(senders)) != len(senders)
             or not all(isinstance(p, int) and not isinstance(p, bool) and p in neighbours for p in senders)):
         raise ProtocolError("invalid bad-share report: not a list of distinct neighbours", node_id=node)
     return [int(p) for p in senders]
 
 
-def _read_signature(node: int, reply: Message, public: bytes, server_round: int, survivors: list[int]) -> bytes:
-    """``node``'s signature over this round's survivor set, verified with its signing key ``public``."""
-    record = reply.content.config_records.get("consistency")
+def _read_signature(node: int, reply: Message, public: bytes, signed: bytes) -> bytes:
+    """``node``'s signature over this round's survivor set (``signed``: :func:`fedge.secagg.survivors_message`),
+    verified with its signing key ``public``."""
+    record = _config(reply, "consistency")
     signature = record.get("signature") if record is not None else None
-    if not isinstance(signature, bytes) or not valid_survivors_signature(
-            public, signature, server_round=server_round, survivors=survivors):
+    if not isinstance(signature, bytes) or not valid_signature(public, signature, signed):
         raise ProtocolError("invalid signature over the survivor set", node_id=node)
     return signature
 
@@ -872,7 +879,7 @@ def _read_revealed(node: int, reply: Message, holds: Mapping[int, int]) -> dict[
     index was copied or forged. Shares of devices that are not ``node``'s neighbours are
     never read.
     """
-    record = reply.content.config_records.get("revealed")
+    record = _config(reply, "revealed")
     if record is None:
         raise ProtocolError("invalid unmask reply: it has no revealed record", node_id=node)
     shares = {}
@@ -893,11 +900,41 @@ def _read_revealed(node: int, reply: Message, holds: Mapping[int, int]) -> dict[
 def _peer_record(keys: Mapping[int, Keys], neighbours: set[int], server_round: int,
                  threshold: int) -> ConfigRecord:
     """What one device needs for the share step: its neighbours and their public keys."""
-    record = ConfigRecord({wire.SERVER_ROUND: server_round, "threshold": threshold, "neighbours": sorted(neighbours)})
+    values: dict[str, Any] = {wire.SERVER_ROUND: server_round, "threshold": threshold, "neighbours": sorted(neighbours)}
     for peer in neighbours:
         for kind in PUBLIC_KEYS:
-            record[f"{kind}/{peer}"] = keys[peer][kind]
+            values[f"{kind}/{peer}"] = keys[peer][kind]
+    return _relayed(values)
+
+
+def _relayed(values: dict[str, Any]) -> ConfigRecord:
+    """A ``ConfigRecord`` of ``values``, the same as ``ConfigRecord(values)`` (items in the same order).
+
+    What the coordinator relays (public keys, sealed shares, signatures, node ids, the round) was
+    checked where it was read: bytes, ints and lists of ints. Flower's constructor type-checks
+    each value again at ~3 us a value, and a round relays ~40 values per device per step (at 50
+    devices, ~4,000 values: 10-15 ms of the coordinator's critical path); so values of exactly
+    those types go straight into the record, anything else (or a Flower whose record no longer
+    keeps a plain ``_data`` dict) through the checked constructor.
+    """
+    record = ConfigRecord()
+    data = record.__dict__.get("_data")
+    if type(data) is not dict or not all(_plain(value) for value in values.values()):
+        return ConfigRecord(values)
+    data.update(values)
     return record
+
+
+def _plain(value: object) -> bool:
+    kind = type(value)
+    return kind is bytes or kind is int or (kind is list and all(type(item) is int for item in value))  # type: ignore[attr-defined]
+
+
+def _config(reply: Message, name: str) -> ConfigRecord | None:
+    """``reply.content.config_records.get(name)``, without the view of every record Flower builds on
+    each such access (~20 us, and a view that refers to itself: :func:`fedge.strategies.policies.let_go`)."""
+    record = reply.content.get(name)
+    return record if isinstance(record, ConfigRecord) else None
 
 
 def _distinct_keys(nodes: list[int], keys: Mapping[int, Keys], server_round: int,
