@@ -22,7 +22,10 @@ this run against a torch baseline measured in the same run:
    fleet vs an onnx fleet (``runtime='onnx'``), seeds 0, 1, 2: final accuracy.
 6. ``--browser``: the web SDK in headless Chromium (onnxruntime-web's WebAssembly build in a Web
    Worker) vs the Python onnx device on the demo device's shard and signed bundle: bundle verify
-   and graph load, one 16-example step (median), one local round, the bundle's download size.
+   and graph load, one 16-example step (median), one local round, the bundle's download size; and
+   the browser's secure round (``web/secagg.js``): each of one device's five steps at 100,000
+   parameters in a pool of 10 (the page plays all ten; the masked step without its training), the
+   extra time over a plain round, and secure / plain with the demo's local round measured here.
 
 Usage: python bench/ondevice.py [--steps] [--startup] [--install] [--deploy] [--accuracy] [--browser] [options]
 Writes bench/results/ondevice.json (sections run now replace their entry; others are kept)
@@ -745,6 +748,85 @@ const [spec, done] = arguments;
 """
 
 
+# The secure round's device side (web/secagg.js) at `parameters` parameters in a pool of `pool`: one page plays every
+# device of the pool (the gateway's relaying is plain record copies), and only device 0's steps are timed. Its
+# "training" returns a fixed update (the demo's plain round, timed above, is the training both rounds share);
+# the plain round's own extra work is the fp32 result frame.
+SECURE_PAGE = """
+const [spec, done] = arguments;
+(async () => {
+  const S = await import("./secagg.js");
+  const {encodeFrame} = await import("./frame.js");
+  const round = 1, n = spec.pool, size = spec.parameters;
+  const nodes = Array.from({length: n}, (_, i) => 1000 + i);
+  const threshold = S.minimumThreshold(n - 1);
+  const times = {};
+  const timed = async (label, i, fn) => {
+    const started = performance.now();
+    const out = await fn();
+    if (i === 0) times[label] = performance.now() - started;
+    return out;
+  };
+  const global = new Float32Array(size).map((_, i) => 0.1 * Math.sin(i));
+  const trained = global.map((v, i) => v + 0.001 * Math.cos(i));
+  const arrays = [{name: "w", shape: [size], data: global}];
+  const config = {"server-round": round, "local-epochs": 1, "batch-size": 32, "learning-rate": 0.05, momentum: 0.9,
+                  "proximal-mu": 0.0, seed: 7};
+  const typed = S.parsePython(JSON.stringify({config: config, secagg: spec.params}).replace(/"proximal-mu":0/,
+                                                                                           '"proximal-mu":0.0'));
+  const states = [], keys = [];
+  for (let i = 0; i < n; i++) {
+    const made = await timed("setup", i, () => S.setup(round));
+    states.push(made.state);
+    keys.push(made.keys);
+  }
+  const sealed = [];
+  for (let i = 0; i < n; i++) {
+    const peers = {"server-round": round, neighbours: nodes.filter((_, j) => j !== i), threshold: threshold};
+    nodes.forEach((node, j) => {
+      if (j !== i) for (const kind of S.PUBLIC_KEYS) peers[kind + "/" + node] = keys[j][kind];
+    });
+    sealed.push(await timed("share", i, () => S.share(states[i], peers, nodes[i])));
+  }
+  const received = [];
+  let frameMs = 0;
+  for (let i = 0; i < n; i++) {
+    const inbox = {};
+    nodes.forEach((node, j) => { if (j !== i) inbox["from/" + node] = sealed[j]["to/" + nodes[i]]; });
+    const answer = await timed("masked", i, () => S.masked(states[i], {
+      inbox: inbox, params: spec.params, config: config, typedRecords: [typed.config, typed.secagg],
+      globalArrays: arrays, me: nodes[i],
+      train: async () => ({arrays: {w: trained}, numExamples: 100, steps: 4})}));
+    if (i === 0) {
+      const started = performance.now();
+      encodeFrame({task: "t", kind: "secagg", records: S.recordsToJson({"secagg-received": answer.received})},
+                  {"masked/vector": {data: answer.vector, shape: [answer.vector.length]}});
+      frameMs = performance.now() - started;
+    }
+    received.push(answer.received.signature);
+  }
+  times.masked += frameMs;
+  const check = {"server-round": round, survivors: nodes};
+  nodes.forEach((node, j) => { check["received/" + node] = received[j]; });
+  const signatures = [];
+  for (let i = 0; i < n; i++) {
+    signatures.push(await timed("consistency", i, () => S.consistency(states[i], check, nodes[i])));
+  }
+  const ask = {"server-round": round, survivors: nodes};
+  nodes.forEach((node, j) => { ask["sig/" + node] = signatures[j]; });
+  for (let i = 0; i < n; i++) await timed("unmask", i, () => S.unmask(states[i], ask, nodes[i]));
+  let started = performance.now();
+  encodeFrame({task: "t", kind: "train"}, {w: {data: trained, shape: [size]}});
+  const plainMs = performance.now() - started;
+  done({steps_ms: times, plain_frame_ms: plainMs, threshold: threshold});
+})().catch((error) => done({error: String(error.stack || error)}));
+"""
+SECURE_STEPS = ("setup", "share", "masked", "consistency", "unmask")
+SECURE_PARAMS = {"clip": 2000.0, "scale": 1048576.0, "bits": 32, "update-clip": 0.5, "count-clip": 1000.0,
+                 "weight-clip": 100.0, "weight-scale": 1024.0, "work-clip": 1000.0, "work-scale": 1024.0,
+                 "work-cap": 1000.0, "work-momentum": -1.0}  # secagg-update.json's parameters
+
+
 class _QuietFiles(__import__("http.server").server.SimpleHTTPRequestHandler):
     """Static files for the browser section on 127.0.0.1 (a secure context: WebCrypto works), quietly."""
 
@@ -768,7 +850,7 @@ def section_browser(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "tests"))
     from chromium import start_chromium
 
-    from fedge.web import ASSETS, ORT_FILES, SDK_FILES
+    from fedge.web import ASSETS, ORT_FILES, SDK_FILES, VENDOR_FILES
 
     ort = REPO / os.environ.get("FEDGE_ORTWEB_DIR", ".cache/ortweb") / "node_modules" / "onnxruntime-web" / "dist"
     with tempfile.TemporaryDirectory() as tmp:
@@ -777,7 +859,8 @@ def section_browser(args: argparse.Namespace) -> dict[str, Any]:
                 "steps": min(args.step_count, 50)}
         python = run_worker("browser-baseline", spec, folder)
         (site / "ort").mkdir(parents=True)
-        for name in SDK_FILES:
+        for name in (*SDK_FILES, *VENDOR_FILES):
+            (site / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(ASSETS / name, site / name)
         for name in ORT_FILES:
             shutil.copyfile(ort / name, site / "ort" / name)
@@ -798,16 +881,25 @@ def section_browser(args: argparse.Namespace) -> dict[str, Any]:
                 "bundle": "training.zip", "key": Path(spec["trust"]).read_text(), "data": "data.json",
                 "weights": {name: value.astype(np.float32).ravel().tolist() for name, value in weights.items()},
                 "round": spec["round"], "warmup": spec["warmup"], "steps": spec["steps"]})
+            runs = [driver.execute_async_script(SECURE_PAGE, {"pool": 10, "parameters": 100_000,
+                                                              "params": SECURE_PARAMS}) for _ in range(3)]
+            secure = next((run for run in runs if "error" in run), None) or {
+                "steps_ms": {step: statistics.median(run["steps_ms"][step] for run in runs) for step in SECURE_STEPS},
+                "plain_frame_ms": statistics.median(run["plain_frame_ms"] for run in runs),
+                "threshold": runs[0]["threshold"], "runs": 3}
         finally:
             driver.quit()
             server.shutdown()
-    if "error" in browser:
-        raise RuntimeError(f"the browser failed: {browser['error']}")
+    if "error" in browser or "error" in secure:
+        raise RuntimeError(f"the browser failed: {browser.get('error') or secure.get('error')}")
     ratios = {key: browser[key] / python[key] for key in ("load_ms", "step_ms", "round_s")}
+    overhead_s = (sum(secure["steps_ms"].values()) - secure["plain_frame_ms"]) / 1000
+    secure.update(parameters=100_000, pool=10, overhead_s=overhead_s,
+                  ratio_secure_over_plain=(browser["round_s"] + overhead_s) / browser["round_s"])
     return {"settings": {"model": "digits cnn (the demo)", "shard": "IID half", "examples": spec["examples"],
                          **spec["round"], "step": "16 examples, 1 step, median", "threads": "1 (both)",
                          "browser": browser.get("user_agent", "")},
-            "python": python, "browser": browser, "ratio_browser_over_python": ratios}
+            "python": python, "browser": browser, "ratio_browser_over_python": ratios, "secure": secure}
 
 
 def print_browser(result: dict[str, Any]) -> None:
@@ -821,6 +913,17 @@ def print_browser(result: dict[str, Any]) -> None:
             ["training bundle downloaded (bytes)", "", f"{browser['bundle_bytes']:,}", ""]]
     print_table("6. the browser (web SDK, onnxruntime-web wasm, Web Worker) vs the Python onnx device",
                 ["measure", "python onnx", "browser", "browser / python"], rows)
+    secure = result.get("secure")
+    if secure:
+        rows = [[f"secagg_{step} (ms, median of {secure['runs']})", f"{secure['steps_ms'][step]:.1f}"]
+                for step in SECURE_STEPS]
+        rows += [["plain round's fp32 result frame (ms)", f"{secure['plain_frame_ms']:.1f}"],
+                 ["secure round's extra device time (s)", f"{secure['overhead_s']:.3f}"],
+                 [f"secure / plain, with the demo's local round ({browser['round_s']:.2f} s)",
+                  f"{secure['ratio_secure_over_plain']:.2f}x"]]
+        print_table(f"6b. the browser's secure round (web/secagg.js): one device's steps at {secure['parameters']:,} "
+                    f"parameters in a pool of {secure['pool']} (threshold {secure['threshold']}); the masked step "
+                    "without training", ["measure", "browser"], rows)
 
 
 SECTIONS: dict[str, tuple[Callable[[argparse.Namespace], dict[str, Any]], Callable[[dict[str, Any]], None]]] = {
