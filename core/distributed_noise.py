@@ -52,6 +52,9 @@ from numpy.typing import NDArray
 
 from fedge.secagg import Vector, to_ring
 
+DISTRIBUTED = "distributed"
+"""The run config's ``dp`` mode that adds the noise on the devices."""
+
 DP_CLIP, DP_SCALE, DP_STDDEV, DP_MIN_SURVIVORS = "dp-clip", "dp-scale", "dp-stddev", "dp-min-survivors"
 """The secure-aggregation parameters (the ``secagg`` record a device's masked step brings) that
 ask it to clip and noise: :class:`DistributedNoise`'s fields."""

@@ -23,6 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedge import knobs, wire
 from fedge.behaviour import Behaviour
 from fedge.config import RunConfig, config_fingerprint, model_keys, resolve_run_config
+from fedge.distributed_noise import DISTRIBUTED
 from fedge.errors import CheckpointMismatch, ConfigError, ExportError
 from fedge.profiles import Fleet, fleet_of, time_budget_steps
 from fedge.secagg import bits_needed
@@ -171,8 +172,9 @@ def check_hierarchical(config: RunConfig, strategy: FedAvg) -> None:
     refusals = {
         knobs.ASYNCHRONOUS: (config[knobs.ASYNCHRONOUS] or strategy.driver.asynchronous,
                          "a gateway answers once a round, so per-device staleness is lost"),
-        knobs.DP: (config.text(knobs.DP) != "off",
-                   "DP clips each device's update, and a gateway's reply is a mean of many"),
+        knobs.DP: (config.text(knobs.DP) not in ("off", DISTRIBUTED),
+                   "central DP clips each device's update, and a gateway's reply is a mean of many; dp = "
+                   "'distributed' with secure-aggregation composes: each pool's devices clip and add the noise"),
         knobs.SELECTOR: (config.text(knobs.SELECTOR) == "oort",
                          "Oort ranks devices by their own utility; the coordinator sees gateways"),
     }

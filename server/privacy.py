@@ -201,6 +201,19 @@ class DistributedPrivacy:
                                                      population_size=self.population))
         return self.epsilon
 
+    def release_pools(self) -> float:
+        """Account one round over gateways' secure pools; ε so far.
+
+        Each pool's sum carries at least the calibrated multiplier on its own (its devices
+        refuse to unmask with fewer survivors than it was calibrated for), and the
+        coordinator's sum of pools carries more: one Gaussian event at the multiplier bounds
+        what a gateway learns of its pool and what the coordinator learns of the fleet.
+        """
+        self.multipliers.append(self.noise_multiplier)
+        self.accountant.compose(GaussianPrivacyEvent(noise_multiplier=self.noise_multiplier,
+                                                     sample_size=self.num_sampled, population_size=self.population))
+        return self.epsilon
+
     def release(self) -> float:
         """Refused: a distributed-DP sum is released by the secure driver (:meth:`release_sum`)."""
         raise RuntimeError("distributed DP releases sums through the secure driver (release_sum), not release()")

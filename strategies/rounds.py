@@ -110,6 +110,8 @@ class NoiseLayer(Protocol):
 
     def release_sum(self, noise: DistributedNoise, *, survivors: int, dimension: int) -> float: ...
 
+    def release_pools(self) -> float: ...
+
 
 class DownlinkLayer(Protocol):
     """What rounds need to compress the downlink (see :mod:`fedge.server.compression`)."""
@@ -146,7 +148,7 @@ class Rounds:
     selector: RandomSelector = field(default_factory=RandomSelector)
     policy: RoundPolicy = field(default_factory=SyncPolicy)
     validator: ReplyValidator = field(default_factory=lambda: ReplyValidator(require_round_tag=False))
-    privacy: PrivacyLayer | None = None
+    privacy: PrivacyLayer | None = None  # central DP (Flower's wrappers), or distributed DP (a NoiseLayer)
     downlink: DownlinkLayer | None = None
     submodels: SubModels | None = None
     buffer_names: frozenset[str] | None = None
@@ -185,6 +187,16 @@ class Rounds:
                  "" if report.aggregated else "; the global model is kept")
         if train_metrics is not None:
             self.say("\t└──> Aggregated MetricRecord: %s", train_metrics)
+
+    @property
+    def central_privacy(self) -> PrivacyLayer | None:
+        """Central DP (the coordinator clips or adds the noise), or ``None``: off, or distributed."""
+        return None if isinstance(self.privacy, NoiseLayer) else self.privacy
+
+    @property
+    def noise_layer(self) -> NoiseLayer | None:
+        """Distributed DP (the devices add the noise inside secure aggregation), or ``None``."""
+        return self.privacy if isinstance(self.privacy, NoiseLayer) else None
 
     def replies_hint(self) -> str:
         """Under gateways, how a run with fewer gateways than ``min-train-replies`` changes the model."""

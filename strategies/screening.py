@@ -70,7 +70,7 @@ def aggregate_replies(rounds: Rounds, server_round: int, replies: Iterable[Messa
                     rounds.replies_hint())
         return None, metrics
     report.aggregated = True
-    if rounds.privacy is not None:
+    if rounds.central_privacy is not None:
         aggregate = fixed_denominator(rounds, aggregate, report.accepted)
     return ArrayRecord({k: Array(c_contiguous(v)) for k, v in aggregate.items()}), metrics
 
@@ -88,7 +88,7 @@ def _counted(rounds: Rounds, report: RoundReport, accepted: AcceptedUpdate) -> U
     if accepted.meta is not None:
         report.clipped_devices += accepted.meta.clipped
         report.capped_devices += accepted.meta.capped
-    update = update_of(accepted, uniform=rounds.privacy is not None)  # DP: the uniform mean
+    update = update_of(accepted, uniform=rounds.central_privacy is not None)  # central DP: the uniform mean
     if rounds.submodels is not None:
         update.window = rounds.submodels.windows.get(accepted.node_id)
     return update
@@ -125,8 +125,8 @@ def fixed_denominator(rounds: Rounds, mean: dict[str, NDArray[np.generic]],
     """DP-FedAvg's fixed denominator: ``global + sum(delta) / K`` instead of the mean of the
     ``count`` updates that arrived, so one device changes the result by at most ``clip / K``
     whoever else dropped out, which is what the noise ``z * clip / K`` is calibrated to."""
-    assert rounds.privacy is not None
-    scale = count / rounds.privacy.num_sampled
+    assert rounds.central_privacy is not None
+    scale = count / rounds.central_privacy.num_sampled
     base = rounds.global_numpy()
     out: dict[str, NDArray[np.generic]] = {}
     for name, value in mean.items():

@@ -21,7 +21,8 @@ from fedge.config import resolve_run_config
 from fedge.distributed_noise import DistributedNoise, discrete_gaussian
 from fedge.errors import ConfigError
 from fedge.secagg import ProtocolViolation, ring_accumulate, ring_dtype
-from fedge.server.privacy import DistributedPrivacy, build_privacy
+from fedge.server.app import build_strategy, check_hierarchical
+from fedge.server.privacy import DifferentialPrivacy, DistributedPrivacy, build_privacy
 from fedge.server.report import read_jsonl
 from fedge.simulation.grid import InlineGrid
 from fedge.simulation.runner import simulate
@@ -223,3 +224,31 @@ def test_a_simulated_secure_run_under_distributed_dp_trains_and_reports_epsilon_
     assert all(row["aggregated"] and row["dp_out_of_range"] == 0 for row in rows)
     assert summary["dp"]["mode"] == "distributed" and summary["dp"]["releases"] == 3
     assert "the devices" in summary["dp"]["noise_added_by"]
+
+
+# --------------------------------------------------------------------------- through gateways
+
+
+@pytest.mark.parametrize(("dp", "refused"), [("server-fixed", True), ("client-adaptive", True), ("distributed", False)])
+def test_gateways_take_distributed_dp_and_refuse_central_dp(dp: str, refused: bool) -> None:
+    # Prepare: secure pools through gateways
+    config = resolve_run_config({"gateways": True, "secure-aggregation": True, "dp": dp})
+    strategy = build_strategy(resolve_run_config({"secure-aggregation": True}))
+    # Execute / Assert: central DP would clip gateways' means; distributed DP is noised on the pools' devices
+    if refused:
+        with pytest.raises(ConfigError, match="dp = 'distributed' with secure-aggregation composes"):
+            check_hierarchical(config, strategy)
+    else:
+        check_hierarchical(config, strategy)
+
+
+def test_a_coordinator_over_gateways_accounts_each_round_of_pools_at_the_calibrated_multiplier() -> None:
+    # Prepare
+    privacy = DistributedPrivacy(noise_multiplier=1.5, clipping_norm=1.0, num_sampled=100, population=1000,
+                                 delta=1e-5)
+    # Execute: three rounds over gateways' pools
+    epsilons = [privacy.release_pools() for _ in range(3)]
+    # Assert: the same as three Gaussian releases at multiplier 1.5 (each pool carries at least that)
+    central = DifferentialPrivacy(mode="server-fixed", noise_multiplier=1.5, clipping_norm=1.0, num_sampled=100,
+                                  population=1000, delta=1e-5)
+    assert epsilons == [central.release() for _ in range(3)] and privacy.multipliers == [1.5] * 3

@@ -70,9 +70,9 @@ def _recording(exchange_answers: list[tuple[str, Frame]]) -> Any:
     return answer
 
 
-def _expected_mean(live: LiveGateway, run: dict[str, Any], names: list[str], server_round: int = 1
-                   ) -> tuple[dict[str, np.ndarray], int]:
-    """Each device's training recomputed with the same trainer, shard and seed; their weighted mean."""
+def _trained(live: LiveGateway, run: dict[str, Any], names: list[str], server_round: int = 1
+             ) -> tuple[list[dict[str, np.ndarray]], list[int]]:
+    """Each device's training recomputed with the same trainer, shard and seed: its weights and examples."""
     trainer = live.device("phone0").training_graph()[1]
     trained, counts = [], []
     for name in names:
@@ -81,6 +81,13 @@ def _expected_mean(live: LiveGateway, run: dict[str, Any], names: list[str], ser
                                       momentum=0.9, seed=device_seed(7, server_round, name))
         trained.append(weights)
         counts.append(work.num_examples)
+    return trained, counts
+
+
+def _expected_mean(live: LiveGateway, run: dict[str, Any], names: list[str], server_round: int = 1
+                   ) -> tuple[dict[str, np.ndarray], int]:
+    """Each device's training recomputed with the same trainer, shard and seed; their weighted mean."""
+    trained, counts = _trained(live, run, names, server_round)
     return weighted_mean(trained, counts), sum(counts)
 
 
@@ -109,6 +116,35 @@ def test_a_secure_pool_round_sends_the_pool_mean_and_the_gateway_sees_only_maske
     assert all(set(frame.header["records"]) == {"secagg-received", "fedge"} for frame in masked)
     plain = [frame for _, frame in sent if any(t.dtype == np.float32 for t in frame.tensors.values())]
     assert plain == [] and sum(polling.trained.values()) == 4
+
+
+def test_a_secure_pool_under_distributed_dp_sends_the_clipped_uniform_mean_with_the_devices_noise(
+        pool: LiveGateway, run: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: four phones; distributed DP with an L2 clip of 0.05 and multiplier 1e-3 (noise far below the step)
+    sent: list[tuple[str, Frame]] = []
+    monkeypatch.setattr(SecureExchange, "answer", _recording(sent))
+    names = [f"phone{index}" for index in range(4)]
+    polling = Polling([pool.device(name, int(name[-1]), secure=True) for name in names])
+    # Execute
+    try:
+        header, arrays = pool.round(secure={**SECURE, "dp-multiplier": 1e-3, "dp-clip": 0.05})
+    finally:
+        polling.close()
+    # Assert: global + the sum of each device's update clipped to L2 norm 0.05 (over all arrays, by name), over
+    # the 4 devices asked, whatever their examples; the pool reports 4 as its weight (DP's fixed denominator)
+    trained, _ = _trained(pool, run, names)
+    keys = sorted(run["weights"])
+    deltas = [np.concatenate([(t[k].astype(np.float64) - run["weights"][k]).ravel() for k in keys]) for t in trained]
+    assert max(float(np.linalg.norm(d)) for d in deltas) > 0.05  # clipping matters here
+    mean = sum(d * min(1.0, 0.05 / float(np.linalg.norm(d))) for d in deltas) / 4
+    got = np.concatenate([(arrays[k].astype(np.float64) - run["weights"][k]).ravel() for k in keys])
+    assert header["secure-pool"] == 4 and header["num-examples"] == 4
+    # within the step (half of 1e-4 per device) and six standard deviations of the 4 noise shares, each calibrated
+    # so 3 of them (the pool's minimum) make 1e-3 x the sensitivity 0.05 x 1e4 + sqrt(d) / 2 ring units
+    sigma_sum = 1e-3 * (0.05 * 1e4 + np.sqrt(len(mean)) / 2) * np.sqrt(4 / 3) / 1e4 / 4
+    assert float(np.max(np.abs(got - mean))) <= 4 * 0.5e-4 / 4 + 6 * sigma_sum + 1e-6
+    masked = [frame for _, frame in sent if "masked/vector" in frame.tensors]
+    assert len(masked) == 4 and all(frame.tensors["masked/vector"].dtype == np.uint32 for frame in masked)
 
 
 def _round_with_phone3(pool: LiveGateway, run: dict[str, Any],

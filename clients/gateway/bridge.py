@@ -23,7 +23,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from fedge import knobs, wire
 from fedge.clients.common import evaluation_content, received_weights, train_order
 from fedge.clients.gateway.protocol import FRAME_TYPE, NUM_ROUNDS, decode_frame, encode_frame
+from fedge.clients.gateway.secure_pool import DP_MULTIPLIER
 from fedge.config import RunConfig
+from fedge.distributed_noise import DISTRIBUTED, DP_CLIP
 from fedge.errors import FedgeError
 from fedge.strategies.validation import POOL_CLIPPING
 
@@ -52,9 +54,14 @@ def secure_settings(config: RunConfig) -> dict[str, float] | None:
     """The run's secure-aggregation settings for the gateway's pool round, or ``None`` when it is off."""
     if not config[knobs.SECURE_AGGREGATION]:
         return None
-    return {"threshold": config.number(knobs.SECAGG_THRESHOLD), "neighbours": config.integer(knobs.SECAGG_NEIGHBOURS),
-            "clip": config.number(knobs.SECAGG_CLIP), "precision": config.number(knobs.SECAGG_PRECISION),
-            "bits": config.integer(knobs.SECAGG_BITS), "weight-clip": config.number(knobs.MAX_DEVICE_EXAMPLES)}
+    settings = {"threshold": config.number(knobs.SECAGG_THRESHOLD),
+                "neighbours": config.integer(knobs.SECAGG_NEIGHBOURS), "clip": config.number(knobs.SECAGG_CLIP),
+                "precision": config.number(knobs.SECAGG_PRECISION), "bits": config.integer(knobs.SECAGG_BITS),
+                "weight-clip": config.number(knobs.MAX_DEVICE_EXAMPLES)}
+    if config.text(knobs.DP) == DISTRIBUTED:  # the pool's devices clip and add the noise (fedge.distributed_noise)
+        settings |= {DP_MULTIPLIER: config.number(knobs.DP_NOISE_MULTIPLIER),
+                     DP_CLIP: config.number(knobs.DP_CLIPPING_NORM)}
+    return settings
 
 
 def ask_gateway(context: Context, header: dict[str, Any], weights: dict[str, np.ndarray]) -> tuple[dict[str, Any],

@@ -51,6 +51,7 @@ from fedge.clients.gateway.protocol import (
     records_from_json,
     records_to_json,
 )
+from fedge.distributed_noise import DP_CLIP, DistributedNoise
 from fedge.errors import ConfigError
 from fedge.strategies.drivers.secure import MIN_DEVICES, SecureAggregation
 from fedge.strategies.rounds import FixedSampling, Rounds
@@ -61,6 +62,9 @@ from fedge.strategies.validation import POOL_CLIPPING
 log = logging.getLogger("fedge.gateway")
 DEVICE_ERROR = 1  # the code of a device's refusal as the driver sees it (Flower's ClientApp exception)
 SECURE_KEYS = ("threshold", "neighbours", "clip", "precision", "bits", "weight-clip")
+DP_MULTIPLIER = "dp-multiplier"
+DP_KEYS = (DP_MULTIPLIER, DP_CLIP)
+"""Distributed DP's settings in ``secure`` (both or neither): the noise multiplier and the L2 clip."""
 
 
 def pool_node_id(device: str) -> int:
@@ -254,10 +258,58 @@ class PoolSum:
 
 def check_secure_settings(raw: object) -> dict[str, float]:
     """The coordinator's secure-aggregation settings from a control header, each a number."""
-    if not isinstance(raw, dict) or any(not isinstance(raw.get(key), int | float) or isinstance(raw.get(key), bool)
-                                        for key in SECURE_KEYS):
+    if not isinstance(raw, dict) or not all(_number(raw.get(key)) for key in SECURE_KEYS):
         raise refused(400, f"control: 'secure' must hold numbers {', '.join(SECURE_KEYS)}")
-    return {key: float(raw[key]) for key in SECURE_KEYS}
+    if any(key in raw for key in DP_KEYS) and not all(_number(raw.get(key)) and raw[key] > 0 for key in DP_KEYS):
+        raise refused(400, f"control: distributed DP in 'secure' needs positive numbers {', '.join(DP_KEYS)}")
+    return {key: float(raw[key]) for key in (*SECURE_KEYS, *DP_KEYS) if key in raw}
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+class PoolNoise:
+    """Distributed DP over a gateway's pool: the coordinator's multiplier and clip, calibrated to this pool.
+
+    Each pool's sum, which its gateway unmasks, carries the calibrated noise on its own (at
+    least :data:`MIN_DEVICES` shares, or ``min-train-replies``): a gateway sees no noise-free
+    sum, and the coordinator, which sees the sum of pools, accounts each round at this floor
+    (:meth:`fedge.server.privacy.DistributedPrivacy.release_pools`). The gateway accounts nothing.
+    """
+
+    wrapper = None
+    client_side = False
+
+    def __init__(self, *, multiplier: float, clip: float, devices: int) -> None:
+        self.multiplier, self.clipping_norm, self.num_sampled = multiplier, clip, devices
+
+    def noise(self, *, scale: float, dimension: int, min_survivors: int, bits: int) -> DistributedNoise:
+        """The pool's encoding: shares calibrated so ``min_survivors`` of them make the multiplier."""
+        return DistributedNoise.calibrated(multiplier=self.multiplier, clip=self.clipping_norm, scale=scale,
+                                           dimension=dimension, min_survivors=min_survivors, bits=bits)
+
+    def release_sum(self, noise: DistributedNoise, *, survivors: int, dimension: int) -> float:
+        """Nothing to account here (the coordinator does): NaN, the gateway's "not accounted"."""
+        return float("nan")
+
+    def release_pools(self) -> float:
+        """Not used in a pool (the coordinator releases the round of pools)."""
+        return float("nan")
+
+    def attach(self, strategy: Any) -> None:
+        """No Flower strategy to wrap in a gateway's pool."""
+
+    def release(self) -> float:
+        """Not used: the secure driver releases through :meth:`release_sum`."""
+        return float("nan")
+
+    def state_dict(self) -> dict[str, Any]:
+        """No state: a pool round starts from the coordinator's settings."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """No state to restore."""
 
 
 def secure_pool_round(exchange: SecureExchange, devices: Mapping[int, str], *, server_round: int,
@@ -280,9 +332,11 @@ def secure_pool_round(exchange: SecureExchange, devices: Mapping[int, str], *, s
         driver = SecureAggregation(threshold=secure["threshold"], neighbours=int(secure["neighbours"]),
                                    clip=secure["clip"], precision=secure["precision"], bits=int(secure["bits"]),
                                    weight_clip=secure["weight-clip"])
+        privacy = (PoolNoise(multiplier=secure[DP_MULTIPLIER], clip=secure[DP_CLIP], devices=count)
+                   if DP_MULTIPLIER in secure else None)
         rounds = Rounds("the gateway's secure pool", Mean(), clients_per_round=count, min_train_replies=MIN_DEVICES,
                         sampling=FixedSampling(min_train_nodes=count, min_available_nodes=count, fraction_evaluate=0.0),
-                        wait_for_nodes_s=0.0, flower_lines=False,
+                        wait_for_nodes_s=0.0, flower_lines=False, privacy=privacy,
                         selector=RandomSelector(int(config.get(knobs.SEED, 0))))
         driver.bind(rounds)
         grid = PoolGrid(exchange, devices, server_round)

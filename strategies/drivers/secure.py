@@ -205,7 +205,8 @@ class SecureAggregation(SyncDriver):
         rule.begin(rounds.round_context())
         new = rule.step(self._apply(arrays, delta))
         return ArrayRecord({name: Array(c_contiguous(new[name])) for name in arrays}), MetricRecord(
-            {"accepted": len(sums.survivors), "failed": len(report.failed), "late": report.late, "weight": sums.weight,
+            {"accepted": len(sums.survivors), "failed": len(report.failed), "late": report.late,
+             "weight": sums.weight if sums.noise is None else len(instructions),  # DP: the fixed denominator
              **sums.clipping.metrics()})
 
     def _group_sum(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict], sent: ArrayRecord,
@@ -222,12 +223,13 @@ class SecureAggregation(SyncDriver):
         """Account a distributed-DP sum and show what it spent and what it brought back into range."""
         assert self.noise_layer is not None and sums.noise is not None
         dimension = len(sums.summed)
-        report.epsilon = self.noise_layer.release_sum(sums.noise, survivors=len(sums.survivors), dimension=dimension)
+        epsilon = self.noise_layer.release_sum(sums.noise, survivors=len(sums.survivors), dimension=dimension)
+        report.epsilon = epsilon if math.isfinite(epsilon) else None
         report.dp_out_of_range = sums.outside
         log.info("round %d: distributed DP: %d devices' noise shares (sigma %.4g each, %.4g in the sum, L2 clip %g): "
-                 "epsilon %.3f so far", server_round, len(sums.survivors), sums.noise.stddev / sums.noise.scale,
+                 "%s", server_round, len(sums.survivors), sums.noise.stddev / sums.noise.scale,
                  sums.noise.stddev / sums.noise.scale * math.sqrt(len(sums.survivors)), sums.noise.clip,
-                 report.epsilon)
+                 f"epsilon {epsilon:.3f} so far" if math.isfinite(epsilon) else "accounted by the coordinator")
         if sums.outside:
             log.warning("round %d: %d entries of the noised sum lay outside what %d clipped devices and the noise can "
                         "reach (a device that did not clip?); brought back into range", server_round, sums.outside,

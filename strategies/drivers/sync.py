@@ -81,7 +81,7 @@ class SyncDriver:
     def train_round(self, rounds: Rounds, grid: Grid, server_round: int, arrays: ArrayRecord,
                     config: ConfigRecord, timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """One training round: select, exchange under the round policy, validate, aggregate."""
-        privacy = rounds.privacy
+        privacy = rounds.central_privacy
         if privacy is not None:  # Flower's DP wrapper drives configure/aggregate around the strategy's own
             messages = list(privacy.wrapper.configure_train(server_round, arrays, config, grid))
             exchange = rounds.policy.exchange(grid, messages, timeout, rounds.state.round_target)
@@ -97,7 +97,10 @@ class SyncDriver:
         replies = _learning(rounds, server_round, stream, grid)
         result = (rounds.flower.aggregate_train(server_round, replies) if rounds.flower is not None
                   else aggregate_replies(rounds, server_round, replies, lambda _round, _records: None))
-        rounds.report_for(server_round).late += stream.late  # on top of stragglers dropped in aggregation
+        report = rounds.report_for(server_round)
+        report.late += stream.late  # on top of stragglers dropped in aggregation
+        if rounds.noise_layer is not None and result[0] is not None:  # gateways' secure pools noised on devices
+            report.epsilon = rounds.noise_layer.release_pools()
         return result
 
 
