@@ -776,6 +776,8 @@ def test_an_app_on_another_origin_reaches_an_allowing_gateway_and_stops_clearly_
         # Execute: the app's device runs against each gateway
         reached = dict(chromium.execute_async_script(APP_RUN, allowing.url))
         refused = dict(chromium.execute_async_script(APP_RUN, other.url))
+        # the app serves the plain SDK files only (no secagg.js): its check-in does not declare secure aggregation
+        plain = allowing.gateway.sessions.live_devices(600), allowing.gateway.sessions.live_devices(600, secure=True)
     finally:
         allowing.close()
         other.close()
@@ -784,6 +786,7 @@ def test_an_app_on_another_origin_reaches_an_allowing_gateway_and_stops_clearly_
     # names the causes and the flag that allows the origin
     assert reached == {"outcome": "stopped", "kinds": ["wait"]}, reached
     assert len(allowing.gateway.sessions) == 1 and len(other.gateway.sessions) == 0
+    assert plain == (["app0"], [])
     assert refused["kinds"] == ["error", "error", "error"], refused
     error = refused.get("error", "")
     assert f"stopped: 3 requests in a row to the gateway at {other.url} got no answer" in error, error

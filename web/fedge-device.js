@@ -40,7 +40,19 @@
 import {FRAME_TYPE, decodeFrame, encodeFrame, int8Delta} from "./frame.js";
 import {importBundleKey, recordAccepted, verifyInferenceBundle, verifyTrainingBundle} from "./bundle.js";
 import {AS_GIVEN, OUTSIDE, inputsMessage, prepareDeviceInputs} from "./preprocessing.js";
-import * as secagg from "./secagg.js";
+
+// secagg.js (and the ChaCha20 it imports from vendor/noble-ciphers/), loaded on first use: an app that serves only the
+// plain SDK files still trains in plain runs, and its check-in then does not declare secure aggregation.
+let secagg = null, secaggLoad = null;
+function loadSecureAggregation() {
+  secaggLoad = secaggLoad || import("./secagg.js").then((module) => { secagg = module; return module; }, (error) => {
+    console.warn("fedge: secagg.js (and vendor/noble-ciphers/) could not be loaded beside fedge-device.js (" +
+                 String(error.message || error) + "): this device does not declare secure aggregation, and a run that " +
+                 "uses it refuses it at check-in");
+    return null;
+  });
+  return secaggLoad;
+}
 
 const PREFIX = "/v1";
 const enc = new TextEncoder();
@@ -120,7 +132,7 @@ export class FedgeDevice {
     this.graph = null;  // the architecture of the verified graph loaded in the worker
     this.inference = null;  // the manifest of the verified inference model loaded in the worker
     this.log = [];
-    this.secagg = null;  // this round's secure-aggregation secrets (secagg.js state)
+    this.secureRound = null;  // this round's secure-aggregation secrets (secagg.js state)
     this.answered = null;  // the last secure step answered: {task, reply, frame} (sent again if the step comes again)
     this.unmasked = null;  // the last round this device unmasked in (a later setup at or before it is refused)
     this.secureWork = null;  // what the masked step trained: {loss, numExamples}
@@ -168,7 +180,7 @@ export class FedgeDevice {
     const signature = new Uint8Array(await crypto.subtle.sign({name: "ECDSA", hash: "SHA-256"}, keys.privateKey, message));
     const answer = FedgeDevice.json(await this.send("POST", PREFIX + "/check-in", JSON.stringify({
       protocol: 1, device: this.name, time: issued, nonce: nonce, signature: b64(signature),
-      capabilities: ["fp32", "int8-delta", "secure-aggregation"]}),
+      capabilities: ["fp32", "int8-delta", ...(await loadSecureAggregation() ? ["secure-aggregation"] : [])]}),
       {"Content-Type": "application/json"}), "check-in");
     const key = await crypto.subtle.importKey("raw", unb64(answer.key), {name: "HMAC", hash: "SHA-256"}, false, ["sign"]);
     this.session = {token: answer.session, key: key, counter: 0};
@@ -335,15 +347,22 @@ export class FedgeDevice {
   // {reply (the answer's header), frame (its bytes)}: the step's answer, or the reason it is refused.
   async secureReply(action, task, tensors, frame) {
     let records = {}, out = {};
+    if (!await loadSecureAggregation()) {
+      const reply = {task: task.task, kind: "secagg", error: "this web device cannot load secagg.js: it takes no part " +
+                     "in secure aggregation"};
+      return {reply: reply, frame: encodeFrame(reply)};
+    }
     try {
-      if (!Number.isInteger(task["server-round"])) throw new secagg.ProtocolViolation("malformed " + action + " step: 'server-round' is not a whole number");
+      if (!Number.isInteger(task["server-round"])) {
+        throw new secagg.ProtocolViolation("malformed " + action + " step: 'server-round' is not a whole number");
+      }
       [records, out] = await this.secureAnswer(action, task, tensors, frame);
       const reply = {task: task.task, kind: "secagg", records: secagg.recordsToJson(records)};
       return {reply: reply, frame: encodeFrame(reply, out)};
     } catch (error) {
       // a graph this tab refuses, or a gateway out of reach: not the step's fault; run() handles it (the step stays)
       if (error.network || /training bundle refused|training graph/.test(String(error.message))) throw error;
-      this.secagg = null;
+      this.secureRound = null;
       const reason = error instanceof secagg.ProtocolViolation ? error.message
         : "malformed " + action + " step (" + (error.name || "Error") + ": " + String(error.message || error) + ")";
       console.warn("device " + this.name + ": " + reason);
@@ -354,21 +373,25 @@ export class FedgeDevice {
 
   async secureAnswer(action, task, tensors, frame) {
     const node = task.node, round = task["server-round"];
-    if (!Number.isInteger(node)) throw new secagg.ProtocolViolation("malformed " + action + " step: 'node' is not a whole number");
+    if (!Number.isInteger(node)) {
+      throw new secagg.ProtocolViolation("malformed " + action + " step: 'node' is not a whole number");
+    }
     const records = secagg.recordsFromJson(task.records || {});
     if (action === "secagg_setup") {
       this.secureWork = null;
       secagg.checkNotUnmasked(this.unmasked, round);
       const {state, keys} = await secagg.setup(round);
-      this.secagg = {...state, me: node};
+      this.secureRound = {...state, me: node};
       return [{keys: keys}, {}];
     }
-    const state = this.secagg;
+    const state = this.secureRound;
     if (!state) {
       throw new secagg.ProtocolViolation("refusing " + action + ": this device has no secure-aggregation round in " +
                                          "progress (a replayed or reordered step)");
     }
-    if (state.me !== node) throw new secagg.ProtocolViolation("refusing " + action + ": the gateway changed this device's node id mid-round");
+    if (state.me !== node) {
+      throw new secagg.ProtocolViolation("refusing " + action + ": the gateway changed this device's node id mid-round");
+    }
     const need = (name) => {
       if (!records[name]) throw new secagg.ProtocolViolation("malformed " + action + " step: no record '" + name + "'");
       return records[name];
@@ -380,7 +403,7 @@ export class FedgeDevice {
     }
     if (action === "secagg_unmask") {
       const revealed = await secagg.unmask(state, need("ask"), node);
-      this.secagg = null;
+      this.secureRound = null;
       this.unmasked = state.round;
       return [{revealed: revealed}, {}];
     }
@@ -413,7 +436,7 @@ export class FedgeDevice {
                                                typedRecords: [typed.config, typed.secagg], globalArrays: arrays,
                                                me: node, train: train});
     if (answer.bad) {
-      this.secagg = null;
+      this.secureRound = null;
       return [{"secagg-bad-shares": {senders: answer.bad}}, {}];
     }
     return [{"secagg-received": answer.received, fedge: {"server-round": state.round}},
