@@ -394,3 +394,39 @@ def test_three_tabs_and_a_python_device_aggregate_securely_for_three_rounds_and_
     assert all(set(frame.header["records"]) == {"secagg-received", "fedge"} for frame in masked)
     assert not any(frame.header.get("error") for _, frame in tabs_sent)
     assert polling.trained["phone3"] == 3
+
+
+def test_a_mixed_pool_aggregates_in_a_64_bit_ring(tmp_path: Path, run: dict[str, Any], chromium: Any,  # noqa: F811
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: a pool of two tabs (browser0-1) and two reference devices (phone2-3) under secagg-bits = 64
+    sent: list[tuple[str, Frame]] = []
+    monkeypatch.setattr(SecureExchange, "answer", _recording(sent))
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=4, round_deadline_s=600,
+                                                       idle_poll_s=2))
+    tabs, polling = [], None
+    try:
+        first = chromium.current_window_handle
+        for index in range(2):
+            if index:
+                chromium.switch_to.new_window("window")
+            tabs.append(chromium.current_window_handle)
+            _open_device(chromium, gateway, f"browser{index}")
+            chromium.execute_script("window.fedgeJoin()")
+        polling = Polling([gateway.device(f"phone{index}", index, secure=True) for index in (2, 3)])
+        # Execute: one secure round
+        header, arrays = gateway.round(secure={**SECURE, "bits": 64})
+    finally:
+        if polling is not None:
+            polling.close()
+        for handle in tabs:
+            if handle != first:
+                chromium.switch_to.window(handle)
+                chromium.close()
+        chromium.switch_to.window(first)
+        gateway.close()
+    # Assert: the four devices' mean; the tabs sent uint64 masked vectors only
+    mean, examples = _expected_mean(run, ["browser0", "browser1", "phone2", "phone3"], 1)
+    assert header["secure-pool"] == 4 and header["num-examples"] == examples and header["rejected"] == 0, header
+    assert max(float(np.max(np.abs(arrays[k] - mean[k]))) for k in mean) <= 1e-5
+    masked = [frame for device, frame in sent if device.startswith("browser") and frame.tensors]
+    assert len(masked) == 2 and all(frame.tensors["masked/vector"].dtype == np.uint64 for frame in masked)
