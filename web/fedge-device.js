@@ -32,7 +32,7 @@
 // retrying forever; a gateway that answered before and then goes away (a restart) is waited for.
 // Secure aggregation (kind "secagg" tasks): the five SecAgg+ steps of secagg.js (Bonawitz et al., CCS 2017; Bell et
 // al., CCS 2020), answered as fedge.clients.protocol_device answers them, byte-compatible with Python devices in one
-// gateway pool; the check-in declares "secure-aggregation". The masked step trains with the same worker as a plain
+// gateway pool; the check-in declares "secure-aggregation" (when secagg.js loads). The masked step trains with the same worker as a plain
 // round and sends only the masked ring vector: the gateway learns the pool's sum, not this tab's update. A step the
 // tab refuses (secagg.js' checks) is answered with the reason and forgets the round's secrets; a step sent again
 // with the same task id (its answer was lost on the way) gets the same answer again, not a second run of the step.
