@@ -242,17 +242,134 @@ def test_the_gateway_serves_and_the_package_ships_the_vendored_chacha20(page: An
     assert "@noble/ciphers 2.4.0" in readme and "MIT" in (ASSETS / "vendor" / "noble-ciphers" / "LICENSE").read_text()
 
 
-def test_the_browser_refuses_a_masked_step_under_distributed_dp_rather_than_send_it_without_noise(page: Any) -> None:
-    # Execute: a masked step whose parameters ask for distributed DP noise (which secagg.js does not add yet)
-    out = _in_page(page, "const state = {round: 3, stage: 'secagg_share', threshold: 2, neighbours: []};"
-                         "let trained = false;"
-                         "try { await S.masked(state, {inbox: {}, params: {'dp-stddev': 1.0, bits: 32},"
-                         " config: {'server-round': 3}, typedRecords: [], globalArrays: [], me: 1,"
-                         " train: async () => { trained = true; }}); return {refused: null}; }"
-                         "catch (error) { return {refused: error instanceof S.ProtocolViolation ? error.message : "
-                         "String(error), trained: trained}; }")
-    # Assert: refused by name, before any training
-    assert "distributed differential privacy" in out["refused"] and out["trained"] is False
+# ---------------------------------------------------------------------------------------------- distributed DP
+DP_TAIL = {"bits": 32, "count-clip": 1000.0, "weight-clip": 100.0, "weight-scale": 1024.0, "work-clip": 1000.0,
+           "work-scale": 1024.0}
+DP_CASES = [  # dp-stddev 1e-3: the sampler returns 0 (P(|Y| = 1) is exp(-5e5)), so the encoding is deterministic
+    {"dp-clip": 0.5, "dp-scale": 1048576.0},  # ||delta|| = 1.038: clipped
+    {"dp-clip": 4.0, "dp-scale": 20.0},  # unclipped; 0.125 x 20 = 2.5 -> 2 (half to even, not away from zero)
+    {"dp-clip": 4.0, "dp-scale": 10.0, "bits": 20},  # -0.25 x 10 = -2.5 -> -2; negatives wrap mod 2^20
+    {"dp-clip": 0.75, "dp-scale": 3e9, "bits": 64},  # clipped, in a 64-bit ring
+]
+
+
+def dp_vector() -> dict[str, Any]:
+    """docs/protocol-vectors/secagg-dp.json: Python's encode_noised of a fixed update (rebuilt by a test below)."""
+    from fedge.clients.secagg_device import Trained, encode_noised  # noqa: PLC0415
+
+    global_arrays = {"b": np.array([0.5, -0.5]), "a": np.array([[1.0, 2.0]])}
+    trained = {"b": np.array([0.25, 0.5]), "a": np.array([[1.125, 2.0]])}
+    cases = []
+    for case in DP_CASES:
+        params = {**DP_TAIL, **case, "dp-stddev": 1e-3, "dp-min-survivors": 3}
+        vector = encode_noised(global_arrays, Trained(arrays=trained, num_examples=120, steps=4), params)
+        cases.append({"secagg": params, "vector": [int(w) for w in vector]})
+    return {"what": "distributed DP's masked-step encoding: delta (float64, tensors in name order, C order) clipped to "
+                    "L2 norm dp-clip (times dp-clip / ||delta|| when larger), times dp-scale, rounded half to even, "
+                    "plus discrete Gaussian noise of std dp-stddev (here 1e-3: always 0), mod 2^bits; then weight 1, "
+                    "work 1 and three zero counts, each FixedPoint-encoded (num-examples and steps do not matter)",
+            "global": {k: {"shape": list(v.shape), "values": v.ravel().tolist()} for k, v in global_arrays.items()},
+            "trained": {k: {"shape": list(v.shape), "values": v.ravel().tolist()} for k, v in trained.items()},
+            "cases": cases}
+
+
+def test_python_encodes_the_distributed_dp_vector_as_shipped() -> None:
+    # Execute: Python's encode_noised on the vector's update and parameters
+    rebuilt = json.dumps(dp_vector(), indent=1, ensure_ascii=True) + "\n"
+    # Assert: the shipped file, byte for byte (the browser is checked against the same file)
+    assert rebuilt == (VECTORS / "secagg-dp.json").read_text(encoding="utf-8")
+
+
+DP_MASKED_SCRIPT = """
+const [vector] = args;
+const arrays = (spec) => Object.entries(spec).map(([name, e]) => ({name: name, shape: e.shape,
+                                                                  data: Float64Array.from(e.values)}));
+const globalArrays = arrays(vector.global);
+const trained = Object.fromEntries(arrays(vector.trained).map((e) => [e.name, e.data]));
+const out = {encoded: vector.cases.map((c) => Array.from(S.encodeNoised(globalArrays, trained, c.secagg), String))};
+// the whole masked step under DP (a device with no neighbours: threshold 0), then the consistency step
+const params = vector.cases[0].secagg, me = 1;
+const typed = S.parsePython(JSON.stringify({config: {"server-round": 3}, secagg: params}));
+const attempt = async (survivors) => {
+  const {state} = await S.setup(3);
+  state.stage = "secagg_share"; state.neighbours = []; state.threshold = 0;
+  state.b = crypto.getRandomValues(new Uint8Array(32));
+  const answer = await S.masked(state, {inbox: {}, params: params, config: {"server-round": 3},
+    typedRecords: [typed.config, typed.secagg], globalArrays: globalArrays, me: me,
+    train: async () => ({arrays: trained, numExamples: 120, steps: 4})});
+  const selfMask = S.expandMask(state.b, answer.vector.length, 32);  // no neighbours: PRG(b) is the only mask
+  const plain = answer.vector.map((w, i) => w - selfMask[i]);  // Uint32Array: mod 2^32
+  try {
+    await S.consistency(state, {"server-round": 3, survivors: survivors}, me);
+    return {plain: Array.from(plain, String), signed: true, minSurvivors: state.minSurvivors};
+  } catch (error) {
+    return {plain: Array.from(plain, String), minSurvivors: state.minSurvivors,
+            refused: error instanceof S.ProtocolViolation ? error.message : String(error)};
+  }
+};
+out.two = await attempt([1, 5]);
+out.three = await attempt([1, 5, 9]);
+return out;
+"""
+
+
+def test_the_browser_encodes_distributed_dp_as_python_and_refuses_fewer_survivors_than_calibrated(page: Any) -> None:
+    # Prepare: the shipped vector (Python's encode_noised, dp-stddev 1e-3: no noise drawn but 0)
+    vector = _vector("secagg-dp")
+    # Execute: secagg.js' encoding, and its masked step then consistency step with dp-min-survivors = 3
+    out = _in_page(page, DP_MASKED_SCRIPT, vector)
+    # Assert: each case byte for byte (clipped and not, half to even, rings of 20, 32 and 64 bits)
+    assert out["encoded"] == [[str(w) for w in case["vector"]] for case in vector["cases"]]
+    # the masked step no longer refuses DP: its vector less the self mask is that encoding
+    expected = [str(w) for w in vector["cases"][0]["vector"]]
+    assert out["two"]["plain"] == out["three"]["plain"] == expected
+    assert out["two"]["minSurvivors"] == out["three"]["minSurvivors"] == 3
+    # a survivor set of 2 is refused, naming the calibration; one of 3 is signed
+    assert "holds 2 devices, fewer than the 3 the distributed-DP noise was calibrated for" in out["two"]["refused"]
+    assert out["three"]["signed"] is True
+
+
+SAMPLER_SCRIPT = """
+const [sigmas, draws] = args;
+const random = Math.random;
+Math.random = () => { throw new Error("Math.random was called"); };  // the sampler must use crypto.getRandomValues
+try {
+  return sigmas.map((sigma) => {
+    const x = S.discreteGaussian(sigma, draws);
+    let sum = 0, squares = 0, whole = true;
+    for (const y of x) { sum += y; whole = whole && Number.isInteger(y); }
+    const mean = sum / draws;
+    for (const y of x) squares += (y - mean) ** 2;
+    return {mean: mean, variance: squares / (draws - 1), whole: whole, nonzero: x.filter((y) => y !== 0).length};
+  });
+} finally { Math.random = random; }
+"""
+
+
+def _discrete_gaussian_moments(sigma: float) -> tuple[float, float]:
+    """The exact variance and fourth moment of N_Z(0, sigma^2) (summed to 40 sigma, where the tail is below 1e-300)."""
+    k = np.arange(-int(40 * sigma) - 10, int(40 * sigma) + 11, dtype=np.float64)
+    p = np.exp(-k * k / (2 * sigma * sigma))
+    p /= p.sum()
+    return float(np.sum(p * k ** 2)), float(np.sum(p * k ** 4))
+
+
+def test_the_browsers_discrete_gaussian_has_mean_zero_and_variance_sigma_squared(page: Any) -> None:
+    # Prepare: 200,000 draws per sigma; the tolerances are five standard errors of each estimator (two-sided: a false
+    # failure has probability ~6e-7 per check), from the distribution's exact moments, not tuned by hand
+    sigmas, draws = [1.0, 7.5, 400.0], 200_000
+    # Execute
+    out = _in_page(page, SAMPLER_SCRIPT, [*sigmas, 1e-3], draws)
+    # Assert: integers; mean 0 within 5 sigma / sqrt(n); variance within 5 sqrt((mu4 - var^2) / n) of N_Z's
+    for sigma, stats in zip(sigmas, out, strict=False):
+        variance, fourth = _discrete_gaussian_moments(sigma)
+        assert abs(variance / sigma ** 2 - 1) < 1e-6  # N_Z(0, sigma^2)'s variance is sigma^2 for sigma >= 1
+        mean_se, variance_se = np.sqrt(variance / draws), np.sqrt((fourth - variance ** 2) / draws)
+        assert stats["whole"] is True
+        assert abs(stats["mean"]) <= 5 * mean_se, (sigma, stats, mean_se)
+        assert abs(stats["variance"] - variance) <= 5 * variance_se, (sigma, stats, variance, variance_se)
+        assert 5 * variance_se / variance < 0.02  # "within a few %": here 1.6 %
+    assert out[-1] == {"mean": 0, "variance": 0, "whole": True, "nonzero": 0}  # sigma 1e-3: always 0
 
 
 # ---------------------------------------------------------------------------------------------- end to end

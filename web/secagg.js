@@ -8,6 +8,10 @@
 // Shamir, "How to Share a Secret", CACM 1979. Model inconsistency: Pasquini et al., CCS 2022. FedNova's weight:
 // Wang et al., NeurIPS 2020. docs/device-protocol.md ("Secure aggregation, bit for bit") writes out every byte;
 // docs/protocol-vectors/secagg-*.json check each piece (tests/test_web_secagg.py runs them in Chromium).
+// Distributed DP (a masked step whose `secagg` record carries dp-stddev): the update is clipped, scaled, rounded
+// and given this device's discrete Gaussian share before masking (Kairouz, Liu and Steinke, ICML 2021; the sampler:
+// Canonne, Kamath and Steinke, NeurIPS 2020, Alg. 3, on crypto.getRandomValues), as fedge.distributed_noise does, and
+// the consistency step refuses a survivor set smaller than dp-min-survivors (docs/secure-aggregation.md).
 //
 // Where the primitives come from (no hand-written cryptography):
 //   X25519 (RFC 7748), HKDF-SHA256 (RFC 5869), AES-256-GCM, Ed25519 (RFC 8032), SHA-256: WebCrypto.
@@ -33,7 +37,9 @@ export const STEPS = ["secagg_setup", "secagg_share", "secagg_masked", "secagg_c
 export const PUBLIC_KEYS = ["c-pk", "s-pk", "g-pk"];
 export const PRIME = (1n << 521n) - 1n;  // the Mersenne prime 2^521 - 1: one field element holds a 32-byte secret
 export const SHARE_BYTES = 2 + 66;  // holder index (u16, big-endian) + field element (66 bytes, big-endian)
-const DISTRIBUTED_DP = "dp-stddev";  // in `secagg`: the round adds distributed DP noise (fedge.distributed_noise)
+// In `secagg`, distributed DP (fedge.distributed_noise): the L2 clip, ring units per unit, each device's noise share
+// (std. dev. in ring units) and the fewest survivors the noise was calibrated for.
+export const DP_CLIP = "dp-clip", DP_SCALE = "dp-scale", DP_STDDEV = "dp-stddev", DP_MIN_SURVIVORS = "dp-min-survivors";
 const PER_DEVICE_CONFIG = new Set(["local-epochs"]);  // left out of the config digest (fedge.secagg.PER_DEVICE_CONFIG)
 export const COUNTS = ["clipped-entries", "clipped-devices", "capped-weights"];
 
@@ -372,6 +378,107 @@ export function encodeUpdate(globalArrays, trained, numExamples, steps, params) 
   fixedEncode([weight], weightClip, weightScale, bits, out, size);
   fixedEncode([weight * work], workClip, workScale, bits, out, size + 1);
   fixedEncode([entries, entries > 0 ? 1 : 0, capped ? 1 : 0], param(params, "count-clip"), 1.0, bits, out, size + 2);
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------ distributed DP
+// The distributed discrete Gaussian (Kairouz, Liu and Steinke, ICML 2021) as fedge.distributed_noise runs it: each
+// device clips its update to L2 norm dp-clip, scales it by dp-scale, rounds each entry to the nearest integer (half
+// to even: numpy's rint), adds its share of discrete Gaussian noise N_Z(0, dp-stddev^2) per entry and masks the
+// result in Z_(2^bits) as every secure input is; the unmasked sum carries every survivor's share.
+
+// Uniform randomness from crypto.getRandomValues (the browser's CSPRNG; never Math.random), drawn in blocks of
+// 16,384 words (getRandomValues' limit is 65,536 bytes a call).
+export class CryptoRandom {
+  constructor() { this.words = new Uint32Array(16384); this.at = this.words.length; }
+  word() {
+    if (this.at === this.words.length) { crypto.getRandomValues(this.words); this.at = 0; }
+    return this.words[this.at++];
+  }
+  // A uniform double in [0, 1) with 53 random bits: (27 bits * 2^26 + 26 bits) / 2^53, every value exact.
+  uniform() { return ((this.word() >>> 5) * 67108864 + (this.word() >>> 6)) / 9007199254740992; }
+}
+
+// `size` draws of the discrete Gaussian N_Z(0, sigma^2), P(x) ~ exp(-x^2 / (2 sigma^2)), as an Float64Array of
+// integers (fedge.distributed_noise.discrete_gaussian). Canonne, Kamath and Steinke, "The Discrete Gaussian for
+// Differential Privacy", NeurIPS 2020, Algorithm 3: draw Y from the discrete Laplace of scale t = floor(sigma) + 1,
+// P(Y = y) ~ exp(-|y| / t), as the difference of two geometric draws (failures before a success of probability
+// 1 - e^(-1/t)), and keep it with probability exp(-(|Y| - sigma^2 / t)^2 / (2 sigma^2)); a refused draw is drawn again.
+//
+// The geometric draws are by inversion: G = floor(t * -ln(U)) with U uniform in (0, 1], since P(G >= k) =
+// P(-ln U >= k / t) = e^(-k/t) = (e^(-1/t))^k, the geometric law exactly for a real U. Sound in floating point because
+// U carries 53 random bits: the law is changed only by the rounding of ln and of the product (relative ~1e-16 per
+// probability) and by the tail beyond -ln(2^-53) = 36.7 (G <= 36.7 t; probability 2^-53 of any draw there). The
+// acceptance test is a float comparison U' < exp(...), as fedge's numpy sampler and TensorFlow Federated's do, not
+// the paper's exact Bernoulli(exp(-gamma)) steps over rationals: the same ~1e-16 relative error per probability, far
+// below the delta the accountant spends. (Algorithm 3's own Bernoulli steps would need exact rational arithmetic to
+// gain anything over this.)
+export function discreteGaussian(sigma, size, random = new CryptoRandom()) {
+  if (!(sigma > 0) || !Number.isFinite(sigma)) throw new Error("the discrete Gaussian needs sigma > 0, got " + sigma);
+  const t = Math.floor(sigma) + 1, centre = sigma * sigma / t, twice = 2 * sigma * sigma;
+  const out = new Float64Array(size);
+  for (let i = 0; i < size;) {
+    const y = Math.floor(t * -Math.log(1 - random.uniform())) - Math.floor(t * -Math.log(1 - random.uniform()));
+    const gap = Math.abs(y) - centre;
+    if (random.uniform() < Math.exp(-(gap * gap) / twice)) out[i++] = y;
+  }
+  return out;
+}
+
+// A device's noised share (fedge.distributed_noise.DistributedNoise.encode): x = delta clipped to L2 norm c, times s
+// (factor = s * (c / ||delta|| if clipped else 1), then each entry times it), rounded half to even, plus the noise, mod
+// 2^bits, into `out`. Whether the update was clipped stays in this function: a device's norm is a statistic of its
+// data, so it is neither returned, logged nor sent. The norm is a compensated sum of squares (numpy's BLAS dot may
+// differ from it in the last bit; the two encodings differ only where an entry times the factor lies within that of a
+// half-integer).
+export function noisedShare(delta, clip, scale, stddev, bits, out, random = new CryptoRandom()) {
+  let sum = 0, carry = 0;  // Neumaier's compensated summation
+  for (let i = 0; i < delta.length; i++) {
+    const term = delta[i] * delta[i], next = sum + term;
+    carry += Math.abs(sum) >= Math.abs(term) ? (sum - next) + term : (term - next) + sum;
+    sum = next;
+  }
+  const norm = Math.sqrt(sum + carry);
+  if (Number.isNaN(norm)) throw new Error("a secure update holds NaN: nothing is masked");
+  const factor = scale * (norm > clip ? clip / norm : 1.0);
+  const noise = discreteGaussian(stddev, delta.length, random);
+  const wide = bits > 32, modulus = 2 ** bits;
+  for (let i = 0; i < delta.length; i++) {
+    const y = roundHalfEven(delta[i] * factor) + noise[i];  // whole doubles below 2^53: exact
+    if (wide) {
+      out[i] = BigInt.asUintN(bits, BigInt(y));
+    } else {
+      const r = y % modulus;
+      out[i] = r < 0 ? r + modulus : r;
+    }
+  }
+  return out;
+}
+
+// The masked step's encoded update under distributed DP (fedge.clients.secagg_device.encode_noised): the noised share
+// of delta = trained - global (float64, tensors in name order, C order), then weight 1 and work 1 (DP averages devices
+// uniformly, over a fixed denominator) and zero clipping counts, each tail entry on its own fixed point as in
+// encodeUpdate. `random` replaces crypto.getRandomValues for tests only.
+export function encodeNoised(globalArrays, trained, params, random = undefined) {
+  const ordered = [...globalArrays].sort((a, b) => compareText(a.name, b.name));
+  const size = ordered.reduce((sum, entry) => sum + entry.data.length, 0);
+  const delta = new Float64Array(size);
+  let at = 0;
+  for (const entry of ordered) {
+    const after = trained[entry.name];
+    if (!after || after.length !== entry.data.length) throw new Error("training gave no array '" + entry.name + "'");
+    for (let i = 0; i < after.length; i++) delta[at + i] = Number(after[i]) - Number(entry.data[i]);
+    at += after.length;
+  }
+  const bits = param(params, "bits");
+  checkBits(bits);
+  const stddev = param(params, DP_STDDEV);
+  if (!(stddev > 0)) throw new ProtocolViolation("refusing secagg_masked: '" + DP_STDDEV + "' is " + stddev + ", not > 0");
+  const out = ringArray(bits, size + 2 + COUNTS.length);
+  noisedShare(delta, param(params, DP_CLIP), param(params, DP_SCALE), stddev, bits, out, random);
+  fixedEncode([1.0], param(params, "weight-clip"), param(params, "weight-scale"), bits, out, size);
+  fixedEncode([1.0], param(params, "work-clip"), param(params, "work-scale"), bits, out, size + 1);
+  fixedEncode(new Array(COUNTS.length).fill(0), param(params, "count-clip"), 1.0, bits, out, size + 2);
   return out;
 }
 
@@ -739,11 +846,6 @@ async function openShares(state, inbox, me) {
 // {vector, received: {arrays, config, signature}} or {bad: [peers whose shares did not open]}.
 export async function masked(state, {inbox, params, config, typedRecords, globalArrays, me, train}) {
   advance(state, "secagg_masked", whole(config["server-round"], "server-round"));
-  if (DISTRIBUTED_DP in params) {  // noise this port does not add: an update without it would void the accounting
-    throw new ProtocolViolation("refusing secagg_masked: the round runs distributed differential privacy (" +
-                                DISTRIBUTED_DP + "), whose noise this web device does not add yet; it takes no part " +
-                                "rather than send an update without its share of the noise");
-  }
   const serverRound = state.round, threshold = state.threshold;
   const {holding, bad} = await openShares(state, inbox, me);
   if (bad.length) {
@@ -756,9 +858,11 @@ export async function masked(state, {inbox, params, config, typedRecords, global
                                 "this device, fewer than the threshold " + threshold);
   }
   state.holding = holding;
+  state.minSurvivors = whole(params[DP_MIN_SURVIVORS] ?? 0, DP_MIN_SURVIVORS);  // checked at consistency
   const trained = await train();
   const bits = param(params, "bits");
-  const encoded = encodeUpdate(globalArrays, trained.arrays, trained.numExamples, trained.steps, params);
+  const encoded = DP_STDDEV in params ? encodeNoised(globalArrays, trained.arrays, params)
+    : encodeUpdate(globalArrays, trained.arrays, trained.numExamples, trained.steps, params);
   const pairSeeds = [];
   for (const peer of holding) {
     pairSeeds.push([peer, await derive(state.s, state.peers[peer]["s-pk"], "mask", enc.encode(String(serverRound)))]);
@@ -770,13 +874,20 @@ export async function masked(state, {inbox, params, config, typedRecords, global
 }
 
 // The checks on a survivor set before signing it (Bonawitz et al. §4 round 3, per neighbourhood as Bell et al.).
-export function checkSurvivors(survivors, me, holding, neighbours, threshold) {
+// Under distributed DP the set also holds at least minSurvivors devices (fedge.clients.secagg_device.check_survivors):
+// the noise was calibrated for that many shares, and a smaller sum would carry less than accounted for.
+export function checkSurvivors(survivors, me, holding, neighbours, threshold, minSurvivors = 0) {
   const alive = new Set(survivors);
   if (!alive.has(me)) throw new ProtocolViolation("refusing the survivor set: this device sent its masked input but is not in it");
   const foreign = neighbours.filter((peer) => alive.has(peer) && !holding.includes(peer)).sort((a, b) => a - b);
   if (foreign.length) {
     throw new ProtocolViolation("refusing the survivor set: it names neighbour " + foreign[0] + ", whose shares never " +
                                 "reached this device (it cannot have masked with it)");
+  }
+  if (alive.size < minSurvivors) {
+    throw new ProtocolViolation("refusing the survivor set: it holds " + alive.size + " devices, fewer than the " +
+                                minSurvivors + " the distributed-DP noise was calibrated for (their sum would carry " +
+                                "less noise than accounted for)");
   }
   const count = holding.filter((peer) => alive.has(peer)).length;
   if (count < threshold) {
@@ -790,7 +901,7 @@ export function checkSurvivors(survivors, me, holding, neighbours, threshold) {
 export async function consistency(state, check, me) {
   advance(state, "secagg_consistency", whole(check["server-round"], "server-round"));
   const survivors = sortedUnique(ids(check.survivors));
-  checkSurvivors(survivors, me, state.holding, state.neighbours, state.threshold);
+  checkSurvivors(survivors, me, state.holding, state.neighbours, state.threshold, state.minSurvivors ?? 0);
   const message = receivedMessage(state.round, state.received.arrays, state.received.config);
   for (const peer of state.neighbours.filter((p) => survivors.includes(p)).sort((a, b) => a - b)) {
     if (!await validSignature(state.peers[peer]["g-pk"], check["received/" + peer], message)) {
