@@ -160,6 +160,7 @@ SECAGG_NEIGHBOURS = "secagg-neighbours"
 SECAGG_CLIP = "secagg-clip"
 SECAGG_PRECISION = "secagg-precision"
 SECAGG_BITS = "secagg-bits"
+SECURE_GROUPS = "secure-groups"
 # ---- differential privacy
 DP = "dp"
 DP_NOISE_MULTIPLIER = "dp-noise-multiplier"
@@ -300,6 +301,9 @@ KNOBS: dict[str, Knob] = {
                       "clipping is counted)", "strategies", check=above(0)),
     SECAGG_PRECISION: Knob(0.0001, "quantisation step of w * delta / a", "strategies", check=above(0)),
     SECAGG_BITS: Knob(32, "ring width: arithmetic in Z_2^bits", "strategies", check=within(8, 64)),
+    SECURE_GROUPS: Knob(0, "secure aggregation in K random groups of >= 3 devices, the strategy's rule over the "
+                        "groups' means (robust rules: median, trimmed-mean, krum, bulyan); 0: one instance",
+                        "strategies", check=at_least(0)),
     # ---- differential privacy
     DP: Knob("off", "differential privacy: central (Flower's DP wrappers: where clipping happens and how) or "
              "distributed (devices add the noise inside secure aggregation)", "server",

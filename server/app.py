@@ -37,10 +37,12 @@ from fedge.server.submodels import build_sub_models, trained_widths, width_train
 from fedge.strategies import FedAvg, strategy_spec
 from fedge.strategies.drivers.asynchronous import AsynchronousDriver
 from fedge.strategies.drivers.secure import MIN_DEVICES, SecureAggregation
+from fedge.strategies.drivers.secure_groups import SecureGroups, check_group_size
 from fedge.strategies.fedavg import DownlinkLayer, PrivacyLayer
 from fedge.strategies.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
 from fedge.strategies.registry import names_where
 from fedge.strategies.rounds import GATEWAY_NODES
+from fedge.strategies.rule import check_groups
 from fedge.strategies.selection import OortSelector, RandomSelector
 from fedge.strategies.submodels import SubModels
 from fedge.strategies.validation import DeviceTierBounds, ReplyValidator
@@ -99,8 +101,25 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_na
     if config[knobs.SECURE_AGGREGATION] and config[knobs.ASYNCHRONOUS]:
         raise ConfigError("secure-aggregation runs synchronous rounds (it sums one round's masked updates); turn "
                           "asynchronous off or drop secure-aggregation")
+    groups = config.integer(knobs.SECURE_GROUPS)
+    if groups and (not config[knobs.SECURE_AGGREGATION] or config[knobs.GATEWAYS]):
+        raise ConfigError(f"secure-groups = {groups} splits secure aggregation into groups: it needs "
+                          "secure-aggregation = true and no gateways (each gateway's pool is a group already); "
+                          "set secure-groups = 0 or turn secure-aggregation on")
     if config[knobs.SECURE_AGGREGATION] and not config[knobs.GATEWAYS]:  # over gateways: each runs it over its pool
-        extra["driver"] = SecureAggregation(**secure_options(config, build_policy(config).selection_size(per_round)))
+        selected = build_policy(config).selection_size(per_round)
+        if groups:  # one instance per group; a group holds at most ceil(selected / groups) devices
+            check_group_size(groups, selected)
+            extra["driver"] = SecureGroups(groups, SecureAggregation(**secure_options(config, -(-selected // groups))))
+        else:
+            rule = spec.cls(**spec.options(config, num_nodes)).rule
+            if rule.takes_group_means:
+                raise ConfigError(f"secure-aggregation works with linear rules, not strategy "
+                                  f"'{config[knobs.STRATEGY]}': it needs each update, which secure aggregation "
+                                  f"hides; run it over the means of secure groups: secure-groups = K (K >= "
+                                  f"{rule.groups_needed()[0]}: {rule.groups_needed()[1]}, and clients-per-round >= "
+                                  f"{MIN_DEVICES} x K)")
+            extra["driver"] = SecureAggregation(**secure_options(config, selected))
     if config[knobs.ASYNCHRONOUS]:
         extra["driver"] = AsynchronousDriver.from_config(config, num_nodes)
     validator = ReplyValidator(max_num_examples=config.integer(knobs.MAX_NUM_EXAMPLES),
@@ -162,13 +181,21 @@ def check_hierarchical(config: RunConfig, strategy: FedAvg) -> None:
     arrival or its own clipping would silently compute something else over those means.
     ``secure-aggregation`` composes: each gateway runs SecAgg+ over its pool
     (:mod:`fedge.clients.gateway.secure_pool`) and the coordinator takes only such pool sums.
+    Robust rules (``takes_group_means``: median, trimmed mean, Krum/Multi-Krum, Bulyan) run over the
+    gateways' replies as group means (SHARE, Velicheti et al. 2021), refused when ``clients-per-round``
+    gateways cannot meet the rule's own bound (:func:`fedge.strategies.rule.check_groups`).
     """
     where = "docs/operator.md#gateways-for-phones-and-browsers"
     name = config.text(knobs.STRATEGY)
-    if not strategy.rule.hierarchical:
-        raise ConfigError(f"strategy '{name}' ({type(strategy.rule).__name__}) needs each device's update, which "
+    rule = strategy.rule
+    if not rule.hierarchical and not rule.takes_group_means:
+        raise ConfigError(f"strategy '{name}' ({type(rule).__name__}) needs each device's update, which "
                           f"gateways pre-aggregate; with gateways = true run "
-                          f"{names_where(lambda rule: rule.hierarchical)} ({where})")
+                          f"{names_where(lambda each: each.hierarchical)}, or a robust rule over the gateways' "
+                          f"means: {names_where(lambda each: each.takes_group_means)} ({where})")
+    if rule.takes_group_means:  # each gateway's reply is one group's mean: the rule's bound counts gateways
+        check_groups(rule, name, config.integer(knobs.CLIENTS_PER_ROUND), "gateways a round (clients-per-round)",
+                     f" ({where})")
     refusals = {
         knobs.ASYNCHRONOUS: (config[knobs.ASYNCHRONOUS] or strategy.driver.asynchronous,
                          "a gateway answers once a round, so per-device staleness is lost"),

@@ -20,11 +20,21 @@ log = logging.getLogger("fedge.strategies")
 
 class BulyanSelection(EachUpdateRule):
     """Bulyan (El Mhamdi et al., ICML 2018): Multi-Krum selection, then a trimmed mean around the
-    median; None (the model kept, logged) with fewer than ``4f + 3`` updates."""
+    median; None (the model kept, logged) with fewer than ``4f + 3`` updates.
+
+    Over group means (``takes_group_means``): ``f`` of ``n >= 4f + 3`` groups may hold attackers.
+    """
+
+    takes_group_means = True
 
     def __init__(self, *, num_byzantine: int) -> None:
         super().__init__()
         self.num_byzantine = num_byzantine
+
+    def groups_needed(self) -> tuple[int, str]:
+        """Over group means, ``f`` (num-byzantine) counts hostile groups: ``n >= 4f + 3`` groups."""
+        f = self.num_byzantine
+        return 4 * f + 3, f"bulyan tolerating num-byzantine = {f} groups needs n > 4f + 2, n >= 4f + 3 = {4 * f + 3}"
 
     def combine(self, updates: list[Update]) -> Arrays | None:  # noqa: D102
         needed = 4 * self.num_byzantine + 3

@@ -20,11 +20,24 @@ log = logging.getLogger("fedge.strategies")
 
 class KrumSelection(EachUpdateRule):
     """Multi-Krum (Blanchard et al., NeurIPS 2017): the unweighted mean of the ``num_selected``
-    updates closest to their ``n - f - 2`` nearest neighbours (1: Krum)."""
+    updates closest to their ``n - f - 2`` nearest neighbours (1: Krum).
+
+    Over group means (``takes_group_means``): ``f`` of ``n > 2f + 2`` groups may hold attackers.
+    """
+
+    takes_group_means = True
 
     def __init__(self, *, num_byzantine: int, num_selected: int) -> None:
         super().__init__()
         self.num_byzantine, self.num_selected = num_byzantine, num_selected
+
+    def groups_needed(self) -> tuple[int, str]:
+        """Over group means, ``f`` (num-byzantine) counts hostile groups: Krum needs ``n > 2f + 2``
+        groups, and Multi-Krum averages at most ``n - f`` of them."""
+        f, m = self.num_byzantine, self.num_selected
+        needed = max(2 * f + 3, m + f)
+        return needed, (f"krum tolerating num-byzantine = {f} groups needs n > 2f + 2 = {2 * f + 2} groups"
+                        + (f", and multi-krum's krum-select = {m} needs n >= m + f = {m + f}" if m > 1 else ""))
 
     def combine(self, updates: list[Update]) -> Arrays | None:  # noqa: D102
         selected = min(self.num_selected, len(updates))

@@ -14,7 +14,16 @@ from fedge.strategies.rule import Arrays, EachUpdateRule, Update
 
 
 class CoordinateMedian(EachUpdateRule):
-    """The coordinate-wise median of the updates (Yin et al., ICML 2018); unweighted."""
+    """The coordinate-wise median of the updates (Yin et al., ICML 2018); unweighted.
+
+    Over group means (``takes_group_means``): with ``n`` groups, up to ``floor((n - 1) / 2)`` of
+    them may hold attackers and each coordinate stays within the range of the honest groups' values.
+    """
+
+    takes_group_means = True
+
+    def groups_needed(self) -> tuple[int, str]:  # noqa: D102
+        return 3, "the median of n groups outvotes floor((n - 1) / 2) hostile groups: n >= 3 for one"
 
     def combine(self, updates: list[Update]) -> Arrays | None:  # noqa: D102
         return coordinate_median([update.arrays for update in updates])

@@ -16,6 +16,10 @@ A rule declares what drivers may do with it:
   updates carry nothing per device beyond their weight);
 * ``needs_each_update``: it holds every update of a round at once (robust rules: O(K x P)
   memory), which secure aggregation hides;
+* ``takes_group_means``: it is a robust rule that may run over groups' means instead of
+  devices' updates (SHARE: Velicheti, Xia and Koyejo, 2021): each update it folds is then one
+  group's mean (a gateway's reply, or one secure-aggregation group of ``secure-groups``), one
+  unit of trust, and its bound counts hostile groups, not devices (:meth:`Rule.groups_needed`);
 * ``needs_global_model``: it steps from the model the round started from;
 * ``takes_stale_updates``: it folds updates trained from older models (``Update.base``), as
   the asynchronous driver sends them;
@@ -34,7 +38,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedge.aggregate import WeightedMeanAccumulator, statistic_names
-from fedge.errors import CheckpointMismatch
+from fedge.errors import CheckpointMismatch, ConfigError
 from fedge.submodels import CoverageMean, Window
 
 Arrays = dict[str, NDArray[np.generic]]
@@ -122,6 +126,7 @@ class Rule:
     needs_each_update: ClassVar[bool] = False
     takes_stale_updates: ClassVar[bool] = False
     takes_sub_models: ClassVar[bool] = False
+    takes_group_means: ClassVar[bool] = False
     needs_global_model: bool = False
     state_prefixes: ClassVar[tuple[str, ...]] = ()  # what the keys of its state_dict start with
 
@@ -143,6 +148,11 @@ class Rule:
     def state_dict(self) -> Arrays:
         """State to checkpoint with the model (none by default)."""
         return {}
+
+    def groups_needed(self) -> tuple[int, str]:
+        """The fewest groups a round must have for this rule's own guarantee over group means, and that
+        guarantee in words (``takes_group_means`` rules; others need 1 and promise nothing)."""
+        return 1, "no robustness"
 
     def load_state_dict(self, state: Mapping[str, NDArray[np.generic]]) -> None:
         """Restore what :meth:`state_dict` returned."""
@@ -233,13 +243,20 @@ class Mean(LinearRule):
 
 
 class EachUpdateRule(Rule):
-    """A rule that needs every update of the round at once (robust aggregation)."""
+    """A rule that needs every update of the round at once (robust aggregation).
+
+    Each update may be a group's mean (``takes_group_means``): the statistic is then taken over
+    groups, unweighted (a group's size is what its gateway claims, so weighting by it would let
+    one hostile gateway outweigh the rest). :attr:`norms` keeps each update's L2 distance from the
+    round's model (each group's update norm), by node id, when the model is known.
+    """
 
     needs_each_update = True
 
     def begin(self, context: RoundContext) -> None:  # noqa: D102
         super().begin(context)
         self.updates: list[Update] = []
+        self.norms: dict[int, float] = {}
 
     def fold(self, update: Update) -> None:
         """Keep ``update`` until :meth:`result`."""
@@ -247,8 +264,38 @@ class EachUpdateRule(Rule):
 
     def result(self) -> Arrays | None:
         """:meth:`combine` over the round's updates; None without any."""
-        return self.combine(self.updates) if self.updates else None
+        if not self.updates:
+            return None
+        if self.context.has_global_model:
+            self.norms = update_norms(self.updates, self.context.global_numpy())
+        return self.combine(self.updates)
 
     def combine(self, updates: list[Update]) -> Arrays | None:
         """The new global model from all of the round's updates."""
         raise NotImplementedError
+
+
+def update_norms(updates: list[Update], start: Mapping[str, NDArray[np.generic]]) -> dict[int, float]:
+    """Each update's L2 distance from ``start`` (the round's model) over the arrays it holds, by node id
+    (under ``takes_group_means``: each group's update norm)."""
+    norms = {}
+    for update in updates:
+        squared = sum(float(np.sum(np.square(np.asarray(value, np.float64) - np.asarray(start[name], np.float64))))
+                      for name, value in update.arrays.items() if name in start)
+        norms[update.node_id] = float(np.sqrt(squared))
+    return norms
+
+
+def check_groups(rule: Rule, name: str, groups: int, what: str, see: str = "") -> None:
+    """Refuse at start a robust rule over ``groups`` group means (``what`` they are, e.g. "gateways a round
+    (clients-per-round)") when that count cannot meet the rule's own bound (:meth:`Rule.groups_needed`).
+
+    Raises
+    ------
+    ConfigError
+        Naming the rule's bound, the count and what to change.
+    """
+    needed, bound = rule.groups_needed()
+    if groups < needed:
+        raise ConfigError(f"strategy '{name}' over group means: {bound}, but there are {groups} {what}; "
+                          f"give at least {needed} groups, or tolerate fewer hostile groups{see}")

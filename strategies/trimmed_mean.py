@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 from flwr.serverapp.strategy import FedTrimmedAvg as FlowerFedTrimmedAvg
 
 from fedge import knobs
@@ -16,11 +18,28 @@ from fedge.strategies.rule import Arrays, EachUpdateRule, Update
 
 
 class Trimmed(EachUpdateRule):
-    """The coordinate-wise beta-trimmed mean of the updates (Yin et al., ICML 2018); unweighted."""
+    """The coordinate-wise beta-trimmed mean of the updates (Yin et al., ICML 2018); unweighted.
+
+    Over group means (``takes_group_means``): ``floor(beta * n)`` of ``n`` groups may hold attackers.
+    """
+
+    takes_group_means = True
 
     def __init__(self, *, trim_fraction: float) -> None:
         super().__init__()
         self.trim_fraction = trim_fraction
+
+    def groups_needed(self) -> tuple[int, str]:
+        """Over group means, ``floor(beta * n)`` hostile groups are cut from each end: at least one
+        needs ``n >= ceil(1 / beta)`` groups (none with beta = 0, a plain mean)."""
+        beta = self.trim_fraction
+        if beta <= 0:
+            return 10**9, "trim-fraction = 0 cuts nothing (a plain mean of the groups): give trim-fraction > 0"
+        needed = max(1, math.ceil(1 / beta) - 1)
+        while int(np.floor(beta * needed)) < 1:  # ceil(1 / beta) up to floating point
+            needed += 1
+        return needed, (f"the trimmed mean cuts floor(trim-fraction x n) groups at each end, at least one "
+                        f"(trim-fraction = {beta:g}: n >= {needed})")
 
     def combine(self, updates: list[Update]) -> Arrays | None:  # noqa: D102
         return trimmed_mean([update.arrays for update in updates], self.trim_fraction)

@@ -42,17 +42,22 @@ def test_a_registered_linear_strategy_is_offered_where_linear_rules_work(user_st
     with pytest.raises(ConfigError) as stale:
         Median(driver=AsynchronousDriver())
     with pytest.raises(ConfigError) as gateways:
-        check_hierarchical(resolve_run_config({"gateways": True, "strategy": "median"}),
-                           build_strategy(resolve_run_config({"strategy": "median"})))
-    # Assert: the user's strategy is in each list; a rule that cannot is in none
+        check_hierarchical(resolve_run_config({"gateways": True, "strategy": "fednova"}),
+                           build_strategy(resolve_run_config({"strategy": "fednova"})))
+    # Assert: the user's strategy is in each list; a rule that cannot is in none (over gateways the robust rules
+    # are offered apart, as rules over the gateways' means: issue 42)
     for refused in (secure, stale, gateways):
-        assert user_strategy in str(refused.value) and "krum" not in str(refused.value)
+        assert user_strategy in str(refused.value)
+    for refused in (secure, stale):
+        assert "krum" not in str(refused.value)
+    assert "or a robust rule over the gateways' means: bulyan, krum, median or trimmed-mean" in str(gateways.value)
 
 
 @pytest.mark.parametrize(("fits", "expected"), [
     (lambda rule: rule.linear, "fedadagrad, fedadam, fedavg, fedavgm, fednova, fedprox or fedyogi"),
     (lambda rule: rule.hierarchical, "fedadagrad, fedadam, fedavg, fedavgm, fedprox or fedyogi"),
     (lambda rule: rule.needs_each_update, "bulyan, krum, median or trimmed-mean"),
+    (lambda rule: rule.takes_group_means, "bulyan, krum, median or trimmed-mean"),
 ])
 def test_names_come_from_the_rules_flags(fits: object, expected: str) -> None:
     # Assert

@@ -219,6 +219,21 @@ class SecureAggregation(SyncDriver):
         total, survivors = self._attempts(grid, server_round, instructions, codecs, timeout, report, length)
         return self._decoded(total, codecs, survivors)
 
+    def group_mean(self, grid: Grid, server_round: int, instructions: dict[int, RecordDict], sent: ArrayRecord,
+                   timeout: float, report: RoundReport) -> tuple[dict[str, np.ndarray], float, list[int], Clipping]:
+        """One protocol instance over a group of devices the caller formed (``instructions``' devices, all
+        sent ``sent``): the group's weighted mean model, its summed weight, its survivors and what its devices
+        clipped; nothing finer is revealed (:mod:`fedge.strategies.drivers.secure_groups` runs one per group).
+
+        Raises
+        ------
+        SecureRoundFailed
+            The group's instance could not finish (its devices' failures are in ``report``).
+        """
+        sums = self._group_sum(grid, server_round, instructions, sent, timeout, report)
+        mean = self._apply(sent, sums.summed / sums.weight * (sums.weighted_work / sums.weight))
+        return mean, sums.weight, list(sums.survivors), sums.clipping
+
     def _note_release(self, server_round: int, sums: _Sums, report: RoundReport) -> None:
         """Account a distributed-DP sum and show what it spent and what it brought back into range."""
         assert self.noise_layer is not None and sums.noise is not None
