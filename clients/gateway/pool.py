@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from numpy.typing import NDArray
 
 from fedge import knobs
-from fedge.aggregate import WeightedMeanAccumulator, clip_update
+from fedge.aggregate import WeightedMeanAccumulator, clip_update, coordinate_median, trimmed_mean
 from fedge.clients.gateway.protocol import (
     CHECK_IN_DEVICE,
     CLOCK_SKEW_S,
@@ -56,7 +56,7 @@ from fedge.clients.gateway.protocol import (
     request_mac,
     unb64,
 )
-from fedge.errors import DeviceProtocolError, UpdateRejected
+from fedge.errors import ConfigError, DeviceProtocolError, UpdateRejected
 from fedge.strategies.validation import check_arrays
 from fedge.wire import BATCH_SIZE, LOCAL_EPOCHS
 from fedge.work import max_local_steps, max_samples
@@ -412,6 +412,12 @@ class DeviceBounds:
 MAX_CLAIM = 10**12
 
 
+DEVICE_RULES = ("mean", "median", "trimmed-mean")
+"""What a plain gateway replies with over its devices' updates: their weighted mean (hierarchical FedAvg), or a
+robust rule over them (coordinate-wise median, trimmed mean; unweighted), so that a gateway with many devices is
+not one unit of trust (issue 42 §3)."""
+
+
 def device_seed(run_seed: int, server_round: int, device: str) -> int:
     """A device's training seed for a round (stable across gateways and restarts)."""
     number = int.from_bytes(hashlib.sha256(device.encode()).digest()[:6], "big")
@@ -429,7 +435,7 @@ class GatewayRound:
 
     def __init__(self, *, kind: str, server_round: int, config: Mapping[str, Any], graph: str,
                  weights: Mapping[str, NDArray[np.generic]], target: int, max_num_examples: int,
-                 bounds: DeviceBounds | None = None) -> None:
+                 bounds: DeviceBounds | None = None, device_rule: str = "mean", trim_fraction: float = 0.2) -> None:
         self.task_id = secrets.token_hex(8)
         self.kind, self.server_round, self.graph = kind, server_round, graph
         self.config, self.weights, self.target = dict(config), dict(weights), max(1, target)
@@ -438,6 +444,10 @@ class GatewayRound:
         self.max_num_examples = max_num_examples
         self.bounds = bounds or DeviceBounds()
         self._sum = WeightedMeanAccumulator()
+        if device_rule not in DEVICE_RULES:
+            raise ConfigError(f"gateway device rule {device_rule!r}: use one of {', '.join(DEVICE_RULES)}")
+        self.device_rule, self.trim_fraction = device_rule, trim_fraction
+        self._kept: list[dict[str, NDArray[np.generic]]] = []  # a robust device rule: every update (O(devices x P))
         self._metric_means: dict[str, float] = {}  # running float64 means, weighted by the devices' (capped) weights
         self._examples = self._samples = self._steps = self._devices = self._rejected = 0
         self._clipped = self._capped = 0
@@ -512,7 +522,9 @@ class GatewayRound:
 
     def _fold(self, device: str, arrays: Mapping[str, NDArray[np.generic]], weight: int,
               means: dict[str, float], samples: int, steps: int) -> None:
-        if arrays:
+        if arrays and self.device_rule != "mean":
+            self._kept.append(dict(arrays))
+        elif arrays:
             self._sum.add(arrays, float(weight))
         self._metric_means = means
         self._examples += weight
@@ -559,11 +571,18 @@ class GatewayRound:
             self.closed = True
             if self._devices == 0:
                 return None
-            arrays = self._sum.result() if self.kind == "train" else {}
+            arrays = self._robust() if self._kept else self._sum.result() if self.kind == "train" else {}
             return RoundResult(kind=self.kind, arrays=arrays, num_examples=self._examples,
                                metrics=dict(self._metric_means), samples_processed=self._samples, steps=self._steps,
                                devices=self._devices, rejected=self._rejected, clipped=self._clipped,
                                capped=self._capped)
+
+    def _robust(self) -> dict[str, NDArray[np.generic]]:
+        """The device rule over the kept updates: coordinate-wise median or trimmed mean (unweighted: a device's
+        example count is its own claim), so one device moves the reply at most within the others' spread."""
+        if self.device_rule == "median":
+            return coordinate_median(self._kept)
+        return trimmed_mean(self._kept, self.trim_fraction)
 
     def hand_out(self, device: str) -> None:
         """Note that ``device`` was handed this round's task (what the gateway's waiting line counts)."""

@@ -48,6 +48,7 @@ import numpy as np
 
 from fedge import knobs
 from fedge.clients.gateway.pool import (
+    DEVICE_RULES,
     AllowList,
     DeviceBounds,
     GatewayRound,
@@ -115,6 +116,15 @@ class GatewaySettings:
     max_per_address: int = 32  # ... of which one client address may hold at most this many
     max_num_examples: int = 100_000
     uplink: str = "fp32"  # what devices send: fp32 weights, or int8-delta
+    device_rule: str = "mean"  # a plain round's reply over its devices: "mean" (hierarchical FedAvg), or a robust
+    # "median" / "trimmed-mean" (unweighted; O(devices x model) memory; secure pools reveal only the mean)
+    device_trim_fraction: float = 0.2  # device_rule = "trimmed-mean": the share cut at each end of each coordinate
+
+    def __post_init__(self) -> None:
+        if self.device_rule not in DEVICE_RULES:
+            raise ConfigError(f"gateway device rule {self.device_rule!r}: use one of {', '.join(DEVICE_RULES)}")
+        if not 0 <= self.device_trim_fraction < 0.5:
+            raise ConfigError(f"gateway device trim fraction {self.device_trim_fraction}: give a fraction in [0, 0.5)")
 
 
 class Gateway:
@@ -280,7 +290,9 @@ class Gateway:
                                config=dict(header.get("config", {})), graph=str(header.get("graph", "")),
                                weights=frame_tensors, target=self.round_target(),
                                max_num_examples=self.settings.max_num_examples,
-                               bounds=DeviceBounds.of(dict(header.get("config", {}))))
+                               bounds=DeviceBounds.of(dict(header.get("config", {}))),
+                               device_rule=self.settings.device_rule if kind == "train" else "mean",
+                               trim_fraction=self.settings.device_trim_fraction)
         self.round = current
         log.info("round %d (%s): offered to this gateway's devices, waiting for %d results (deadline %.0f s)",
                  current.server_round, kind, current.target, self.settings.round_deadline_s)
@@ -339,6 +351,9 @@ class Gateway:
             exchange.members.update(devices.values())  # paced to come back soon from now on
             log.info("round %d (train, secure aggregation): %d devices in this gateway's pool", server_round,
                      len(devices))
+            if self.settings.device_rule != "mean":
+                log.warning("round %d: device rule %s does not apply to a secure pool (this gateway sees only its "
+                            "sum): the pool's mean is sent", server_round, self.settings.device_rule)
             pooled = secure_pool_round(exchange, devices, server_round=server_round, weights=weights,
                                        config=config, secure=secure, step_timeout_s=self.settings.round_deadline_s)
         finally:
