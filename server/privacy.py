@@ -64,7 +64,30 @@ CLIP_KEY = knobs.DP_CLIPPING_NORM  # in a checkpoint's state: adaptive clipping'
 CLIENT_CLIPPING = wire.DP_CLIENT_CLIPPING
 
 
-class DifferentialPrivacy:
+class _Accounted:
+    """What both kinds of DP report: ε spent on their accountant, at their δ."""
+
+    mode: str
+    noise_multiplier: float
+    accountant: RdpAccountant
+
+    @property
+    def epsilon(self) -> float:
+        """ε spent at the configured δ (0 before the first release)."""
+        return float(self.accountant.get_privacy_spent().epsilon) if self.accountant.num_releases else 0.0
+
+    @property
+    def delta(self) -> float:
+        """The δ ε is reported at."""
+        return float(self.accountant.config.target_delta)
+
+    def _summary(self, clipping_norm: float, **extra: Any) -> dict[str, Any]:
+        return {"mode": self.mode, "epsilon": self.epsilon, "delta": self.delta,
+                "noise_multiplier": self.noise_multiplier, "clipping_norm": clipping_norm,
+                "releases": self.accountant.num_releases, "accounting": ACCOUNTING, **extra}
+
+
+class DifferentialPrivacy(_Accounted):
     """One run's DP: the Flower wrapper around the strategy, and the privacy spent so far.
 
     Given to a strategy's constructor (``FedAvg(privacy=...)``), which attaches it: the Flower
@@ -124,22 +147,9 @@ class DifferentialPrivacy:
                                                      population_size=self.population))
         return self.epsilon
 
-    @property
-    def epsilon(self) -> float:
-        """ε spent at the configured δ (0 before the first release)."""
-        return _epsilon(self.accountant)
-
-    @property
-    def delta(self) -> float:
-        """The δ ε is reported at."""
-        return float(self.accountant.config.target_delta)
-
     def summary(self) -> dict[str, Any]:
         """What the run report says about privacy."""
-        return {"mode": self.mode, "epsilon": self.epsilon, "delta": self.delta,
-                "noise_multiplier": self.noise_multiplier, "clipping_norm": self.clipping_norm,
-                "releases": self.accountant.num_releases, "accounting": ACCOUNTING,
-                "noise_added_by": "the coordinator (central DP: it is trusted to add it)"}
+        return self._summary(self.clipping_norm, noise_added_by="the coordinator (central DP: it is trusted to add it)")
 
     def state_dict(self) -> dict[str, NDArray[np.generic]]:
         """The accountant's history and the clipping norm, for checkpoints."""
@@ -152,7 +162,7 @@ class DifferentialPrivacy:
             self.wrapper.clipping_norm = float(state[CLIP_KEY][0])  # type: ignore[attr-defined]
 
 
-class DistributedPrivacy:
+class DistributedPrivacy(_Accounted):
     """Distributed DP (``dp = "distributed"``): the devices add the noise inside secure aggregation.
 
     Kairouz, Liu and Steinke, ICML 2021 (the distributed discrete Gaussian; where fedge
@@ -218,23 +228,10 @@ class DistributedPrivacy:
         """Refused: a distributed-DP sum is released by the secure driver (:meth:`release_sum`)."""
         raise RuntimeError("distributed DP releases sums through the secure driver (release_sum), not release()")
 
-    @property
-    def epsilon(self) -> float:
-        """ε spent at the configured δ (0 before the first release)."""
-        return _epsilon(self.accountant)
-
-    @property
-    def delta(self) -> float:
-        """The δ ε is reported at."""
-        return float(self.accountant.config.target_delta)
-
     def summary(self) -> dict[str, Any]:
         """What the run report says about privacy."""
-        return {"mode": self.mode, "epsilon": self.epsilon, "delta": self.delta,
-                "noise_multiplier": self.noise_multiplier, "clipping_norm": self.clipping_norm,
-                "releases": self.accountant.num_releases, "accounting": ACCOUNTING,
-                "effective_multipliers": self.multipliers,
-                "noise_added_by": "the devices, inside secure aggregation (distributed discrete Gaussian)"}
+        return self._summary(self.clipping_norm, effective_multipliers=self.multipliers,
+                             noise_added_by="the devices, inside secure aggregation (distributed discrete Gaussian)")
 
     def state_dict(self) -> dict[str, NDArray[np.generic]]:
         """The accountant's history, for checkpoints."""
@@ -252,10 +249,6 @@ def _accountant(delta: float, population: int) -> RdpAccountant:
     return RdpAccountant(PrivacyConfig(target_delta=delta, population_size=population,
                                        neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
                                        sampling_method=SamplingMethod.NO_AMPLIFICATION))
-
-
-def _epsilon(accountant: RdpAccountant) -> float:
-    return float(accountant.get_privacy_spent().epsilon) if accountant.num_releases else 0.0
 
 
 def _accountant_state(accountant: RdpAccountant) -> dict[str, NDArray[np.generic]]:
