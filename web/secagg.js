@@ -407,12 +407,13 @@ export class CryptoRandom {
 //
 // The geometric draws are by inversion: G = floor(t * -ln(U)) with U uniform in (0, 1], since P(G >= k) =
 // P(-ln U >= k / t) = e^(-k/t) = (e^(-1/t))^k, the geometric law exactly for a real U. Sound in floating point because
-// U carries 53 random bits: the law is changed only by the rounding of ln and of the product (relative ~1e-16 per
-// probability) and by the tail beyond -ln(2^-53) = 36.7 (G <= 36.7 t; probability 2^-53 of any draw there). The
-// acceptance test is a float comparison U' < exp(...), as fedge's numpy sampler and TensorFlow Federated's do, not
-// the paper's exact Bernoulli(exp(-gamma)) steps over rationals: the same ~1e-16 relative error per probability, far
-// below the delta the accountant spends. (Algorithm 3's own Bernoulli steps would need exact rational arithmetic to
-// gain anything over this.)
+// U is a multiple of 2^-53 drawn uniformly (53 random bits): each P(G >= k) is off by at most 2^-53 plus the rounding of
+// ln (V8: fdlibm, within an ulp) and of the product, and the tail beyond -ln(2^-53) = 36.7 (G <= 36.7 t) has
+// probability 2^-53. Inversion takes one uniform per geometric draw where the Bernoulli steps take ~t. The acceptance
+// test is a float comparison U' < exp(...), as fedge's numpy sampler (numpy's geometric inverts too, for p < 1/3) and
+// TensorFlow Federated's do, not the paper's exact Bernoulli(exp(-gamma)) steps over rationals: the same ~2^-53 error
+// per probability, far below the delta the accountant spends (the paper's Bernoulli steps gain over this only in
+// exact rational arithmetic).
 export function discreteGaussian(sigma, size, random = new CryptoRandom()) {
   if (!(sigma > 0) || !Number.isFinite(sigma)) throw new Error("the discrete Gaussian needs sigma > 0, got " + sigma);
   const t = Math.floor(sigma) + 1, centre = sigma * sigma / t, twice = 2 * sigma * sigma;
