@@ -91,18 +91,26 @@ def _expected_mean(live: LiveGateway, run: dict[str, Any], names: list[str], ser
     return weighted_mean(trained, counts), sum(counts)
 
 
+def _four_phones_round(pool: LiveGateway, monkeypatch: pytest.MonkeyPatch, secure: dict[str, Any]
+                       ) -> tuple[dict[str, Any], dict[str, np.ndarray], list[tuple[str, Frame]], Polling]:
+    """One secure pool round of phone0-3, each requiring secure aggregation on its own shard, with every frame
+    they sent the gateway recorded: the reply's header and arrays, the frames, the (stopped) polling."""
+    sent: list[tuple[str, Frame]] = []
+    monkeypatch.setattr(SecureExchange, "answer", _recording(sent))
+    polling = Polling([pool.device(f"phone{index}", index, secure=True) for index in range(4)])
+    try:
+        header, arrays = pool.round(secure=secure)
+    finally:
+        polling.close()
+    return header, arrays, sent, polling
+
+
 def test_a_secure_pool_round_sends_the_pool_mean_and_the_gateway_sees_only_masked_inputs(
         pool: LiveGateway, run: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: four phones that require secure aggregation, each on its own shard; the gateway records what they send
-    sent: list[tuple[str, Frame]] = []
-    monkeypatch.setattr(SecureExchange, "answer", _recording(sent))
     names = [f"phone{index}" for index in range(4)]
-    polling = Polling([pool.device(name, int(name[-1]), secure=True) for name in names])
     # Execute: the coordinator's train instruction under secure aggregation
-    try:
-        header, arrays = pool.round(secure=SECURE)
-    finally:
-        polling.close()
+    header, arrays, sent, polling = _four_phones_round(pool, monkeypatch, SECURE)
     # Assert: the pool's weighted mean and example count, within the fixed-point step
     mean, examples = _expected_mean(pool, run, names)
     assert header["secure-pool"] == 4 and header["devices"] == 4 and header["num-examples"] == examples
@@ -121,15 +129,9 @@ def test_a_secure_pool_round_sends_the_pool_mean_and_the_gateway_sees_only_maske
 def test_a_secure_pool_under_distributed_dp_sends_the_clipped_uniform_mean_with_the_devices_noise(
         pool: LiveGateway, run: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: four phones; distributed DP with an L2 clip of 0.05 and multiplier 1e-3 (noise far below the step)
-    sent: list[tuple[str, Frame]] = []
-    monkeypatch.setattr(SecureExchange, "answer", _recording(sent))
     names = [f"phone{index}" for index in range(4)]
-    polling = Polling([pool.device(name, int(name[-1]), secure=True) for name in names])
     # Execute
-    try:
-        header, arrays = pool.round(secure={**SECURE, "dp-multiplier": 1e-3, "dp-clip": 0.05})
-    finally:
-        polling.close()
+    header, arrays, sent, _ = _four_phones_round(pool, monkeypatch, {**SECURE, "dp-multiplier": 1e-3, "dp-clip": 0.05})
     # Assert: global + the sum of each device's update clipped to L2 norm 0.05 (over all arrays, by name), over
     # the 4 devices asked, whatever their examples; the pool reports 4 as its weight (DP's fixed denominator)
     trained, _ = _trained(pool, run, names)
