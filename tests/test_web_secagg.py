@@ -193,7 +193,9 @@ return {
   secret: S.hex(secret), shares: Array.from(shares.values(), S.hex),
   sealed: S.hex(await S.seal(un(key), text("from the browser"), text("1->2/3"))),
   opened: S.hex(await S.openSealed(un(key), un(pythonSealed), text("2->1/3"))),
-  tampered: await S.openSealed(un(key), un(pythonSealed.slice(0, -2) + "00"), text("2->1/3")),
+  // the last byte (of the tag) flipped, so it differs whatever it was
+  tampered: await S.openSealed(un(key), un(pythonSealed.slice(0, -2)
+    + (parseInt(pythonSealed.slice(-2), 16) ^ 1).toString(16).padStart(2, "0")), text("2->1/3")),
   small_order_refused: [await refused(zero), await refused(one)],
   ring: {seed: S.hex(seed), pair: S.hex(pairs[0][1]), encoded: Array.from(encoded, String),
          masked: Array.from(S.maskedInput(encoded, seed, pairs, 5, bits), String)},
