@@ -245,43 +245,6 @@ def test_the_gateway_serves_and_the_package_ships_the_vendored_chacha20(page: An
 
 
 # ---------------------------------------------------------------------------------------------- distributed DP
-DP_TAIL = {"bits": 32, "count-clip": 1000.0, "weight-clip": 100.0, "weight-scale": 1024.0, "work-clip": 1000.0,
-           "work-scale": 1024.0}
-DP_CASES = [  # dp-stddev 1e-3: the sampler returns 0 (P(|Y| = 1) is exp(-5e5)), so the encoding is deterministic
-    {"dp-clip": 0.5, "dp-scale": 1048576.0},  # ||delta|| = 1.038: clipped
-    {"dp-clip": 4.0, "dp-scale": 20.0},  # unclipped; 0.125 x 20 = 2.5 -> 2 (half to even, not away from zero)
-    {"dp-clip": 4.0, "dp-scale": 10.0, "bits": 20},  # -0.25 x 10 = -2.5 -> -2; negatives wrap mod 2^20
-    {"dp-clip": 0.75, "dp-scale": 3e9, "bits": 64},  # clipped, in a 64-bit ring
-]
-
-
-def dp_vector() -> dict[str, Any]:
-    """docs/protocol-vectors/secagg-dp.json: Python's encode_noised of a fixed update (rebuilt by a test below)."""
-    from fedge.clients.secagg_device import Trained, encode_noised  # noqa: PLC0415
-
-    global_arrays = {"b": np.array([0.5, -0.5]), "a": np.array([[1.0, 2.0]])}
-    trained = {"b": np.array([0.25, 0.5]), "a": np.array([[1.125, 2.0]])}
-    cases = []
-    for case in DP_CASES:
-        params = {**DP_TAIL, **case, "dp-stddev": 1e-3, "dp-min-survivors": 3}
-        vector = encode_noised(global_arrays, Trained(arrays=trained, num_examples=120, steps=4), params)
-        cases.append({"secagg": params, "vector": [int(w) for w in vector]})
-    return {"what": "distributed DP's masked-step encoding: delta (float64, tensors in name order, C order) clipped to "
-                    "L2 norm dp-clip (times dp-clip / ||delta|| when larger), times dp-scale, rounded half to even, "
-                    "plus discrete Gaussian noise of std dp-stddev (here 1e-3: always 0), mod 2^bits; then weight 1, "
-                    "work 1 and three zero counts, each FixedPoint-encoded (num-examples and steps do not matter)",
-            "global": {k: {"shape": list(v.shape), "values": v.ravel().tolist()} for k, v in global_arrays.items()},
-            "trained": {k: {"shape": list(v.shape), "values": v.ravel().tolist()} for k, v in trained.items()},
-            "cases": cases}
-
-
-def test_python_encodes_the_distributed_dp_vector_as_shipped() -> None:
-    # Execute: Python's encode_noised on the vector's update and parameters
-    rebuilt = json.dumps(dp_vector(), indent=1, ensure_ascii=True) + "\n"
-    # Assert: the shipped file, byte for byte (the browser is checked against the same file)
-    assert rebuilt == (VECTORS / "secagg-dp.json").read_text(encoding="utf-8")
-
-
 DP_MASKED_SCRIPT = """
 const [vector] = args;
 const arrays = (spec) => Object.entries(spec).map(([name, e]) => ({name: name, shape: e.shape,

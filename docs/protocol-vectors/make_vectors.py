@@ -48,7 +48,7 @@ from fedge.clients.gateway.protocol import (
     records_to_json,
     request_mac,
 )
-from fedge.clients.secagg_device import Trained, encode_update
+from fedge.clients.secagg_device import Trained, encode_noised, encode_update
 from fedge.edge.signing import fingerprint
 from fedge.edge.trainer import MomentumUpdate, OnnxTrainer
 from fedge.edge.training_bundle import read_training_bundle
@@ -481,6 +481,35 @@ def training_vector() -> dict[str, Any]:
             "evaluate": {"num-examples": len(targets), "metrics": scores}}
 
 
+DP_TAIL = {"bits": 32, "count-clip": 1000.0, "weight-clip": 100.0, "weight-scale": 1024.0, "work-clip": 1000.0,
+           "work-scale": 1024.0}
+DP_CASES = [  # dp-stddev 1e-3: the sampler returns 0 (P(|Y| = 1) is exp(-5e5)), so the encoding is deterministic
+    {"dp-clip": 0.5, "dp-scale": 1048576.0},  # ||delta|| = 1.038: clipped
+    {"dp-clip": 4.0, "dp-scale": 20.0},  # unclipped; 0.125 x 20 = 2.5 -> 2 (half to even, not away from zero)
+    {"dp-clip": 4.0, "dp-scale": 10.0, "bits": 20},  # -0.25 x 10 = -2.5 -> -2; negatives wrap mod 2^20
+    {"dp-clip": 0.75, "dp-scale": 3e9, "bits": 64},  # clipped, in a 64-bit ring
+]
+
+
+def secagg_dp_vector() -> dict[str, Any]:
+    """Distributed DP's masked-step encoding (:func:`fedge.clients.secagg_device.encode_noised`) of a fixed update."""
+
+    global_arrays = {"b": np.array([0.5, -0.5]), "a": np.array([[1.0, 2.0]])}
+    trained = {"b": np.array([0.25, 0.5]), "a": np.array([[1.125, 2.0]])}
+    cases = []
+    for case in DP_CASES:
+        params = {**DP_TAIL, **case, "dp-stddev": 1e-3, "dp-min-survivors": 3}
+        vector = encode_noised(global_arrays, Trained(arrays=trained, num_examples=120, steps=4), params)
+        cases.append({"secagg": params, "vector": [int(w) for w in vector]})
+    return {"what": "distributed DP's masked-step encoding: delta (float64, tensors in name order, C order) clipped to "
+                    "L2 norm dp-clip (times dp-clip / ||delta|| when larger), times dp-scale, rounded half to even, "
+                    "plus discrete Gaussian noise of std dp-stddev (here 1e-3: always 0), mod 2^bits; then weight 1, "
+                    "work 1 and three zero counts, each FixedPoint-encoded (num-examples and steps do not matter)",
+            "global": {k: {"shape": list(v.shape), "values": v.ravel().tolist()} for k, v in global_arrays.items()},
+            "trained": {k: {"shape": list(v.shape), "values": v.ravel().tolist()} for k, v in trained.items()},
+            "cases": cases}
+
+
 VECTORS: dict[str, Callable[[], dict[str, Any]]] = {
     "frame": frame_vector,
     "check-in": check_in_vector,
@@ -496,6 +525,7 @@ VECTORS: dict[str, Callable[[], dict[str, Any]]] = {
     "secagg-masks": secagg_masks_vector,
     "secagg-update": secagg_update_vector,
     "secagg-signatures": secagg_signatures_vector,
+    "secagg-dp": secagg_dp_vector,
 }
 """Each vector's file (``NAME.json``) and the function that makes it."""
 
