@@ -58,7 +58,8 @@ def umask_zero() -> Iterator[None]:
 # (measured with `--durations=0`; a file missing here only moves back to its place in the collection).
 SLOWEST_FIRST: tuple[str, ...] = (
     "test_gateway_deployment.py", "test_deployment.py", "test_resume.py", "test_web_device.py",
-    "test_role_installs.py", "test_operator_service.py", "test_web_federation.py", "test_submodels.py",
+    "test_role_installs.py", "test_operator_service.py", "test_web_federation.py", "test_web_secagg.py",
+    "test_submodels.py", "test_gateway_secure.py", "test_robust_groups.py", "test_distributed_dp.py",
     "test_lifecycle.py", "test_operator_feedback.py", "test_protocol_device_trust.py", "test_fuzz_parsers.py",
     "test_delivery.py", "test_control_api.py", "test_training_graph.py", "test_flower_dropin.py",
     "test_ray_backend.py", "test_task_deployment.py", "test_new_task.py", "test_fuzz_bundles.py",
