@@ -7,6 +7,8 @@ local training (fedge's SDK trainer, 1 epoch):
 
 * ``plaintext``: fedge's FedAvg (a device that drops simply does not reply);
 * ``fedge-secagg``: fedge's SecAgg+ over the Message API (``secure-aggregation = true``);
+* ``fedge-secagg-dp``: the same with distributed DP (``dp = "distributed"``: each device clips and
+  adds its discrete Gaussian share inside the masked vector; multiplier 1, clip 1);
 * ``flower-secagg+``: Flower 1.42's ``SecAggPlusWorkflow`` (legacy workflow, NumPyClient
   with ``secaggplus_mod``), the anchor.
 
@@ -24,8 +26,9 @@ count its bytes, and the in-process grid's deep copies of each message (standing
 device's deserialising) and of each device's state (kept to roll a crashed device back); it
 stays in ``coordinator_s`` and the ratios, and is reported so that a reader can tell it apart.
 
-Usage: python bench/secure.py [--sizes 10,50,100] [--systems plaintext,fedge-secagg,flower-secagg+]
-[--repeats 1]. With ``--repeats N`` each configuration runs N times, the systems interleaved;
+Usage: python bench/secure.py [--sizes 10,50,100]
+[--systems plaintext,fedge-secagg,fedge-secagg-dp,flower-secagg+] [--repeats 1] [--out secure.json].
+With ``--repeats N`` each configuration runs N times, the systems interleaved;
 each figure is the median of its N runs and each ratio the median of the N ratios to the
 plaintext run beside it (on a shared machine single runs vary by 30%).
 Writes bench/results/secure.json. Targets (issue #6): fedge-secagg <= 1.5x plaintext
@@ -66,6 +69,7 @@ from torch import nn
 from fedge.clients.app import make_client_app
 from fedge.config import RunConfig, resolve_run_config
 from fedge.server.app import TRAIN_KEYS
+from fedge.server.privacy import DistributedPrivacy
 from fedge.simulation.grid import InlineGrid
 from fedge.strategies import FedAvg
 from fedge.strategies.drivers.secure import SecureAggregation
@@ -191,13 +195,16 @@ def flower_client(config: RunConfig, n: int) -> ClientApp:
     return flower_secagg_app(WideDigits(config), n, config, train)
 
 
-def run_fedge(n: int, dropout: float, secure: bool) -> dict[str, Any]:
+def run_fedge(n: int, dropout: float, secure: bool, dp: bool = False) -> dict[str, Any]:
     config = resolve_run_config({**SETTINGS, "fleet": f"laptop={n}", "clients-per-round": n, "model": "mlp"})
     dropped = _dropped(n, dropout)
     step = "train.secagg_masked" if secure else "train"
     metered = Metered(fedge_client(config, n), dropped, lambda m: m.metadata.message_type == step)
     grid = FleetGrid(metered, n, config)
     kwargs: dict[str, Any] = {"clients_per_round": n, "min_train_replies": 1}
+    if dp:
+        kwargs["privacy"] = DistributedPrivacy(noise_multiplier=1.0, clipping_norm=1.0, num_sampled=n, population=n,
+                                               delta=1e-5)
     strategy = (FedAvg(driver=SecureAggregation(threshold=0.5, neighbours=neighbours_for(n)), **kwargs) if secure
                 else FedAvg(**kwargs))
     arrays = model_arrays(wide_mlp())
@@ -259,11 +266,12 @@ def main() -> None:
     parser.add_argument("--sizes", default="10,50,100")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="which of them (plaintext is always run)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per configuration, interleaved; medians")
+    parser.add_argument("--out", default="secure.json", help="results file name under bench/results")
     args = parser.parse_args()
     systems = [s for s in SYSTEMS if s == "plaintext" or s in args.systems.split(",")]
     logging.getLogger("flwr").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    run_fedge(10, 0.0, secure=True)  # warm-up: imports, torch kernels
+    run_fedge(10, 0.0, secure=True, dp="fedge-secagg-dp" in systems)  # warm-up: imports (scipy too), kernels
     results = []
     for n in [int(size) for size in args.sizes.split(",")]:
         for dropout in (0.0, 0.2):
@@ -271,18 +279,19 @@ def main() -> None:
             for _ in range(args.repeats):
                 for system in systems:
                     runs[system].append(run_flower(n, dropout) if system == "flower-secagg+"
-                                        else run_fedge(n, dropout, secure=system == "fedge-secagg"))
+                                        else run_fedge(n, dropout, secure=system.startswith("fedge-secagg"),
+                                                       dp=system == "fedge-secagg-dp"))
             for system in systems:
                 results.append({"devices": n, "dropout": dropout, "system": system, "repeats": args.repeats,
                                 **_median(runs[system]), **_vs_plaintext(runs[system], runs["plaintext"])})
                 print(json.dumps(results[-1]), flush=True)
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "secure.json").write_text(json.dumps({"model_parameters": 99_010, "results": results},
+    (HERE / "results" / args.out).write_text(json.dumps({"model_parameters": 99_010, "results": results},
                                                               indent=2))
     _print(results)
 
 
-SYSTEMS = ("plaintext", "fedge-secagg", "flower-secagg+")
+SYSTEMS = ("plaintext", "fedge-secagg", "fedge-secagg-dp", "flower-secagg+")
 
 
 def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
