@@ -22,6 +22,7 @@ in the round's train metrics.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from typing import TYPE_CHECKING
 
@@ -124,8 +125,11 @@ class SecureGroups(SyncDriver):
             check_group_size(self.groups, rounds.clients_per_round)
         if rule.takes_group_means:
             check_groups(rule, rounds.name, self.groups, "secure groups a round (secure-groups)")
-        # the groups' protocol instances run over rounds of their own: a plain mean, whose minimum is one group's
-        self.secure.bind(Rounds(rounds.name, Mean(), selector=rounds.selector, min_train_replies=1))
+        # the groups' protocol instances run over rounds of their own: a plain mean, whose minimum is one group's,
+        # under the strategy's selector (the neighbour graph's seed) and round policy (a deadline), its stragglers
+        self.inner = Rounds(rounds.name, Mean(), selector=rounds.selector, policy=rounds.policy, min_train_replies=1,
+                            keeps_partial_work=rounds.keeps_partial_work)
+        self.secure.bind(self.inner)
         self.rounds = rounds
 
     def train_round(self, rounds: Rounds, grid: Grid, server_round: int, arrays: ArrayRecord,
@@ -148,7 +152,11 @@ class SecureGroups(SyncDriver):
         start = rounds.global_numpy()
         rule.begin(rounds.round_context())
         norms, sizes, clipping, accepted, weight_total = {}, {}, Clipping(), 0, 0.0
+        self.inner.state.stragglers = rounds.state.stragglers  # FedAvg leaves them out of the masked step
         for index, members in enumerate(groups):
+            # a deadline's K (the round's target of its over-selected devices), this group's share of it
+            self.inner.state.round_target = min(len(members), max(MIN_DEVICES, math.ceil(
+                len(members) * rounds.state.round_target / max(1, len(instructions)))))
             try:
                 mean, weight, survivors, clipped = self.secure.group_mean(
                     grid, server_round, {node: instructions[node] for node in members}, arrays, timeout, report)
