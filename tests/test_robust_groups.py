@@ -6,6 +6,7 @@ groups' means (a gateway's reply, or one secure-aggregation group of ``secure-gr
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from fedge.config import resolve_run_config
 from fedge.errors import ConfigError
 from fedge.server.app import build_strategy
 from fedge.simulation.grid import InlineGrid
+from fedge.simulation.runner import simulate
 from fedge.strategies.bulyan import BulyanSelection
 from fedge.strategies.drivers.secure import SecureAggregation
 from fedge.strategies.drivers.secure_groups import SecureGroups, split_groups
@@ -257,3 +259,16 @@ def test_one_boosted_device_is_bounded_by_the_median_over_secure_groups_and_move
     norms = median_driver.group_norms[1]
     assert len(norms) == 3 and max(norms.values()) > 10 * sorted(norms.values())[1]  # the hostile group shows
     assert sum(median_driver.group_sizes[1].values()) == 9
+
+
+def test_stragglers_are_left_out_before_the_groups_are_formed(tmp_path: Path) -> None:
+    # Prepare: 12 devices a round in 3 secure groups; a quarter are simulated stragglers FedAvg leaves out
+    config = {"fleet": "laptop=12", "clients-per-round": 12, "num-rounds": 1, "model": "mlp", "export-onnx": False,
+              "secure-aggregation": True, "secure-groups": 3, "strategy": "median", "straggler-fraction": 0.25,
+              "min-train-replies": 3, "run-dir": str(tmp_path / "run")}
+    # Execute
+    run_dir, _ = simulate(config, progress=False)
+    # Assert: the 3 stragglers count as late and the other 9 form 3 groups of 3, so the round aggregates (formed
+    # first, a group could keep only 2 devices and fail)
+    row = (run_dir / "metrics.jsonl").read_text().splitlines()[-1]
+    assert '"aggregated": true' in row and '"late": 3' in row

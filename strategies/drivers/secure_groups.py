@@ -126,7 +126,8 @@ class SecureGroups(SyncDriver):
         if rule.takes_group_means:
             check_groups(rule, rounds.name, self.groups, "secure groups a round (secure-groups)")
         # the groups' protocol instances run over rounds of their own: a plain mean, whose minimum is one group's,
-        # under the strategy's selector (the neighbour graph's seed) and round policy (a deadline), its stragglers
+        # under the strategy's selector (the neighbour graph's seed) and round policy (a deadline); stragglers FedAvg
+        # leaves out are left out before the groups are formed (a group keeps its 3 devices)
         self.inner = Rounds(rounds.name, Mean(), selector=rounds.selector, policy=rounds.policy, min_train_replies=1,
                             keeps_partial_work=rounds.keeps_partial_work)
         self.secure.bind(self.inner)
@@ -145,6 +146,9 @@ class SecureGroups(SyncDriver):
         instructions = {m.metadata.dst_node_id: m.content
                         for m in rounds.train_messages(server_round, arrays, config, grid)}
         report = rounds.state.reports[-1]
+        dropped = [node for node in instructions if rounds.drops(node)]  # FedAvg's stragglers: late, before grouping
+        report.late += len(dropped)
+        instructions = {node: content for node, content in instructions.items() if node not in dropped}
         groups = split_groups(list(instructions), self.groups, seed=rounds.selector.seed * 1_000_003 + server_round)
         grouped = {node for group in groups for node in group}
         for node in sorted(set(instructions) - grouped):  # fewer than 3 devices this round
@@ -152,7 +156,6 @@ class SecureGroups(SyncDriver):
         start = rounds.global_numpy()
         rule.begin(rounds.round_context())
         norms, sizes, clipping, accepted, weight_total = {}, {}, Clipping(), 0, 0.0
-        self.inner.state.stragglers = rounds.state.stragglers  # FedAvg leaves them out of the masked step
         for index, members in enumerate(groups):
             # a deadline's K (the round's target of its over-selected devices), this group's share of it
             self.inner.state.round_target = min(len(members), max(MIN_DEVICES, math.ceil(
