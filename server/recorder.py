@@ -101,6 +101,7 @@ class RoundRecorder:
             "secagg_clipped_devices": report.secagg_clipped_devices if report else 0,
             "secagg_capped_weights": report.secagg_capped_weights if report else 0,
             "dp_out_of_range": report.dp_out_of_range if report else 0,
+            "group_norms": report.group_norms if report else [],
             "train_loss": report.train_loss if report else None,
             "aggregated": report.aggregated if report else False,
         }

@@ -20,8 +20,8 @@ from fedge import wire
 from fedge.aggregate import c_contiguous, weighted_mean_metrics
 from fedge.preprocessing import OUTSIDE, RAW_SCALED
 from fedge.strategies.drivers.base import RoundReport
-from fedge.strategies.rounds import Rounds
-from fedge.strategies.rule import Update
+from fedge.strategies.rounds import GATEWAY_NODES, Rounds
+from fedge.strategies.rule import EachUpdateRule, Update
 from fedge.strategies.validation import AcceptedUpdate
 
 log = logging.getLogger("fedge.strategies")
@@ -58,6 +58,8 @@ def aggregate_replies(rounds: Rounds, server_round: int, replies: Iterable[Messa
                 yield update
 
     aggregate = rounds.fold(accepted())
+    if rounds.node_word == GATEWAY_NODES and isinstance(rounds.rule, EachUpdateRule):  # each gateway is a group
+        report.group_norms = list(rounds.rule.norms.values())
     _say_bounds(server_round, report)
     report.train_loss = weighted_mean_metrics(metric_rows, weights).get(wire.TRAIN_LOSS)
     metrics = metrics_of(server_round, records) if records else None

@@ -5,6 +5,7 @@ groups' means (a gateway's reply, or one secure-aggregation group of ``secure-gr
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,8 @@ def test_one_hostile_gateway_is_bounded_by_the_median_over_gateways(strategy: st
     else:
         np.testing.assert_allclose(entries, 0.3, rtol=1e-6)
         assert coordinator.rule.norms[5] == pytest.approx(2.0 * 3)  # each gateway's update norm: sqrt(9) x 2
+        # ... in the round's report (metrics.jsonl's group_norms): 0.3, 0.6, 0.9, 1.2 and 6.0
+        assert coordinator.reports[-1].group_norms == pytest.approx([0.3, 0.6, 0.9, 1.2, 6.0])
 
 
 # --------------------------------------------------------------------------- secure groups, in process
@@ -270,5 +273,6 @@ def test_stragglers_are_left_out_before_the_groups_are_formed(tmp_path: Path) ->
     run_dir, _ = simulate(config, progress=False)
     # Assert: the 3 stragglers count as late and the other 9 form 3 groups of 3, so the round aggregates (formed
     # first, a group could keep only 2 devices and fail)
-    row = (run_dir / "metrics.jsonl").read_text().splitlines()[-1]
-    assert '"aggregated": true' in row and '"late": 3' in row
+    row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["aggregated"] and row["late"] == 3
+    assert len(row["group_norms"]) == 3 and all(norm > 0 for norm in row["group_norms"])  # each group's norm

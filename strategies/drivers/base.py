@@ -38,6 +38,7 @@ class RoundReport:
     secagg_clipped_devices: int = 0  # ... devices that clipped any entry
     secagg_capped_weights: int = 0  # ... devices whose weight was capped at max-num-examples
     dp_out_of_range: int = 0  # distributed DP: entries of the noised sum brought back into range
+    group_norms: list[float] = field(default_factory=list)  # robust rules over groups: each group's update norm
 
     def sort(self, verdict: AcceptedUpdate | Rejection) -> AcceptedUpdate | None:
         """File a reply's verdict: a failure or a rejection is kept here (and None returned); an

@@ -173,6 +173,7 @@ class SecureGroups(SyncDriver):
             accepted, weight_total, clipping = accepted + len(survivors), weight_total + weight, clipping + clipped
             rule.fold(update)
         self.group_norms[server_round], self.group_sizes[server_round] = norms, sizes
+        report.group_norms = [float(value) for value in norms.values()]
         for name, value in clipping.report_fields().items():
             setattr(report, name, value)
         log.info("round %d: %d secure groups (devices %s), update norms %s", server_round, len(norms),
