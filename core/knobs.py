@@ -251,8 +251,9 @@ KNOBS: dict[str, Knob] = {
                                  check=above(0)),
     ASYNCHRONOUS: Knob(False, "run the strategy's rule in FedBuff's asynchronous rounds (a server round is one "
                        "buffer; fedbuff always is)", "strategies"),
-    GATEWAYS: Knob(False, "devices reach the coordinator through fedge gateways (hierarchical FedAvg): strategies "
-                   "that need each device's update are refused at start", "strategies"),
+    GATEWAYS: Knob(False, "devices reach the coordinator through fedge gateways (hierarchical aggregation): linear "
+                   "strategies as if flat, robust ones over the gateways' means, the rest refused at start",
+                   "strategies"),
     CONCURRENCY: Knob(20, "fedbuff, asynchronous: devices training at once", "strategies", check=at_least(1)),
     BUFFER_SIZE: Knob(10, "fedbuff, asynchronous: updates per server step", "strategies", check=at_least(1)),
     STALENESS_EXPONENT: Knob(0.5, "fedbuff, asynchronous: weight 1 / (1 + staleness)^a", "strategies",
