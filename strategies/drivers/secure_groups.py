@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-from typing import TYPE_CHECKING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
@@ -34,12 +33,10 @@ from fedge.aggregate import c_contiguous
 from fedge.errors import ConfigError, SecureRoundFailed
 from fedge.strategies.drivers.secure import MIN_DEVICES, Clipping, SecureAggregation
 from fedge.strategies.drivers.sync import SyncDriver
+from fedge.strategies.registry import names_where
 from fedge.strategies.rounds import Rounds
 from fedge.strategies.rule import LinearRule, Mean, Update, check_groups, update_norms
 from fedge.strategies.validation import Rejection
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("fedge.strategies.secure")
 
@@ -114,7 +111,8 @@ class SecureGroups(SyncDriver):
         if not (rule.takes_group_means or linear):
             raise ConfigError(f"secure-groups runs a robust rule over the groups' means, or a linear rule's weighted "
                               f"mean of them; {rounds.name}'s {type(rule).__name__} is neither (it needs each "
-                              "device's update or its local work); use median, trimmed-mean, krum, bulyan or fedavg")
+                              f"device's update or its local work); use "
+                              f"{names_where(lambda each: each.takes_group_means or each.hierarchical)}")
         if rounds.privacy is not None:
             raise ConfigError("secure-groups cannot run with dp yet (each group's mean would be a release of its "
                               "own); turn dp off or set secure-groups = 0")
