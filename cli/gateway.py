@@ -127,7 +127,9 @@ def _revoke(args: argparse.Namespace) -> int:
 
 
 def _device_options(device: argparse.ArgumentParser) -> None:
-    device.add_argument("--gateway", required=True, help="the gateway's URL, https://HOST:PORT")
+    device.add_argument("--gateway", required=True, action="append",
+                        help="the gateway's URL, https://HOST:PORT; repeat it to name more: when the one in use "
+                             "cannot be reached the device checks in at the next, and it trains each round once")
     device.add_argument("--name", required=True, help="this device's name in the gateway's allow-list")
     device.add_argument("--key", type=Path, required=True, help="this device's private key (PEM, P-256 or Ed25519)")
     device.add_argument("--data", type=Path, required=True, help="this device's examples (.npz or .csv)")

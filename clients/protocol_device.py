@@ -38,6 +38,7 @@ import secrets
 import ssl
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,13 +139,27 @@ def sign(key: PrivateKey, message: bytes) -> bytes:
     return key.sign(message, ec.ECDSA(hashes.SHA256()))
 
 
+def _gateway_address(gateway: str, *, insecure: bool, ca: Path | None) -> tuple[str, int, bool]:
+    """``(host, port, tls)`` of a gateway URL, or a refusal saying which URLs work."""
+    url = urlsplit(gateway)
+    if url.scheme not in ("https", "http") or (url.scheme == "http" and not insecure) or not url.hostname:
+        raise ConfigError(f"gateway {gateway!r}: use https://HOST:PORT (http:// only with insecure=True)")
+    if url.scheme == "https" and ca is None:
+        raise ConfigError("a protocol device needs the CA that signed the gateway's certificate (ca=...)")
+    return url.hostname, url.port or (443 if url.scheme == "https" else 80), url.scheme == "https"
+
+
 class ProtocolDevice:
     """A device that speaks fedge's device protocol to one gateway.
 
     Parameters
     ----------
-    gateway : str
-        The gateway's base URL, ``https://HOST:PORT`` (``http://`` only with ``insecure``).
+    gateway : str or sequence of str
+        The gateway's base URL, ``https://HOST:PORT`` (``http://`` only with ``insecure``), or
+        several: when the one in use cannot be reached, the device checks in at the next (in
+        order, round robin). A device trains at most once a round whichever gateway asks: a
+        train task for a round it already trained (its result went through another gateway) is
+        not trained again, so the coordinator counts its update at most once a round.
     name : str
         This device's name in the gateway's allow-list.
     key : Path or private key
@@ -170,16 +185,14 @@ class ProtocolDevice:
         only its pool's sum (:mod:`fedge.clients.gateway.secure_pool`).
     """
 
-    def __init__(self, *, gateway: str, name: str, key: Path | PrivateKey, data: Path | DeviceArrays, trust: Path,
-                 ca: Path | None, state_dir: Path | None = None, insecure: bool = False, timeout_s: float = 120.0,
-                 secure: bool = False, model_id: str | None = None) -> None:
-        url = urlsplit(gateway)
-        if url.scheme not in ("https", "http") or (url.scheme == "http" and not insecure) or not url.hostname:
-            raise ConfigError(f"gateway {gateway!r}: use https://HOST:PORT (http:// only with insecure=True)")
-        if url.scheme == "https" and ca is None:
-            raise ConfigError("a protocol device needs the CA that signed the gateway's certificate (ca=...)")
-        self.host, self.port, self.tls = url.hostname, url.port or (443 if url.scheme == "https" else 80), \
-            url.scheme == "https"
+    def __init__(self, *, gateway: str | Sequence[str], name: str, key: Path | PrivateKey, data: Path | DeviceArrays,
+                 trust: Path, ca: Path | None, state_dir: Path | None = None, insecure: bool = False,
+                 timeout_s: float = 120.0, secure: bool = False, model_id: str | None = None) -> None:
+        self.gateways = [_gateway_address(url, insecure=insecure, ca=ca)
+                         for url in ([gateway] if isinstance(gateway, str) else gateway)]
+        if not self.gateways:
+            raise ConfigError("a protocol device needs at least one gateway URL")
+        self.host, self.port, self.tls = self.gateways[0]
         self.name, self.trust, self.timeout_s, self.model_id = name, trust, timeout_s, model_id
         self.state_dir = state_dir if state_dir is not None else default_state_dir(name)
         self.freshness = FreshnessStore(self.state_dir / "freshness" / "training")  # as `fedge device` keeps it
@@ -202,6 +215,18 @@ class ProtocolDevice:
         self._unmasked: int | None = None  # the last round this device unmasked in
         self.run_over: str | None = None  # once the gateway said the run is over: why (its words)
         self._work: tuple[int, float] | None = None  # (examples, loss) of the masked step just trained
+        self._trained_round = -1  # the last round this device trained a plain task for (at any gateway)
+
+    def next_gateway(self) -> None:
+        """Check in at the next gateway named (the one in use cannot be reached): a new connection,
+        session and gateway name; what was trained and unmasked is remembered across gateways."""
+        gone = f"{self.host}:{self.port}"
+        self.close()
+        self.gateways.append(self.gateways.pop(0))
+        self.host, self.port, self.tls = self.gateways[0]
+        self._session, self.gateway_name, self._peer, self._answered = None, None, "", None
+        log.warning("device %s: gateway %s cannot be reached; checking in at %s:%s", self.name, gone, self.host,
+                    self.port)
 
     # ----------------------------------------------------------------------- transport
     def _connect(self) -> http.client.HTTPConnection:
@@ -397,9 +422,13 @@ class ProtocolDevice:
                         "aggregation (its update would reach the gateway in the clear)", self.name,
                         task.get("server-round"))
             return Outcome("refused", 5.0, int(task.get("server-round", 0)))
+        server_round = int(task["server-round"])
+        if task["kind"] == "train" and server_round <= self._trained_round:
+            log.warning("device %s: not training round %d again: this device trained it already (its result went "
+                        "through another gateway, where it is counted)", self.name, server_round)
+            return Outcome("refused", 5.0, server_round)
         weights = {name: np.array(value) for name, value in frame.tensors.items()}  # writable copies
         trainer, (inputs, targets) = self._ready(str(task.get("graph", "")))
-        server_round = int(task["server-round"])
         if task["kind"] == "evaluate":
             scores = trainer.evaluate(weights, inputs, targets)
             result = encode_frame({TASK_ID: task[TASK_ID], "kind": "evaluate", "num-examples": len(targets),
@@ -407,6 +436,7 @@ class ProtocolDevice:
             shown = ", ".join(f"{k} {float(v):.4f}" for k, v in scores.items())
             return self._sent(result, "evaluate", server_round, f"evaluated on {len(targets)} examples, {shown}")
         loss, result = self.train(task, weights, trainer, inputs, targets)
+        self._trained_round = server_round  # even if the result does not arrive: it may have, through this gateway
         return self._sent(result, "train", server_round, f"trained on {len(targets)} examples, loss {loss:.4f}",
                           loss)
 
@@ -561,13 +591,18 @@ class ProtocolDevice:
         :attr:`run_over` keeps the gateway's reason.
         """
         stop = stop or threading.Event()
-        trained = 0
+        trained = unreachable = 0
         while not stop.is_set() and (rounds is None or trained < rounds):
             try:
                 outcome = self.poll()
+                unreachable = 0
             except (OSError, http.client.HTTPException):
                 self.close()
                 outcome = Outcome("wait", 2.0)  # the gateway is down or restarting: try again soon
+                unreachable += 1
+                if len(self.gateways) > 1:  # ... or at the next gateway named: at once, until each was tried
+                    self.next_gateway()
+                    outcome = Outcome("wait", 0.0 if unreachable % len(self.gateways) else 2.0)
             except (KeyError, TypeError, ValueError) as exc:  # a malformed task from the gateway: not this device's
                 log.warning("device %s: the gateway sent a malformed task (%s: %s)", self.name, type(exc).__name__, exc)
                 self.close()

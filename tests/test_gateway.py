@@ -13,11 +13,14 @@ import http.client
 import json
 import os
 import re
+import shutil
 import ssl
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +48,12 @@ from fedge.clients.gateway.protocol import (
     request_mac,
 )
 from fedge.clients.gateway.service import (
+    GatewaySettings,
     revoke_protocol_device,
 )
+from fedge.clients.protocol_device import ProtocolDevice
 from fedge.config import resolve_run_config
-from fedge.errors import BundleVerificationError, ConfigError, DeviceProtocolError
+from fedge.errors import BundleVerificationError, ConfigError, DeviceProtocolError, FedgeError
 from fedge.server.bundles import run_signing_key
 from fedge.server.pki import add_gateway, init_keys
 from fedge.server.training_bundle import SIGNING_PUBLIC_KEY
@@ -462,3 +467,53 @@ def test_add_gateway_refuses_naming_the_fix(tmp_path: Path, case: str, setup: An
     name = "gw 1" if case == "a bad name" else "gw1"
     with pytest.raises(ConfigError, match=re.escape(reason)):
         add_gateway(tmp_path / "keys", name, hosts=[])
+
+
+# ------------------------------------------------------------------ a device that names several gateways (issue 43 §2)
+@pytest.fixture
+def two_gateways(tmp_path: Path, run: dict[str, Any]) -> Iterator[tuple[LiveGateway, LiveGateway]]:
+    """Gateways gw-test and gw-b, each taking one device a round; phone0's key is allowed at both."""
+    first = LiveGateway(tmp_path / "a", run, GatewaySettings(name="gw-test", devices_per_round=1,
+                                                             round_deadline_s=600, idle_poll_s=0.2))
+    second = LiveGateway(tmp_path / "b", run, GatewaySettings(name="gw-b", devices_per_round=1,
+                                                              round_deadline_s=600, idle_poll_s=0.2))
+    shutil.copyfile(first.allow / "phone0.pub", second.allow / "phone0.pub.new")
+    (second.allow / "phone0.pub.new").replace(second.allow / "phone0.pub")  # one atomic swap: the list reloads
+    try:
+        yield first, second
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_device_checks_in_at_its_next_gateway_when_its_gateway_is_stopped_and_trains_each_round_once(
+        two_gateways: tuple[LiveGateway, LiveGateway], run: dict[str, Any], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Prepare: phone0 names both gateways, gw-test first, and polls on a thread
+    first, second = two_gateways
+    device = ProtocolDevice(gateway=[first.url, second.url], name="phone0", key=first.allow / "phone0.key",
+                            data=run["shards"][0], trust=run["trust"], ca=run["keys"].ca_cert,
+                            state_dir=tmp_path / "phone0")
+    stop = threading.Event()
+    trained: list[int] = []
+    thread = threading.Thread(target=lambda: trained.append(device.run(stop=stop, max_wait_s=0.05)), daemon=True)
+    thread.start()
+    try:
+        # Execute: round 1 through gw-test; gw-test stops; round 2 through gw-b
+        header1, _ = first.round(server_round=1)
+        first.close()
+        header2, _ = second.round(server_round=2)
+        # ... and gw-b asks for round 2 again (as if it had not heard of the result): the device does not train it
+        # twice, so gw-b's round ends on its deadline with no device (the deadline is what this waits for)
+        second.gateway.settings = replace(second.gateway.settings, round_deadline_s=3.0)
+        with pytest.raises(FedgeError, match="none of this gateway's devices answered"):
+            second.round(server_round=2)
+    finally:
+        stop.set()
+        thread.join()
+    # Assert: one device in each round, through each gateway; it switched once, trained twice, refused once
+    assert header1["devices"] == 1 and header1["gateway"] == "gw-test"
+    assert header2["devices"] == 1 and header2["gateway"] == "gw-b"
+    assert trained == [2] and device.gateway_name == "gw-b"
+    assert "cannot be reached; checking in at" in caplog.text
+    assert "not training round 2 again" in caplog.text
