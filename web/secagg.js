@@ -327,13 +327,8 @@ function param(params, key) {
   return value;
 }
 
-// The masked step's encoded update (fedge.clients.secagg_device.encode_update): w · clip(delta / a) on the update's
-// scale, then w and w · a, then the device's clipping counts. globalArrays: [{name, data}]; trained: {name: data};
-// delta = trained - global in float64, tensors in name order, C order.
-export function encodeUpdate(globalArrays, trained, numExamples, steps, params) {
-  let weight = Number(numExamples);
-  const momentum = param(params, "work-momentum");
-  const work = momentum >= 0 ? Math.min(fednovaNorm(Math.max(steps, 1), momentum), param(params, "work-cap")) : 1.0;
+// delta = trained - global in float64, tensors in name order (the order Python's sorted() gives), each in C order.
+function deltaOf(globalArrays, trained) {
   const ordered = [...globalArrays].sort((a, b) => compareText(a.name, b.name));
   const size = ordered.reduce((sum, entry) => sum + entry.data.length, 0);
   const delta = new Float64Array(size);
@@ -344,6 +339,17 @@ export function encodeUpdate(globalArrays, trained, numExamples, steps, params) 
     for (let i = 0; i < after.length; i++) delta[at + i] = Number(after[i]) - Number(entry.data[i]);
     at += after.length;
   }
+  return delta;
+}
+
+// The masked step's encoded update (fedge.clients.secagg_device.encode_update): w · clip(delta / a) on the update's
+// scale, then w and w · a, then the device's clipping counts. globalArrays: [{name, data}]; trained: {name: data};
+// delta = trained - global in float64, tensors in name order, C order.
+export function encodeUpdate(globalArrays, trained, numExamples, steps, params) {
+  let weight = Number(numExamples);
+  const momentum = param(params, "work-momentum");
+  const work = momentum >= 0 ? Math.min(fednovaNorm(Math.max(steps, 1), momentum), param(params, "work-cap")) : 1.0;
+  const delta = deltaOf(globalArrays, trained), size = delta.length;
   const bits = param(params, "bits");
   checkBits(bits);
   const clip = param(params, "clip"), scale = param(params, "scale");
@@ -461,16 +467,7 @@ export function noisedShare(delta, clip, scale, stddev, bits, out, random = new 
 // uniformly, over a fixed denominator) and zero clipping counts, each tail entry on its own fixed point as in
 // encodeUpdate. `random` replaces crypto.getRandomValues for tests only.
 export function encodeNoised(globalArrays, trained, params, random = undefined) {
-  const ordered = [...globalArrays].sort((a, b) => compareText(a.name, b.name));
-  const size = ordered.reduce((sum, entry) => sum + entry.data.length, 0);
-  const delta = new Float64Array(size);
-  let at = 0;
-  for (const entry of ordered) {
-    const after = trained[entry.name];
-    if (!after || after.length !== entry.data.length) throw new Error("training gave no array '" + entry.name + "'");
-    for (let i = 0; i < after.length; i++) delta[at + i] = Number(after[i]) - Number(entry.data[i]);
-    at += after.length;
-  }
+  const delta = deltaOf(globalArrays, trained), size = delta.length;
   const bits = param(params, "bits");
   checkBits(bits);
   const stddev = param(params, DP_STDDEV);
