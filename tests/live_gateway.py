@@ -108,3 +108,19 @@ def live(tmp_path: Path, run: dict[str, Any]) -> Iterator[LiveGateway]:
         yield gateway
 
 
+
+
+def recomputed(trainer: Any, run: dict[str, Any], names: list[str], server_round: int
+               ) -> tuple[list[dict[str, Any]], list[int]]:
+    """Each named device's training recomputed by ``trainer`` (its shard, the round's seed, CONFIG's settings):
+    its weights and examples, as a reference device or a tab trains them."""
+    from fedge.clients.gateway.pool import device_seed  # noqa: PLC0415
+
+    trained, counts = [], []
+    for name in names:
+        inputs, targets = run["shards"][int(name[-1])]
+        weights, work = trainer.train(run["weights"], inputs, targets, epochs=1, batch_size=32, learning_rate=0.05,
+                                      momentum=0.9, seed=device_seed(7, server_round, name))
+        trained.append(weights)
+        counts.append(work.num_examples)
+    return trained, counts

@@ -20,14 +20,13 @@ import numpy as np
 import pytest
 
 from fedge.aggregate import weighted_mean
-from fedge.clients.gateway.pool import device_seed
 from fedge.clients.gateway.protocol import Frame
 from fedge.clients.gateway.secure_pool import SecureExchange, check_secure_settings
 from fedge.clients.gateway.service import Gateway, GatewaySettings
 from fedge.clients.protocol_device import Outcome, ProtocolDevice
 from fedge.errors import DeviceProtocolError, FedgeError
 from fedge.secagg import ProtocolViolation
-from tests.live_gateway import LiveGateway
+from tests.live_gateway import LiveGateway, recomputed
 
 SECURE = {"threshold": 0.5, "neighbours": 0, "clip": 1000.0, "precision": 1e-4, "bits": 32, "weight-clip": 100_000}
 
@@ -73,15 +72,7 @@ def _recording(exchange_answers: list[tuple[str, Frame]]) -> Any:
 def _trained(live: LiveGateway, run: dict[str, Any], names: list[str], server_round: int = 1
              ) -> tuple[list[dict[str, np.ndarray]], list[int]]:
     """Each device's training recomputed with the same trainer, shard and seed: its weights and examples."""
-    trainer = live.device("phone0").training_graph()[1]
-    trained, counts = [], []
-    for name in names:
-        inputs, targets = run["shards"][int(name[-1])]
-        weights, work = trainer.train(run["weights"], inputs, targets, epochs=1, batch_size=32, learning_rate=0.05,
-                                      momentum=0.9, seed=device_seed(7, server_round, name))
-        trained.append(weights)
-        counts.append(work.num_examples)
-    return trained, counts
+    return recomputed(live.device("phone0").training_graph()[1], run, names, server_round)
 
 
 def _expected_mean(live: LiveGateway, run: dict[str, Any], names: list[str], server_round: int = 1

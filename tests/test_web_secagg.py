@@ -27,7 +27,6 @@ import numpy as np
 import pytest
 
 from fedge.aggregate import weighted_mean
-from fedge.clients.gateway.pool import device_seed
 from fedge.clients.gateway.protocol import Frame
 from fedge.clients.gateway.secure_pool import SecureExchange
 from fedge.clients.gateway.service import GatewaySettings
@@ -35,6 +34,7 @@ from fedge.edge.trainer import OnnxTrainer
 from fedge.edge.training_bundle import read_training_bundle
 from fedge.secagg import FixedPoint, config_digest, masked_input, open_sealed, rebuild_secret, seal
 from fedge.web import ASSETS, VENDOR_FILES
+from tests.live_gateway import recomputed
 from tests.test_gateway_secure import SECURE, Polling, _recording
 from tests.test_web_device import WebGateway, _open_device, chromium  # noqa: F401 - chromium: the fixture
 
@@ -342,13 +342,7 @@ def _expected_mean(run: dict[str, Any], names: list[str], server_round: int) -> 
     """Each device's training recomputed by the Python trainer (its shard, the round's seed); their weighted mean."""
     bundle = read_training_bundle(run["bundle"], trusted_keys=[run["trust"]])
     trainer = OnnxTrainer(bundle.train_onnx, bundle.eval_onnx, bundle.manifest)
-    trained, counts = [], []
-    for name in names:
-        inputs, targets = run["shards"][int(name[-1])]
-        weights, work = trainer.train(run["weights"], inputs, targets, epochs=1, batch_size=32, learning_rate=0.05,
-                                      momentum=0.9, seed=device_seed(7, server_round, name))
-        trained.append(weights)
-        counts.append(work.num_examples)
+    trained, counts = recomputed(trainer, run, names, server_round)
     return weighted_mean(trained, counts), sum(counts)
 
 
