@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	# unpinned torch would pull a multi-GB CUDA build).
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[all,dev]'
+	# fedge's own bytecode, once: an editable install leaves none, and where PYTHONDONTWRITEBYTECODE is set
+	# every process (a device's ClientApp runs in a new one per message) would compile fedge again
+	$(PY) -m compileall -q core server clients edge strategies simulation cli task web >/dev/null
 	touch $(STAMP)
 
 demo: $(STAMP)

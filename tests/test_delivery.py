@@ -427,11 +427,11 @@ def test_a_coordinator_publishes_and_a_device_pulls(tmp_path: Path) -> None:
     try:
         # Prepare: a two-round run signing a bundle after round 1 (published while round 2 trains)
         federation.start_coordinator("--rounds", "2", "--clients-per-round", "2", "--bundle-port", str(bundle_port),
-                                     "--run-config", "model='mlp' local-epochs=10 export-every=1 round-timeout=120.0 "
+                                     "--run-config", "model='mlp' local-epochs=10 export-every=1 round-timeout=900.0 "
                                      "runtime='torch'")
         for index in range(2):
             federation.start_device(index)
-        federation.wait_for(published.exists, 240, "the published bundle")
+        federation.wait_for(published.exists, 900, "the published bundle")
         assert "bundles: https://127.0.0.1:" in federation.log("coordinator")
         # Execute: `fedge pull` as a device, then the Python API with the ETag it left
         argv = [FEDGE, "pull", "--coordinator", f"127.0.0.1:{bundle_port}", "--key",

@@ -18,7 +18,7 @@ from fedge.simulation.loopback import FEDGE, LoopbackFederation
 pytestmark = pytest.mark.slow
 
 # runtime=torch: these devices all train with torch, so the coordinator skips the training graph export
-FAST = "model='mlp' local-epochs=2 export-onnx=false round-timeout=60.0 runtime='torch'"
+FAST = "model='mlp' local-epochs=2 export-onnx=false round-timeout=900.0 runtime='torch'"
 
 
 @pytest.fixture
@@ -39,12 +39,12 @@ def test_two_rounds_with_tls_and_auth_and_an_unregistered_device_refused(federat
         federation.start_device(index)
     # the intruder gives up 10 s after it is refused: started once the coordinator listens (a loaded
     # machine took longer than that to start the coordinator, and it gave up as unreachable instead)
-    federation.wait_for(lambda: "coordinator listening" in federation.log("coordinator"), 180, "the coordinator")
+    federation.wait_for(lambda: "coordinator listening" in federation.log("coordinator"), 900, "the coordinator")
     intruder = federation.start_device(3, stranger, "--max-wait", "10")
-    federation.wait_for(lambda: len(federation.rows()) >= 2, 180, "round 1")
+    federation.wait_for(lambda: len(federation.rows()) >= 2, 900, "round 1")
     status = subprocess.run([FEDGE, "coordinator", "status", "--state-dir", str(federation.root / "state")],
                             capture_output=True, text=True, timeout=60)
-    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 180, "the summary")
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
     assert federation.coordinator is not None and federation.coordinator.wait(60) == 0
     # Assert: both rounds aggregated all three devices; the model moved; the run dir is complete
     rows = federation.rows()
@@ -69,16 +69,16 @@ def test_a_dead_device_is_left_out_and_the_round_goes_on(federation: LoopbackFed
     # need 30-40 s for a first round, and what is tested is that the round ends without the dead one and
     # names it, whichever comes first (the deadline, or the SuperLink's 'Node Unavailable' reply)
     federation.start_coordinator("--rounds", "1", "--clients-per-round", "3", "--run-config",
-                                 "model='mlp' local-epochs=2 export-onnx=false round-timeout=120.0 runtime='torch' "
+                                 "model='mlp' local-epochs=2 export-onnx=false round-timeout=300.0 runtime='torch' "
                                  "min-train-replies=2")
     for index in range(3):
         federation.start_device(index)
     joined = "joined the coordinator as node"
-    federation.wait_for(lambda: all(joined in federation.log(f"device{i}") for i in range(3)), 180,
+    federation.wait_for(lambda: all(joined in federation.log(f"device{i}") for i in range(3)), 900,
                         "three devices connected")
     federation.kill_device(2)
     # Execute
-    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 300, "the summary")
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
     # Assert: the round went on with the two that replied, and said who was missing
     rows = federation.rows()
     assert rows[1]["participants"] == 2 and rows[1]["aggregated"]
@@ -88,17 +88,17 @@ def test_a_dead_device_is_left_out_and_the_round_goes_on(federation: LoopbackFed
 
 def test_coordinator_killed_mid_run_resumes_to_the_same_round_count(federation: LoopbackFederation) -> None:
     # Prepare: a 4-round run, killed with SIGKILL after round 1 (a round takes 10 s or more: processes start)
-    config = "model='mlp' local-epochs=5 export-onnx=false round-timeout=120.0 runtime='torch'"
+    config = "model='mlp' local-epochs=5 export-onnx=false round-timeout=900.0 runtime='torch'"
     federation.start_coordinator("--rounds", "4", "--clients-per-round", "3", "--run-config", config)
     for index in range(3):
         federation.start_device(index)
-    federation.wait_for(lambda: len(federation.rows()) >= 2, 240, "round 1")
+    federation.wait_for(lambda: len(federation.rows()) >= 2, 900, "round 1")
     federation.kill_coordinator_hard()
     done_before = len(federation.rows()) - 1
     assert 1 <= done_before < 4
     # Execute: restart on the same state; the devices are not restarted
     federation.start_coordinator("--rounds", "4", resume=True)
-    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 300, "the resumed summary")
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the resumed summary")
     # Assert: every round exactly once, four completed; the dead run was stopped, not left to time out
     assert "left unfinished by an earlier coordinator" in federation.log("coordinator")
     rows = federation.rows()
@@ -119,7 +119,7 @@ def test_insecure_mode_must_be_asked_for_and_warns(tmp_path: Path) -> None:
                 ["device", "--insecure", "--coordinator", f"127.0.0.1:{fed.port}",
                  "--data", str(tmp_path / f"dev{index}.npz"), "--state-dir", str(tmp_path / f"device{index}")],
                 f"device{index}.log")
-        fed.wait_for(lambda: (fed.run_dir / "summary.json").exists(), 180, "the summary")
+        fed.wait_for(lambda: (fed.run_dir / "summary.json").exists(), 900, "the summary")
         assert "INSECURE MODE" in fed.log("coordinator") and "INSECURE MODE" in fed.log("device0")
         assert fed.rows()[1]["participants"] == 2
     finally:
@@ -130,10 +130,10 @@ def test_fedbuff_runs_asynchronously_in_deployment(federation: LoopbackFederatio
     # 3 devices, 2 training at a time, every 2 arrivals applied: 3 buffer flushes
     federation.start_coordinator("--rounds", "3", "--clients-per-round", "2", "--run-config",
                                  "model='mlp' local-epochs=2 export-onnx=false strategy='fedbuff' concurrency=2 "
-                                 "buffer-size=2 round-timeout=60.0 runtime='torch'")
+                                 "buffer-size=2 round-timeout=900.0 runtime='torch'")
     for index in range(3):
         federation.start_device(index)
-    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 240, "the summary")
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
     rows = federation.rows()
     assert [r["round"] for r in rows] == [0, 1, 2, 3]
     assert all(r["participants"] == 2 and r["aggregated"] and r["bytes_up"] > 0 for r in rows[1:])
@@ -144,10 +144,10 @@ def test_deadline_with_over_selection_in_deployment(federation: LoopbackFederati
     # K = 2 with over-selection 1.5: 3 devices asked, the first 2 replies within 60 s kept
     federation.start_coordinator("--rounds", "2", "--clients-per-round", "2", "--run-config",
                                  "model='mlp' local-epochs=2 export-onnx=false round-policy='deadline' runtime='torch' "
-                                 "deadline-s=60.0 over-selection=1.5")
+                                 "deadline-s=900.0 over-selection=1.5")
     for index in range(3):
         federation.start_device(index)
-    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 240, "the summary")
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
     rows = federation.rows()
     assert [r["round"] for r in rows] == [0, 1, 2]
     assert all(r["participants"] == 2 and r["aggregated"] for r in rows[1:])
@@ -173,10 +173,10 @@ def test_secure_aggregation_in_deployment(federation: LoopbackFederation) -> Non
     federation.start_coordinator("--rounds", "1", "--clients-per-round", "3", "--dashboard", "--dashboard-port",
                                  str(port), "--run-config",
                                  "model='mlp' local-epochs=2 export-onnx=false secure-aggregation=true runtime='torch'")
-    federation.wait_for(lambda: _dashboard_status(port) == "starting", 120, "the dashboard")
+    federation.wait_for(lambda: _dashboard_status(port) == "starting", 900, "the dashboard")
     for index in range(3):
         federation.start_device(index)
-    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 300, "the summary")
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
     rows = federation.rows()
     assert rows[1]["aggregated"] and rows[1]["participants"] == 3
     assert rows[1]["accuracy"] > rows[0]["accuracy"] + 0.2

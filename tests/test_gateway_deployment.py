@@ -43,7 +43,7 @@ from tests.test_web_device import ORT_DIST
 
 pytestmark = pytest.mark.slow
 DEVICES, ROUNDS = 6, 3
-RUN = "model='mlp' local-epochs=2 export-onnx=false runtime='onnx' round-timeout=120.0 gateways=true"
+RUN = "model='mlp' local-epochs=2 export-onnx=false runtime='onnx' round-timeout=900.0 gateways=true"
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def federation(tmp_path: Path) -> Iterator[LoopbackFederation]:
     fed.close()
 
 
-def _start_gateway(federation: LoopbackFederation, index: int, port: int, deadline_s: float = 120.0,
+def _start_gateway(federation: LoopbackFederation, index: int, port: int, deadline_s: float = 900.0,
                    extra: tuple[str, ...] = ()) -> None:
     keys, cert = federation.keys, federation.keys.directory / "gateways" / f"gw{index}"
     if not cert.with_suffix(".crt").exists():  # its TLS certificate for devices, as an operator makes it
@@ -154,16 +154,16 @@ def _summary_then_devices_told(federation: LoopbackFederation, fleet: ProtocolFl
     """Wait for the run's summary, then for every device to stop on its own: events, with bounds that only
     catch a broken run (a device never told would otherwise hang the test)."""
     federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
-    federation.wait_for(fleet.told, 300, "the devices to hear from their gateways that the run is over")
+    federation.wait_for(fleet.told, 900, "the devices to hear from their gateways that the run is over")
 
 
 def _start(federation: LoopbackFederation, rounds: int, run_config: str = RUN,
-           gateway_deadline_s: float = 120.0, extra: dict[int, tuple[str, ...]] | None = None) -> list[int]:
+           gateway_deadline_s: float = 900.0, extra: dict[int, tuple[str, ...]] | None = None) -> list[int]:
     """Allow-list, coordinator (2 nodes a round: the gateways) and both gateways; their device ports."""
     for index in range(DEVICES):
         add_protocol_device(federation.root / "allow", f"phone{index}")
     federation.start_coordinator("--rounds", str(rounds), "--clients-per-round", "2", "--run-config", run_config)
-    federation.wait_for(federation.bundle_signing_key.exists, 120, "the bundle signing key")
+    federation.wait_for(federation.bundle_signing_key.exists, 900, "the bundle signing key")
     ports = [free_port(), free_port()]
     for index, port in enumerate(ports):
         _start_gateway(federation, index, port, gateway_deadline_s, (extra or {}).get(index, ()))
@@ -205,10 +205,11 @@ def test_two_gateways_train_protocol_devices_to_the_accuracy_of_a_flat_federatio
 def test_a_gateway_restart_loses_at_most_its_round_in_flight(federation: LoopbackFederation) -> None:
     # Prepare: a 4-round run through two gateways
     rounds = 4
-    ports = _start(federation, rounds)
+    # (a round that asked the killed gateway ends at the round timeout: 300 s, not the 900 s of the others)
+    ports = _start(federation, rounds, RUN.replace("round-timeout=900.0", "round-timeout=300.0"))
     fleet = ProtocolFleet(federation, ports)
     try:
-        federation.wait_for(lambda: len(federation.rows()) >= 2, 600, "round 1")
+        federation.wait_for(lambda: len(federation.rows()) >= 2, 900, "round 1")
         # Execute: gateway 0 dies outright (process group and Flower helpers), then starts again on the same state
         gateway = federation.devices[100]
         os.killpg(gateway.pid, signal.SIGKILL)
@@ -296,11 +297,11 @@ def test_distributed_dp_through_two_gateways_trains_protocol_devices_and_browser
         shard = task.partition(int(name[-1]), DEVICES, config)
         raw = tuple(x * np.float32(16) for x in shard.inputs)
         (root / "demo-data" / f"{name}.json").write_text(json.dumps(demo_examples(raw, shard.targets)))
-    run = (RUN.replace("round-timeout=120.0", "round-timeout=900.0") + " secure-aggregation=true dp='distributed'"
+    run = (RUN + " secure-aggregation=true dp='distributed'"
            " dp-noise-multiplier=0.3 dp-clipping-norm=1.0")
     web = ("--demo-page", "--ort-web", str(ORT_DIST), "--demo-data", str(root / "demo-data"))
     ports = _start(federation, ROUNDS, run, gateway_deadline_s=900.0, extra={1: web})
-    federation.wait_for(lambda: "web device demo page" in federation.log("gateway1"), 120, "gateway1's demo page")
+    federation.wait_for(lambda: "web device demo page" in federation.log("gateway1"), 900, "gateway1's demo page")
     driver = start_chromium(trust_certificate_flag((root / "keys" / "gateways" / "gw1.crt").read_bytes()))
     driver.set_script_timeout(60)
     fleet = None

@@ -49,14 +49,14 @@ def test_a_device_restarted_mid_round_counts_and_sigterm_leaves_no_process(feder
     federation.start_coordinator("--rounds", "200", "--clients-per-round", "2", "--run-config", LONG)
     for index in range(2):
         federation.start_device(index)
-    federation.wait_for(lambda: done(federation) >= 1, 240, "round 1")
+    federation.wait_for(lambda: done(federation) >= 1, 900, "round 1")
     taken = received(federation, 1)
-    federation.wait_for(lambda: received(federation, 1) > taken, 120, "device 1 taking round 2's instruction")
+    federation.wait_for(lambda: received(federation, 1) > taken, 900, "device 1 taking round 2's instruction")
     # Execute: a supervisor restarts device 1 while it trains (SIGTERM, then start again)
     assert federation.stop(federation.devices[1]) == 0
     assert federation.leftovers(federation.root / "device1") == []
     federation.start_device(1)
-    federation.wait_for(lambda: done(federation) >= 2, 240, "round 2 (the resend)")
+    federation.wait_for(lambda: done(federation) >= 2, 900, "round 2 (the resend)")
     # Assert: round 2 kept both devices, the coordinator says why, and the device was not refused
     second = federation.rows()[2]
     assert second["round"] == 2 and second["participants"] == 2, second

@@ -13,7 +13,7 @@ import pytest
 from fedge.server.progress import RunFeed
 from fedge.simulation.loopback import FEDGE, LoopbackFederation, free_port
 
-FAST = "model='mlp' local-epochs=2 export-onnx=false round-timeout=60.0 runtime='torch'"
+FAST = "model='mlp' local-epochs=2 export-onnx=false round-timeout=900.0 runtime='torch'"
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_a_run_reports_rounds_names_and_metrics_and_a_failing_run_one_line(feder
     for index in range(2):
         federation.start_device(index)
     # Execute
-    federation.wait_for(lambda: "run finished" in federation.log("coordinator"), 240, "the final line")
+    federation.wait_for(lambda: "run finished" in federation.log("coordinator"), 900, "the final line")
     status = subprocess.run([FEDGE, "coordinator", "status", "--state-dir", str(federation.root / "state")],
                             capture_output=True, text=True, timeout=60)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:

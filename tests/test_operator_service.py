@@ -27,7 +27,9 @@ from fedge.server.pki import add_device, init_keys
 from fedge.simulation.loopback import FEDGE, LoopbackFederation, free_port
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "operator.md"
-FAST = "model='mlp' local-epochs=1 export-onnx=false round-timeout=60.0 runtime='torch'"
+FAST = "model='mlp' local-epochs=1 export-onnx=false round-timeout=900.0 runtime='torch'"
+# a device is stopped or revoked mid-run: a round that asked it ends at this timeout
+LEAVING = FAST.replace("round-timeout=900.0", "round-timeout=120.0")
 
 
 def _run_dir(tmp_path: Path) -> Path:
@@ -189,13 +191,13 @@ def test_metrics_without_the_dashboard_then_a_revoked_and_a_rotated_key(federati
     # Prepare: a long run, three devices, two a round; /health and /metrics on a port of their own, no dashboard.
     # dev2 gives up 10 s after it is refused (90 s by default)
     fed, port = federation, free_port()
-    fed.start_coordinator("--rounds", "100", "--clients-per-round", "2", "--run-config", FAST,
+    fed.start_coordinator("--rounds", "100", "--clients-per-round", "2", "--run-config", LEAVING,
                           "--metrics-port", str(port))
-    fed.wait_for(lambda: "coordinator listening" in fed.log("coordinator"), 120, "the coordinator")
+    fed.wait_for(lambda: "coordinator listening" in fed.log("coordinator"), 900, "the coordinator")
     fed.start_device(0)
     fed.start_device(1)
     fed.start_device(2, None, "--max-wait", "10")
-    fed.wait_for(lambda: len(fed.rows()) >= 2 and fed.rows()[-1]["participants"] == 2, 240, "a full round")
+    fed.wait_for(lambda: len(fed.rows()) >= 2 and fed.rows()[-1]["participants"] == 2, 900, "a full round")
     # Execute: scrape while no round completes in between, so that the run's records say the same
     for _ in range(30):
         before = fed.rows()
@@ -234,7 +236,7 @@ def test_metrics_without_the_dashboard_then_a_revoked_and_a_rotated_key(federati
                 ok.setdefault(event["round"], set()).add(event.get("name", ""))
         return any(names == {"dev0", "dev1b"} for names in ok.values())
 
-    fed.wait_for(rotated_round, 240, "a round of dev0 and dev1b")
+    fed.wait_for(rotated_round, 900, "a round of dev0 and dev1b")
     # Assert: the coordinator revoked both removed keys; the revoked dev2 and the old key were refused
     log = fed.log("coordinator")
     assert f"device dev2 (node {old_node['dev2']}) unregistered" in log, log
@@ -267,7 +269,7 @@ def test_backup_and_restore_into_a_fresh_directory_resumes_the_run(tmp_path: Pat
         fed.start_coordinator("--rounds", "100", "--clients-per-round", "2", "--run-config", FAST)
         for index in range(2):
             fed.start_device(index)
-        fed.wait_for(lambda: len(fed.rows()) >= 2, 240, "round 1")
+        fed.wait_for(lambda: len(fed.rows()) >= 2, 900, "round 1")
         names = _names(fed)
         # Execute: stop the coordinator and back up with the page's command (its paths are this federation's)
         assert fed.coordinator is not None and fed.stop(fed.coordinator) == 0
@@ -292,7 +294,7 @@ def test_backup_and_restore_into_a_fresh_directory_resumes_the_run(tmp_path: Pat
         for index in range(2):  # as systemd's Restart=always: a device that gave up is started again
             if fed.devices[index].poll() is not None:
                 fed.start_device(index)
-        fed.wait_for(lambda: len(fed.rows()) >= len(backed_up) + 1, 240, "a round after the restore")
+        fed.wait_for(lambda: len(fed.rows()) >= len(backed_up) + 1, 900, "a round after the restore")
         assert fed.stop(fed.coordinator) == 0
         whole = (fed.root / "coordinator.log").read_text(errors="replace")  # the restart says the run was stopped
         assert "left unfinished by an earlier coordinator (it was stopped by SIGTERM at " in whole, whole[-3000:]

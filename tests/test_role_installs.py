@@ -105,17 +105,17 @@ def test_an_onnx_device_without_torch_trains_in_a_deployment(tmp_path: Path) -> 
     try:
         federation.start_coordinator("--rounds", "2", "--clients-per-round", "3",
                                      "--run-config", "model='mlp' local-epochs=2 export-onnx=false")
-        federation.wait_for(federation.bundle_signing_key.exists, 60, "the bundle signing key")
+        federation.wait_for(federation.bundle_signing_key.exists, 900, "the bundle signing key")
         # Execute
         federation.start_device(0)
         federation.start_device(1)
         # the onnx device once the run's graph is published (a loaded machine takes longer to export it
         # than the device waits for a graph that is not there: it then stops, as it should)
-        federation.wait_for((federation.root / "state" / "published" / "training.zip").exists, 300,
+        federation.wait_for((federation.root / "state" / "published" / "training.zip").exists, 900,
                             "the published training graph")
         federation.start_device(2, None, "--runtime", "onnx", "--trust", str(federation.bundle_signing_key),
                                 fedge=str(bin_dir / "fedge"))
-        federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 300, "the summary")
+        federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
         rows = federation.rows()
         device_log = federation.log("device2")
     finally:

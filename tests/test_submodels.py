@@ -518,12 +518,12 @@ def test_deployed_devices_train_their_widths_over_a_real_superlink(tmp_path: Pat
     federation = LoopbackFederation(tmp_path, num_devices=3)
     try:
         federation.start_coordinator("--rounds", "2", "--clients-per-round", "3", "--run-config",
-                                     f"model='mlp' local-epochs=2 runtime='torch' round-timeout=60.0 "
+                                     f"model='mlp' local-epochs=2 runtime='torch' round-timeout=900.0 "
                                      f"sub-models='heterofl' fleet-file='{tmp_path / 'fleet.toml'}'")
         for index, profile in enumerate(("small", "small", "laptop")):
             federation.start_device(index, None, "--profile", profile, "--fleet-file", str(tmp_path / "fleet.toml"))
         # Execute
-        federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 300, "the summary")
+        federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
     finally:
         federation.close()
     # Assert: round 1 sends every device the smallest width (none has named its profile yet); round 2 the laptop

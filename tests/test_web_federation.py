@@ -38,7 +38,7 @@ from tests.test_web_device import ORT_DIST
 pytestmark = pytest.mark.slow
 ROUNDS, BROWSERS = 3, 3
 NAMES = [*(f"browser{index}" for index in range(BROWSERS)), "phone3"]
-RUN = ("model='mlp' local-epochs=2 export-onnx=false runtime='onnx' round-timeout=300.0 gateways=true "
+RUN = ("model='mlp' local-epochs=2 export-onnx=false runtime='onnx' round-timeout=900.0 gateways=true "
        "min-train-replies=1")
 
 
@@ -61,7 +61,7 @@ def _start(federation: LoopbackFederation, shards: list[Any]) -> int:
     """Coordinator (one gateway a round) and a gateway with the demo page; the gateway's device port."""
     root, keys = federation.root, federation.keys
     federation.start_coordinator("--rounds", str(ROUNDS), "--clients-per-round", "1", "--run-config", RUN)
-    federation.wait_for(federation.bundle_signing_key.exists, 120, "the bundle signing key")
+    federation.wait_for(federation.bundle_signing_key.exists, 900, "the bundle signing key")
     assert main(["keys", "add-gateway", "gw0", "--dir", str(keys.directory)]) == 0
     (root / "demo-data").mkdir()
     for name, (inputs, targets) in zip(NAMES, shards, strict=True):  # the tabs' files hold raw digits (0..16)
@@ -75,8 +75,9 @@ def _start(federation: LoopbackFederation, shards: list[Any]) -> int:
          "--trust", str(federation.bundle_signing_key), "--cert", str(keys.directory / "gateways" / "gw0.crt"),
          "--cert-key", str(keys.directory / "gateways" / "gw0.key"), "--port", str(port),
          "--state-dir", str(root / "gw0"), "--devices-per-round", str(len(NAMES)), "--poll-interval", "0.5",
-         "--demo-page", "--ort-web", str(ORT_DIST), "--demo-data", str(root / "demo-data")], "gateway0.log")
-    federation.wait_for(lambda: "web device demo page" in federation.log("gateway0"), 120, "the gateway")
+         "--round-deadline", "900", "--demo-page", "--ort-web", str(ORT_DIST), "--demo-data", str(root / "demo-data")],
+        "gateway0.log")
+    federation.wait_for(lambda: "web device demo page" in federation.log("gateway0"), 900, "the gateway")
     return port
 
 
