@@ -21,7 +21,12 @@ Phases:
 3. **Baseline** (same run): the same 1,000 int8 updates decoded and folded in this process,
    as the inline simulation aggregates (no network, no TLS, no validation).
 
+Each listener is measured with fp32 tasks; the gateway's own listener also with each other
+task encoding of ``--downlinks`` (``fedge gateway start --downlink``: fp16, int8 tasks), so the
+compressed downlink's gain is measured against fp32 in the same run (the ``fedge`` column).
+
 Usage: python bench/gateway_load.py [--devices 10000] [--per-round 1000] [--params 100000]
+                                   [--downlinks fp32,fp16,int8] [--listeners fedge,uvicorn]
 Writes bench/results/gateway_load.json. Targets (issue 27): 10,000 connected devices within
 1 GiB per gateway; >= 500 updates/s per gateway core; round overhead <= 2 s.
 """
@@ -75,7 +80,7 @@ def model(params: int) -> dict[str, np.ndarray]:
 
 
 # --------------------------------------------------------------------------- the gateway process
-def serve(root: Path, per_round: int, listener: str = "fedge") -> None:
+def serve(root: Path, per_round: int, listener: str = "fedge", downlink: str = "fp32") -> None:
     """Run a gateway's listeners until killed; print their ports.
 
     ``listener``: ``fedge`` is the gateway's own (fedge's TLS acceptor: connections counted per
@@ -91,7 +96,8 @@ def serve(root: Path, per_round: int, listener: str = "fedge") -> None:
 
     cert, cert_key = root / "keys" / "gateways" / "bench.crt", root / "keys" / "gateways" / "bench.key"
     gateway = Gateway(GatewaySettings(name="bench", devices_per_round=per_round, round_deadline_s=600,
-                                      idle_poll_s=30, max_in_flight=4096, uplink="int8-delta"),
+                                      idle_poll_s=30, max_in_flight=4096, uplink="int8-delta",
+                                      downlink=downlink),
                       root / "allow", None)
     control = Served(control_app(gateway, "bench-token"), "127.0.0.1", 0, limits=ListenerLimits())
     if not os.environ.get("FEDGE_PROFILE") and listener == "fedge":
@@ -180,11 +186,12 @@ async def check_in_all(host: str, port: int, ca: str, names: list[str], keys: li
 
 
 async def round_all(host: str, port: int, ca: str, sessions: list[tuple[str, bytes, str]], base: dict[str, np.ndarray],
-                    update: tuple[dict[str, np.ndarray], dict[str, float]]) -> list[float]:
-    """Each session fetches the task and posts its update; the time each result was accepted."""
+                    update: tuple[dict[str, np.ndarray], dict[str, float]]) -> tuple[list[float], int]:
+    """Each session fetches the task and posts its update; the time each result was accepted, a task's bytes."""
     context = ssl.create_default_context(cafile=ca)
     limit = asyncio.Semaphore(CONCURRENCY)
     done: list[float] = []
+    task_bytes: list[int] = []
 
     async def one(token: str, key: bytes, name: str) -> None:
         source = source_of(name)
@@ -200,6 +207,7 @@ async def round_all(host: str, port: int, ca: str, sessions: list[tuple[str, byt
                     break
                 await asyncio.sleep(0.05)  # the round is not open yet
             task = decode_frame(body)[0].header
+            task_bytes.append(len(body))
             frame = encode_frame({"task": task["task"], "kind": "train", "num-examples": 32, "steps": 1,
                                   "encoding": "int8-delta", "metrics": {"train-loss": 1.0}}, *update)
             mac = request_mac(key, method="POST", path=f"{PREFIX}/result", counter=counter, body=frame)
@@ -211,7 +219,7 @@ async def round_all(host: str, port: int, ca: str, sessions: list[tuple[str, byt
             done.append(time.time())
 
     await asyncio.gather(*(one(t, k, n) for t, k, n in sessions))
-    return done
+    return done, max(task_bytes)
 
 
 def worker(job: dict[str, Any], queue: Any) -> None:
@@ -274,11 +282,14 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=2, help="load-generator processes")
     parser.add_argument("--listeners", default="fedge,uvicorn",
                         help="device listeners measured in turn: fedge (the gateway's) and uvicorn (before round 3)")
+    parser.add_argument("--downlinks", default="fp32,fp16,int8",
+                        help="task encodings measured on the first listener (fp32 is measured on each)")
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--listener", default="fedge", help=argparse.SUPPRESS)
+    parser.add_argument("--downlink", default="fp32", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.per_round, args.listener)
+        serve(args.serve, args.per_round, args.listener, args.downlink)
         return
     from fedge.clients.gateway.service import add_protocol_device
     from fedge.server.pki import add_gateway, init_keys
@@ -290,20 +301,24 @@ def main() -> None:
     for index in range(args.devices):
         add_protocol_device(root / "allow", f"d{index}")
     records = {}
-    for listener in args.listeners.split(","):
-        print(f"listener '{listener}':", flush=True)
+    listeners = args.listeners.split(",")
+    runs = [(listeners[0], d) for d in args.downlinks.split(",")] + [(name, "fp32") for name in listeners[1:]]
+    for listener, downlink in runs:
+        name = listener if downlink == "fp32" else f"{listener}+{downlink}"
+        print(f"listener '{listener}', {downlink} tasks:", flush=True)
         server = subprocess.Popen([sys.executable, __file__, "--serve", str(root), "--per-round", str(args.per_round),
-                                   "--listener", listener], stdout=subprocess.PIPE, text=True)
+                                   "--listener", listener, "--downlink", downlink], stdout=subprocess.PIPE, text=True)
         try:
             assert server.stdout is not None
             ports = json.loads(server.stdout.readline())
             process = psutil.Process(server.pid)
             rss_before = process.memory_info().rss
-            records[listener] = run_load(args, root, keys.ca_cert, ports, process, rss_before)
+            records[name] = run_load(args, root, keys.ca_cert, ports, process, rss_before)
         finally:
             server.terminate()
             server.wait(60)
-        records[listener]["inline_fold_s"] = inline_fold(model(args.params), args.per_round)
+        records[name]["inline_fold_s"] = inline_fold(model(args.params), args.per_round)
+        records[name]["downlink"] = downlink
     report(records, args)
 
 
@@ -338,7 +353,8 @@ def run_load(args: argparse.Namespace, root: Path, ca: Path, ports: dict[str, in
     opener.join()
     answered = time.time()
     opened, header = box["opened"], box["header"]
-    accepted = [t for _ in workers for t in queue.get()[1]]
+    answers = [queue.get()[1] for _ in workers]
+    accepted = [t for times, _ in answers for t in times]
     cpu_round = sum(process.cpu_times()[:2]) - cpu_before
     for w in workers:
         w.join()
@@ -351,7 +367,7 @@ def run_load(args: argparse.Namespace, root: Path, ca: Path, ports: dict[str, in
             "bytes_per_session": (rss_after - rss_before) / args.devices, "round_wall_s": answered - opened,
             "updates_per_s": len(accepted) / span if span == span and span > 0 else float("nan"),
             "gateway_cpu_round_s": cpu_round, "updates_per_cpu_s": len(accepted) / cpu_round,
-            "round_devices": header["devices"], "round_examples": header["num-examples"],
+            "task_bytes": answers[0][1], "round_devices": header["devices"], "round_examples": header["num-examples"],
             "machine_cores": os.cpu_count()}
 
 
@@ -368,11 +384,18 @@ def report(records: dict[str, dict[str, Any]], args: argparse.Namespace) -> None
         (f"round wall, {args.per_round:,} devices (s)", lambda r: f"{r['round_wall_s']:.2f}", "<= 2"),
         ("inline fold of the same updates (s)", lambda r: f"{r['inline_fold_s']:.2f}", ""),
         ("round / inline fold", lambda r: f"{r['round_wall_s'] / r['inline_fold_s']:.1f}x", ""),
+        ("task frame (bytes)", lambda r: f"{r['task_bytes']:,}", ""),
     ]
     names = list(records)
     print(f"\n| measure | {' | '.join(names)} | target |\n|---|{'---|' * len(names)}---|")
     for label, value, target in rows:
         print(f"| {label} | {' | '.join(value(records[n]) for n in names)} | {target} |")
+    for name in (n for n in records if n.startswith("fedge+")):
+        new, old = records[name], records["fedge"]
+        ratios = (new["updates_per_cpu_s"] / old["updates_per_cpu_s"], new["round_wall_s"] / old["round_wall_s"],
+                  new["task_bytes"] / old["task_bytes"])
+        print(f"{name} / fedge (fp32 tasks): updates per CPU-second {ratios[0]:.2f}x, round wall {ratios[1]:.2f}x, "
+              f"task bytes {ratios[2]:.2f}x")
     if {"fedge", "uvicorn"} <= set(records):
         new, old = records["fedge"], records["uvicorn"]
         print(f"\nfedge / uvicorn: check-ins/s {new['check_ins_per_s'] / old['check_ins_per_s']:.2f}x, updates per "

@@ -56,10 +56,14 @@ def _start_options(start: argparse.ArgumentParser) -> None:
     start.add_argument("--max-per-address", type=int, default=32,
                        help="requests in progress one client address may hold (default 32)")
     start.add_argument("--max-num-examples", type=int, default=100_000, help="largest example count one device claims")
-    from fedge.codec import ENCODINGS  # noqa: PLC0415 - numpy only: --help stays light
+    from fedge.codec import ENCODINGS, TASK_ENCODINGS  # noqa: PLC0415 - numpy only: --help stays light
 
     start.add_argument("--uplink", default="fp32", choices=tuple(ENCODINGS),
                        help="what devices send (the codec registry's device-protocol encodings)")
+    start.add_argument("--downlink", default="fp32", choices=tuple(TASK_ENCODINGS),
+                       help="how a plain round's task carries the model to devices that read it (fp16: half the "
+                            "bytes, int8: a quarter; devices' updates are taken against what they received); "
+                            "secure rounds send fp32")
     start.add_argument("--bundles", default="",
                        help="HOST:PORT of the coordinator's bundle service (default: the coordinator's port + 1)")
     start.add_argument("--state-dir", type=Path, help="this gateway's working files (default ~/.fedge-gateway)")
@@ -91,7 +95,7 @@ def _start(args: argparse.Namespace) -> int:
                                round_deadline_s=args.round_deadline, idle_poll_s=args.poll_interval,
                                max_in_flight=args.max_in_flight, max_per_address=args.max_per_address,
                                max_num_examples=args.max_num_examples,
-                               uplink=args.uplink)
+                               uplink=args.uplink, downlink=args.downlink)
     return run_gateway(GatewayOptions(coordinator=args.coordinator, devices=args.devices, key=args.key, ca=args.ca,
                                       trust=args.trust, cert=args.cert, cert_key=args.cert_key, host=args.host,
                                       port=args.port, insecure=args.insecure, state_dir=args.state_dir,

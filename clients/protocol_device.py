@@ -61,6 +61,7 @@ from fedge.clients.gateway.protocol import (
     NONCE_BYTES,
     PREFIX,
     SECURE_AGGREGATION,
+    TASK_CAPABILITIES,
     TASK_ID,
     b64,
     certified_gateway_name,
@@ -71,6 +72,7 @@ from fedge.clients.gateway.protocol import (
     records_from_json,
     records_to_json,
     request_mac,
+    task_weights,
     unb64,
 )
 from fedge.edge.bundle import FreshnessStore
@@ -345,7 +347,7 @@ class ProtocolDevice:
         message = check_in_message(device=self.name, gateway=self.gateway_name, issued_at=issued, nonce=nonce)
         request = {"protocol": 1, CHECK_IN_DEVICE: self.name, "time": issued, "nonce": nonce,
                    "signature": b64(sign(self.key, message)),
-                   "capabilities": [*ENCODINGS, SECURE_AGGREGATION]}
+                   "capabilities": [*ENCODINGS, *TASK_CAPABILITIES, SECURE_AGGREGATION]}
         status, _, body = self._send("POST", f"{PREFIX}/check-in", json.dumps(request).encode(),
                                      {"Content-Type": "application/json"}, signed_for=self.gateway_name)
         answer = self._json(status, body, "check-in")
@@ -413,7 +415,7 @@ class ProtocolDevice:
                 return Outcome("done", float(answer.get("next-in-s", 0.0)),
                                note=_printable(answer.get("reason") or "the gateway's run is over"))
             return Outcome("wait", float(answer.get("next-in-s", 1.0)))
-        frame, _ = decode_frame(body)
+        frame, scales = decode_frame(body)
         task = frame.header
         if task.get("kind") == "secagg":
             return self._secure_step(task, frame.tensors)
@@ -427,7 +429,7 @@ class ProtocolDevice:
             log.warning("device %s: not training round %d again: this device trained it already (its result went "
                         "through another gateway, where it is counted)", self.name, server_round)
             return Outcome("refused", 5.0, server_round)
-        weights = {name: np.array(value) for name, value in frame.tensors.items()}  # writable copies
+        weights = task_weights(frame, scales)  # float32 writable copies, whatever the task's encoding
         trainer, (inputs, targets) = self._ready(str(task.get("graph", "")))
         if task["kind"] == "evaluate":
             scores = trainer.evaluate(weights, inputs, targets)

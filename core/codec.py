@@ -436,6 +436,42 @@ register_encoding(FP32.spec, FP32)
 register_encoding(INT8_DELTA, Int8(rounding=NEAREST_EVEN))
 
 
+_TASK_ENCODINGS: dict[str, Quantiser] = {}
+TASK_ENCODINGS: Mapping[str, Quantiser] = MappingProxyType(_TASK_ENCODINGS)
+"""The device protocol's task (downlink) encodings by name, in registration order (read-only):
+how a gateway sends a round's model to its devices (``fedge gateway start --downlink``). ``fp32``
+is exact; ``fp16`` halves the bytes, ``int8`` (one scale per tensor, round-half-even) quarters
+them. A device names the lossy ones it reads in its check-in's capabilities
+(:func:`task_capability`); the gateway keeps the copy each device received, so the device's
+update is taken against what it trained from and nothing of the downlink's rounding reaches
+the model (``docs/device-protocol.md``, "Task encodings")."""
+TASK_CAPABILITY_PREFIX = "task:"
+
+
+def register_task_encoding(name: str, quantiser: Quantiser) -> Quantiser:
+    """Make ``quantiser`` the device protocol's task encoding ``name``.
+
+    Raises
+    ------
+    ValueError
+        A name that is taken.
+    """
+    if name in _TASK_ENCODINGS:
+        raise ValueError(f"device-protocol task encoding '{name}' is already {_TASK_ENCODINGS[name]!r}")
+    _TASK_ENCODINGS[name] = quantiser
+    return quantiser
+
+
+def task_capability(name: str) -> str:
+    """The check-in capability with which a device says it reads tasks in encoding ``name``."""
+    return TASK_CAPABILITY_PREFIX + name
+
+
+register_task_encoding(FP32.spec, FP32)
+register_task_encoding(Fp16.name, Fp16())
+register_task_encoding(Int8.name, Int8(rounding=NEAREST_EVEN))
+
+
 # --------------------------------------------------------------------------- codecs
 
 

@@ -43,6 +43,7 @@ from fedge.clients.gateway.protocol import (
     check_in_message,
     decode_frame,
     encode_frame,
+    encode_task,
     from_int8_delta,
     int8_delta,
     request_mac,
@@ -60,7 +61,7 @@ from fedge.server.training_bundle import SIGNING_PUBLIC_KEY
 from fedge.task.api import seeded_model
 from fedge.task.loading import load_task
 from fedge.task.models import model_arrays
-from tests.live_gateway import CONFIG, LiveGateway
+from tests.live_gateway import CONFIG, LiveGateway, recomputed
 
 
 # --------------------------------------------------------------------------- the frame format
@@ -188,6 +189,33 @@ def test_a_gateway_round_sends_the_weighted_mean_of_its_devices_training(live: L
     assert [o.kind for o in outcomes] == ["train"] * 3
     assert header["num-examples"] == sum(counts) and header["devices"] == 3 and header["rejected"] == 0
     assert max(float(np.max(np.abs(arrays[k] - mean[k]))) for k in mean) <= 1e-6
+
+
+def test_protocol_devices_train_from_an_fp16_task_and_the_round_is_their_mean_on_the_exact_weights(
+        tmp_path: Path, run: dict[str, Any]) -> None:
+    # Prepare: a live gateway with an fp16 downlink; two reference devices (they read fp16) checked in
+    settings = GatewaySettings(name="gw-test", devices_per_round=2, round_deadline_s=300, idle_poll_s=0.2,
+                               downlink="fp16")
+    with LiveGateway(tmp_path, run, settings) as live:
+        devices = [live.device("phone0", 0), live.device("phone1", 1)]
+        for device in devices:
+            device.check_in()
+        # Execute: the coordinator's instruction; each device polls once
+        thread, box = _in_background(live.round)
+        _wait(lambda: live.gateway.round is not None)
+        outcomes = [device.poll() for device in devices]
+        thread.join()
+        header, arrays = box["result"]
+        trainer = devices[0].training_graph()[1]
+    # Assert: each device trained from the fp16 weights (recomputed from them); the gateway's mean is the exact
+    # weights plus the devices' weighted mean update
+    read = encode_task(run["weights"], "fp16").received
+    trained, counts = recomputed(trainer, {**run, "weights": read}, ["phone0", "phone1"], 1)
+    updates = [{k: t[k] - read[k] for k in read} for t in trained]
+    mean = weighted_mean(updates, counts)
+    assert [o.kind for o in outcomes] == ["train"] * 2 and header["devices"] == 2
+    assert max(float(np.max(np.abs(arrays[k] - (run["weights"][k] + mean[k])))) for k in mean) <= 2e-6
+    assert any(not np.array_equal(read[k], run["weights"][k]) for k in read)  # fp16 did round the weights
 
 
 def test_a_gateway_evaluate_round_averages_its_devices_metrics(live: LiveGateway) -> None:

@@ -576,6 +576,10 @@ console.log(JSON.stringify({
   batches: v("batching").cases.map((c) => globalThis.fedgeBatchOrder.batchOrder(c.examples, c["batch-size"], c.seed,
                                                                                 c["local-epochs"])),
   preprocessing: {verdict: prepared.verdict, prepared: Array.from(prepared.inputs[0].data)},
+  tasks: v("task-encodings").cases.map((c) => Object.fromEntries(
+    Object.entries(frame.decodeFrame(Buffer.from(c.frame_hex, "hex")).tensors).map(
+      ([name, t]) => [name, Array.from(frame.taskValues(t))]))),
+  taskCapabilities: frame.TASK_CAPABILITIES,
   int8: v("int8-delta").cases.map((c) => {
     const r = frame.int8Delta(Float32Array.from(c.trained), Float32Array.from(c.global));
     return {q: Array.from(r.data), scale: r.scale};
@@ -620,6 +624,44 @@ def test_the_web_sdks_int8_delta_is_the_vectors(web: dict[str, Any]) -> None:
 
     # Assert
     assert web["int8"] == [{"q": case["q"], "scale": case["scale"]} for case in cases]
+
+
+def test_the_web_sdk_reads_each_task_encoding_as_the_gateway_says_devices_read_it(web: dict[str, Any]) -> None:
+    # Prepare
+    from fedge.clients.gateway.protocol import TASK_CAPABILITIES  # noqa: PLC0415
+
+    cases = _vector("task-encodings")["cases"]
+
+    # Execute: the web SDK ran in the fixture (web/frame.js decodeFrame, then taskValues)
+
+    # Assert: fp32, fp16 (a subnormal and a saturated value among them) and int8 read to the same float32 values
+    assert web["tasks"] == [case["received"] for case in cases]
+    assert web["taskCapabilities"] == list(TASK_CAPABILITIES)
+
+
+def test_a_task_frame_read_as_the_spec_says_gives_the_vectors_weights() -> None:
+    # Prepare
+    vector = _vector("task-encodings")
+
+    # Execute: the spec's reading, by hand: float16 widened, int8 times its scale in float32
+    read = []
+    for case in vector["cases"]:
+        data = bytes.fromhex(case["frame_hex"])
+        length = struct.unpack_from("<I", data, 4)[0]
+        offset, values = 8 + length, {}
+        for entry in json.loads(data[8:8 + length])["tensors"]:
+            dtype = {"float32": "<f4", "float16": "<f2", "int8": "i1"}[entry["dtype"]]
+            count = int(np.prod(entry["shape"]))
+            raw = np.frombuffer(data, dtype, count, offset)
+            offset += raw.nbytes
+            scaled = raw.astype(np.float32) * np.float32(entry["scale"]) if dtype == "i1" else raw.astype(np.float32)
+            values[entry["name"]] = [float(v) for v in scaled]
+        read.append(values)
+
+    # Assert: what devices read; fp32 is the weights exactly, and no value moved by more than its encoding's step
+    assert read == [case["received"] for case in vector["cases"]]
+    assert read[0] == vector["weights"]
+    assert read[1]["b"][2] == 65504.0 and read[2]["w"] == pytest.approx(vector["weights"]["w"], abs=2.0 / 254)
 
 
 # --------------------------------------------------------------------------- the document's index

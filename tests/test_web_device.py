@@ -30,6 +30,7 @@ from google.protobuf.internal import encoder
 from fedge.batching import batch_order
 from fedge.clients.gateway.bridge import ask_gateway
 from fedge.clients.gateway.pool import GatewayRound, device_seed
+from fedge.clients.gateway.protocol import encode_task
 from fedge.clients.gateway.service import GatewaySettings, Served, device_app
 from fedge.clients.gateway.web import WebSite, demo_examples
 from fedge.config import resolve_run_config
@@ -126,12 +127,14 @@ def _join_and_wait(driver: Any, gateway: WebGateway, rounds: int) -> dict[str, A
     return dict(driver.execute_async_script(script, rounds + 1))
 
 
-@pytest.mark.parametrize("uplink", ["fp32", "int8-delta"])
+@pytest.mark.parametrize(("uplink", "downlink"), [("fp32", "fp32"), ("int8-delta", "fp16"), ("fp32", "int8")])
 def test_a_browser_tab_trains_a_gateway_round_as_the_python_device_would(tmp_path: Path, run: dict[str, Any],
-                                                                         chromium: Any, uplink: str) -> None:
-    # Prepare: a gateway round of 1 device, served with the demo page; the tab admitted as browser0
+                                                                         chromium: Any, uplink: str,
+                                                                         downlink: str) -> None:
+    # Prepare: a gateway round of 1 device, served with the demo page; the tab admitted as browser0; the task
+    # sent in the downlink's encoding (the tab's check-in says it reads fp16 and int8 tasks)
     gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=1, round_deadline_s=600,
-                                                       idle_poll_s=0.2, uplink=uplink))
+                                                       idle_poll_s=0.2, uplink=uplink, downlink=downlink))
     try:
         _open_device(chromium, gateway, "browser0")
         box: dict[str, Any] = {}
@@ -143,14 +146,17 @@ def test_a_browser_tab_trains_a_gateway_round_as_the_python_device_would(tmp_pat
     finally:
         gateway.close()
     header, arrays = box["result"]
-    # Assert: one browser result, the update of one local epoch from the round's weights
+    # Assert: one browser result, the update of one local epoch from the weights as the task carried them, put on
+    # the round's exact weights
     assert state["done"] and state["trained"] == 1 and state["error"] is None, state
     assert header["devices"] == 1 and header["num-examples"] == len(run["shards"][0][1])
     bundle = read_training_bundle(run["bundle"], trusted_keys=[run["trust"]])
     trainer = OnnxTrainer(bundle.train_onnx, bundle.eval_onnx, bundle.manifest)
     inputs, targets = run["shards"][0]
-    python, _ = trainer.train(run["weights"], inputs, targets, epochs=1, batch_size=32, learning_rate=0.05,
-                              momentum=0.9, seed=device_seed(7, 1, "browser0"))
+    read = encode_task(run["weights"], downlink).received
+    trained, _ = trainer.train(read, inputs, targets, epochs=1, batch_size=32, learning_rate=0.05,
+                               momentum=0.9, seed=device_seed(7, 1, "browser0"))
+    python = {name: run["weights"][name] + (trained[name] - read[name]) for name in trained}
     # the update a Python device sends: the same batches (numpy's order), float32 steps in onnxruntime-web;
     # in int8-delta, within one quantisation step of each tensor (max |delta| / 127)
     assert arrays.keys() == python.keys()

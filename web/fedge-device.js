@@ -37,7 +37,7 @@
 // tab refuses (secagg.js' checks) is answered with the reason and forgets the round's secrets; a step sent again
 // with the same task id (its answer was lost on the way) gets the same answer again, not a second run of the step.
 
-import {FRAME_TYPE, decodeFrame, encodeFrame, int8Delta} from "./frame.js";
+import {FRAME_TYPE, TASK_CAPABILITIES, decodeFrame, encodeFrame, int8Delta, taskValues} from "./frame.js";
 import {importBundleKey, recordAccepted, verifyInferenceBundle, verifyTrainingBundle} from "./bundle.js";
 import {AS_GIVEN, OUTSIDE, inputsMessage, prepareDeviceInputs} from "./preprocessing.js";
 
@@ -180,7 +180,7 @@ export class FedgeDevice {
     const signature = new Uint8Array(await crypto.subtle.sign({name: "ECDSA", hash: "SHA-256"}, keys.privateKey, message));
     const answer = FedgeDevice.json(await this.send("POST", PREFIX + "/check-in", JSON.stringify({
       protocol: 1, device: this.name, time: issued, nonce: nonce, signature: b64(signature),
-      capabilities: ["fp32", "int8-delta", ...(await loadSecureAggregation() ? ["secure-aggregation"] : [])]}),
+      capabilities: ["fp32", "int8-delta", ...TASK_CAPABILITIES, ...(await loadSecureAggregation() ? ["secure-aggregation"] : [])]}),
       {"Content-Type": "application/json"}), "check-in");
     const key = await crypto.subtle.importKey("raw", unb64(answer.key), {name: "HMAC", hash: "SHA-256"}, false, ["sign"]);
     this.session = {token: answer.session, key: key, counter: 0};
@@ -289,7 +289,7 @@ export class FedgeDevice {
     const data = this.preparedData();
     const numRounds = Number.isInteger(task["num-rounds"]) && task["num-rounds"] > 0 ? {numRounds: task["num-rounds"]} : {};
     const weights = {};
-    for (const [name, tensor] of Object.entries(tensors)) weights[name] = tensor.data;
+    for (const [name, tensor] of Object.entries(tensors)) weights[name] = taskValues(tensor);  // fp32, fp16 or int8
     if (task.kind === "evaluate") {
       const result = await this.call({type: "evaluate", weights: weights, ...data});
       const sent = await this.result(encodeFrame({task: task.task, kind: "evaluate", "num-examples": result.numExamples,

@@ -11,9 +11,35 @@ export const FRAME_TYPE = "application/vnd.fedge.frame";
 const MAGIC = [0x46, 0x44, 0x47, 0x31];
 const MAX_HEADER = 1 << 20;
 export const DTYPES = {
-  float32: Float32Array, float64: Float64Array, int8: Int8Array, int32: Int32Array,
+  float32: Float32Array, float64: Float64Array, float16: Uint16Array, int8: Int8Array, int32: Int32Array,
   int64: BigInt64Array, uint32: Uint32Array, uint64: BigUint64Array,
 };
+// the lossy task encodings this SDK reads (docs/device-protocol.md, "Task encodings"): its check-in names them
+export const TASK_CAPABILITIES = ["task:fp16", "task:int8"];
+
+// IEEE 754 half (its 16 bits) to a number, exactly: sign, 5-bit exponent (bias 15), 10-bit fraction
+function halfToNumber(bits) {
+  const sign = bits & 0x8000 ? -1 : 1, exponent = (bits >> 10) & 0x1f, fraction = bits & 0x3ff;
+  if (exponent === 0) return sign * fraction * 2 ** -24;  // zero and subnormals
+  if (exponent === 0x1f) return fraction ? NaN : sign * Infinity;
+  return sign * (1 + fraction / 1024) * 2 ** (exponent - 15);
+}
+
+// A task tensor's values as float32, whatever its encoding: float16 widened (exact), int8 read as q * scale (the
+// product of an int8 and a float32 is exact in float64, so rounding it once to float32 is numpy's float32 product)
+export function taskValues(tensor) {
+  if (tensor.data instanceof Float32Array) return tensor.data;
+  const out = new Float32Array(tensor.data.length);
+  if (tensor.data instanceof Uint16Array) {
+    for (let i = 0; i < out.length; i++) out[i] = halfToNumber(tensor.data[i]);
+  } else if (tensor.data instanceof Int8Array) {
+    const scale = Math.fround(tensor.scale);
+    for (let i = 0; i < out.length; i++) out[i] = tensor.data[i] * scale;
+  } else {
+    throw new Error("a task's tensors are float32, float16 or int8, not " + tensor.data.constructor.name);
+  }
+  return out;
+}
 
 function dtypeOf(typed) {
   for (const [name, Typed] of Object.entries(DTYPES)) if (typed instanceof Typed) return name;

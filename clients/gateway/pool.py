@@ -46,16 +46,19 @@ from fedge.clients.gateway.protocol import (
     NONCE_BYTES,
     SECURE_AGGREGATION,
     SESSION_KEY_BYTES,
+    TASK_CAPABILITIES,
     TASK_ID,
+    EncodedTask,
     Frame,
     b64,
     check_in_message,
-    frame_tensors,
+    encode_task,
     from_int8_delta,
     macs_equal,
     request_mac,
     unb64,
 )
+from fedge.codec import FP32, task_capability
 from fedge.errors import ConfigError, DeviceProtocolError, UpdateRejected
 from fedge.strategies.validation import check_arrays
 from fedge.wire import BATCH_SIZE, LOCAL_EPOCHS
@@ -205,6 +208,7 @@ class Session:
     counter: int = 0
     last_seen: float = 0.0
     secure: bool = True  # the device implements secure aggregation's steps (its check-in's "capabilities")
+    tasks: frozenset[str] = frozenset(TASK_CAPABILITIES)  # the lossy task encodings it reads ("task:fp16", ...)
     fingerprint: bytes | None = None  # the allow-list key it checked in with (the session ends if it changes)
 
 
@@ -236,7 +240,7 @@ class Sessions:
         nonce = body.get("nonce")
         unb64(nonce, "nonce", size=NONCE_BYTES)
         signature = unb64(body.get("signature"), "signature", max_size=128)
-        secure = self._capabilities(body)
+        secure, tasks = self._capabilities(body)
         key = self.allow.key_of(device)
         verify_signature(key, signature, check_in_message(device=device, gateway=self.gateway,
                                                           issued_at=issued, nonce=str(nonce)))
@@ -250,19 +254,20 @@ class Sessions:
                 self._by_token.pop(old, None)
             token, session_key = secrets.token_urlsafe(24), secrets.token_bytes(SESSION_KEY_BYTES)
             session = Session(device=device, key=session_key, expires=now + self.ttl_s, last_seen=now, secure=secure,
-                              fingerprint=key_fingerprint(key))
+                              tasks=tasks, fingerprint=key_fingerprint(key))
             self._by_token[token], self._token_of[device] = session, token
         return token, session_key, session
 
-    def _capabilities(self, body: Mapping[str, Any]) -> bool:
-        """Whether the device implements secure aggregation (``capabilities`` lists what it does; absent: all).
+    def _capabilities(self, body: Mapping[str, Any]) -> tuple[bool, frozenset[str]]:
+        """Whether the device implements secure aggregation, and the lossy task encodings it reads
+        (``capabilities`` lists what it does; absent: all).
 
         A gateway whose run asks for secure aggregation refuses a device that cannot, at
         check-in, with the reason (403): it could only ever drop out of that run's rounds.
         """
         capabilities = body.get("capabilities")
         if capabilities is None:
-            return True
+            return True, frozenset(TASK_CAPABILITIES)
         if not isinstance(capabilities, list) or not all(isinstance(c, str) for c in capabilities):
             raise refused(400, "'capabilities' must be a list of names "
                                f"(e.g. [\"{INT8_DELTA}\", \"{SECURE_AGGREGATION}\"])")
@@ -270,7 +275,7 @@ class Sessions:
             raise refused(403, "this run uses secure aggregation, which this device does not implement "
                                f"('{SECURE_AGGREGATION}' is not in its capabilities): it cannot take part in this run; "
                                "use a device that does, or a run without secure-aggregation")
-        return SECURE_AGGREGATION in capabilities
+        return SECURE_AGGREGATION in capabilities, frozenset(capabilities) & frozenset(TASK_CAPABILITIES)
 
     def _forget_nonces(self, now: float) -> None:
         """Drop expired nonces, oldest first (they were added in time order: O(1) a check-in on average)."""
@@ -435,12 +440,15 @@ class GatewayRound:
 
     def __init__(self, *, kind: str, server_round: int, config: Mapping[str, Any], graph: str,
                  weights: Mapping[str, NDArray[np.generic]], target: int, max_num_examples: int,
-                 bounds: DeviceBounds | None = None, device_rule: str = "mean", trim_fraction: float = 0.2) -> None:
+                 bounds: DeviceBounds | None = None, device_rule: str = "mean", trim_fraction: float = 0.2,
+                 downlink: str = "fp32") -> None:
         self.task_id = secrets.token_hex(8)
         self.kind, self.server_round, self.graph = kind, server_round, graph
         self.config, self.weights, self.target = dict(config), dict(weights), max(1, target)
         self.spec = {name: (tuple(value.shape), str(value.dtype)) for name, value in weights.items()}
-        self.tensors = frame_tensors(self.weights)  # encoded once, sent under each device's header
+        self.downlink = downlink  # the task encoding devices that read it are sent (the others: fp32)
+        self._encoded: dict[str, EncodedTask] = {}  # each encoding made once, sent under each device's header
+        self._received: dict[str, str] = {}  # device name -> the task encoding it was handed
         self.max_num_examples = max_num_examples
         self.bounds = bounds or DeviceBounds()
         self._sum = WeightedMeanAccumulator()
@@ -475,7 +483,7 @@ class GatewayRound:
         try:
             examples, weight, samples, steps = self._claims(header)
             metrics = self._metrics(header)
-            arrays, clipped = self._arrays(header, frame, scales) if self.kind == "train" else ({}, False)
+            arrays, clipped = self._arrays(session, frame, scales) if self.kind == "train" else ({}, False)
         except (UpdateRejected, DeviceProtocolError) as exc:
             self._reject(session, exc)
         with self._lock:
@@ -554,14 +562,23 @@ class GatewayRound:
             values[name] = float(value)
         return values
 
-    def _arrays(self, header: Mapping[str, Any], frame: Frame, scales: Mapping[str, float]
+    def _arrays(self, session: Session, frame: Frame, scales: Mapping[str, float]
                 ) -> tuple[dict[str, NDArray[np.generic]], bool]:
-        """The device's trained weights, checked, with the update clipped to the run's norm bound."""
-        encoding = header.get("encoding")
+        """The device's trained weights, checked, with the update clipped to the run's norm bound.
+
+        A device handed a lossy task (fp16, int8) trained from the weights as it read them; its
+        update is taken against those and applied to the round's exact weights, so the task's
+        rounding never reaches the model."""
+        encoding = frame.header.get("encoding")
         if encoding not in ENCODINGS:
             raise UpdateRejected(f"'encoding' must be one of {', '.join(ENCODINGS)}, got {encoding!r:.20}")
-        arrays = from_int8_delta(frame.tensors, scales, self.weights) if encoding == INT8_DELTA else frame.tensors
+        received = self.received_by(session.device)
+        arrays = from_int8_delta(frame.tensors, scales, received) if encoding == INT8_DELTA else frame.tensors
         check_arrays(arrays, self.spec)
+        if received is not self.weights:  # a lossy task: the device's update, taken against what it trained from
+            arrays = {name: (np.asarray(self.weights[name], np.float64) + (np.asarray(value, np.float64) -
+                             np.asarray(received[name], np.float64))).astype(self.weights[name].dtype)
+                      for name, value in arrays.items()}
         bounded, _, clipped = clip_update(arrays, self.weights, self.bounds.max_update_norm)
         return bounded, clipped
 
@@ -584,10 +601,23 @@ class GatewayRound:
             return coordinate_median(self._kept)
         return trimmed_mean(self._kept, self.trim_fraction)
 
-    def hand_out(self, device: str) -> None:
-        """Note that ``device`` was handed this round's task (what the gateway's waiting line counts)."""
+    def task(self, session: Session) -> EncodedTask:
+        """The round's model in the task encoding ``session``'s device is sent (the gateway's ``downlink``
+        if the device reads it, else fp32), made once per encoding; noted as handed to the device (what
+        the gateway's waiting line counts, and what its update is taken against)."""
+        encoding = self.downlink if task_capability(self.downlink) in session.tasks else FP32.spec
         with self._lock:
-            self._taken.add(device)
+            if encoding not in self._encoded:
+                self._encoded[encoding] = encode_task(self.weights, encoding)
+            self._taken.add(session.device)
+            self._received[session.device] = encoding
+            return self._encoded[encoding]
+
+    def received_by(self, device: str) -> Mapping[str, NDArray[np.generic]]:
+        """The weights ``device`` was handed, as it read them (the round's own for fp32)."""
+        with self._lock:
+            encoding = self._received.get(device, FP32.spec)
+            return self.weights if encoding == FP32.spec else self._encoded[encoding].received
 
     @property
     def taken(self) -> int:

@@ -45,7 +45,7 @@ from numpy.typing import NDArray
 
 from fedge.codec import ENCODINGS as UPDATE_ENCODINGS
 from fedge.codec import INT8_DELTA as INT8_DELTA
-from fedge.codec import Int8
+from fedge.codec import TASK_ENCODINGS, Fp16, Int8, task_capability
 from fedge.errors import DeviceProtocolError
 from fedge.listeners import GATEWAY_CN_PREFIX
 
@@ -56,7 +56,8 @@ FRAME_TYPE = "application/vnd.fedge.frame"
 JSON_TYPE = "application/json"
 MAX_HEADER = 1 << 20  # 1 MiB of JSON header: thousands of tensor entries
 MAX_TENSORS = 4096
-DTYPES: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8"), "int8": np.dtype("i1"),
+DTYPES: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8"), "float16": np.dtype("<f2"),
+          "int8": np.dtype("i1"),
           "int32": np.dtype("<i4"), "int64": np.dtype("<i8"), "uint32": np.dtype("<u4"),
           "uint64": np.dtype("<u8")}  # unsigned: secure aggregation's masked vectors (a ring Z_2^bits)
 CHECK_IN_CONTEXT = b"fedge-check-in/1"
@@ -246,6 +247,63 @@ def _record_value(value: object, where: str) -> Value:
     if isinstance(value, bool | int | float | str):
         return value
     raise DeviceProtocolError(f"'{where}': null is not a record value")
+
+
+# --------------------------------------------------------------------------- task encodings (the downlink codecs)
+TASK_CAPABILITIES = tuple(task_capability(name) for name in TASK_ENCODINGS if name != "fp32")
+
+
+@dataclass(frozen=True)
+class EncodedTask:
+    """A round's model as one task encoding sends it: frame entries and bytes, and what a device reads back.
+
+    ``received`` (float32, exactly what :func:`task_weights` gives the device) is what the
+    device trains from; the gateway takes the device's update against it.
+    """
+
+    encoding: str
+    entries: list[dict[str, Any]]
+    data: bytes
+    received: dict[str, NDArray[np.float32]]
+
+
+def encode_task(weights: Mapping[str, NDArray[np.generic]], encoding: str) -> EncodedTask:
+    """``weights`` in the task encoding ``encoding`` (:data:`fedge.codec.TASK_ENCODINGS`).
+
+    ``fp32`` sends the tensors as they are; ``fp16`` as float16 (saturating at +/-65504);
+    ``int8`` as int8 with one scale per tensor (``max|w| / 127``, round half to even).
+
+    Raises
+    ------
+    DeviceProtocolError
+        An encoding that is not registered.
+    """
+    quantiser = TASK_ENCODINGS.get(encoding)
+    if quantiser is None:
+        raise DeviceProtocolError(f"task encoding {encoding!r}: use one of {', '.join(TASK_ENCODINGS)}")
+    if isinstance(quantiser, Int8):
+        pairs = {name: quantiser.quantise(np.asarray(value, np.float32)) for name, value in weights.items()}
+        entries, data = frame_tensors({name: q for name, (q, _) in pairs.items()},
+                                      {name: float(scale[0]) for name, (_, scale) in pairs.items()})
+    elif isinstance(quantiser, Fp16):
+        entries, data = frame_tensors({name: np.clip(np.asarray(value, np.float32), -65504, 65504).astype("<f2")
+                                       for name, value in weights.items()})
+    else:
+        entries, data = frame_tensors(weights)
+    frame, scales = decode_frame(assemble_frame({}, entries, data))
+    return EncodedTask(encoding=encoding, entries=entries, data=data, received=task_weights(frame, scales))
+
+
+def task_weights(frame: Frame, scales: Mapping[str, float]) -> dict[str, NDArray[np.float32]]:
+    """A task's weights as float32, whatever its encoding: float16 widened, int8 read as ``q * scale``
+    (the product in float32, as the web SDK's reading of the same frame gives it); writable copies."""
+    weights = {}
+    for name, value in frame.tensors.items():
+        if value.dtype == np.int8:
+            weights[name] = value.astype(np.float32) * np.float32(scales[name])
+        else:
+            weights[name] = np.array(value, dtype=np.float32)
+    return weights
 
 
 # --------------------------------------------------------------------------- int8 delta (the uplink codec)

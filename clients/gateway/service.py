@@ -84,6 +84,7 @@ from fedge.clients.gateway.secure_pool import (
     secure_pool_round,
 )
 from fedge.clients.gateway.web import WebSite, check_origins, check_web, cors_middleware, demo_page_warning, web_routes
+from fedge.codec import FP32, TASK_ENCODINGS
 from fedge.errors import ConfigError, DeviceProtocolError, FedgeError
 from fedge.listeners import ListenerLimits, bind, server_tls, uvicorn_options
 
@@ -116,6 +117,7 @@ class GatewaySettings:
     max_per_address: int = 32  # ... of which one client address may hold at most this many
     max_num_examples: int = 100_000
     uplink: str = "fp32"  # what devices send: fp32 weights, or int8-delta
+    downlink: str = "fp32"  # how tasks carry the model to devices that read it: fp32, fp16 or int8
     device_rule: str = "mean"  # a plain round's reply over its devices: "mean" (hierarchical FedAvg), or a robust
     # "median" / "trimmed-mean" (unweighted; O(devices x model) memory; secure pools reveal only the mean)
     device_trim_fraction: float = 0.2  # device_rule = "trimmed-mean": the share cut at each end of each coordinate
@@ -257,8 +259,8 @@ class Gateway:
                   DEADLINE_S: round(left, 1)}
         if self.last_round > 0:  # the run's number of rounds: a device follows the run (the web demo page's progress)
             header[NUM_ROUNDS] = self.last_round
-        current.hand_out(session.device)
-        return assemble_frame(header, *current.tensors)
+        task = current.task(session)
+        return assemble_frame(header, task.entries, task.data)
 
     def result_limit(self) -> int:
         """The most bytes a result for the round in flight can take (409 when none is in flight)."""
@@ -285,6 +287,9 @@ class Gateway:
         self.note_round(header)
         self.model_elements = sum(math.prod(np.shape(value)) for value in frame_tensors.values())  # bounds results
         if kind == "train" and header.get("secure") is not None:
+            if self.settings.downlink != FP32.spec:  # the masked sum is taken against the model as the steps carry it
+                log.info("round %s: a secure round sends its tasks as fp32 (--downlink %s applies to plain rounds)",
+                         header.get("server-round"), self.settings.downlink)
             return await asyncio.to_thread(self.run_secure_round, header, frame_tensors)
         current = GatewayRound(kind=str(kind), server_round=int(header.get("server-round", 0)),
                                config=dict(header.get("config", {})), graph=str(header.get("graph", "")),
@@ -292,7 +297,7 @@ class Gateway:
                                max_num_examples=self.settings.max_num_examples,
                                bounds=DeviceBounds.of(dict(header.get("config", {}))),
                                device_rule=self.settings.device_rule if kind == "train" else "mean",
-                               trim_fraction=self.settings.device_trim_fraction)
+                               trim_fraction=self.settings.device_trim_fraction, downlink=self.settings.downlink)
         self.round = current
         log.info("round %d (%s): offered to this gateway's devices, waiting for %d results (deadline %.0f s)",
                  current.server_round, kind, current.target, self.settings.round_deadline_s)
@@ -607,6 +612,8 @@ def check_gateway(options: GatewayOptions) -> None:
     check_origins(options.allow_origins)
     if options.settings.uplink not in ENCODINGS:
         raise ConfigError(f"--uplink {options.settings.uplink!r}: use {' or '.join(ENCODINGS)}")
+    if options.settings.downlink not in TASK_ENCODINGS:
+        raise ConfigError(f"--downlink {options.settings.downlink!r}: use {' or '.join(TASK_ENCODINGS)}")
     if options.insecure:
         return
     for path, what in ((options.cert, "--cert"), (options.cert_key, "--cert-key")):

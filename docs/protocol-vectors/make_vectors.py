@@ -40,15 +40,18 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedge.batching import batch_order
 from fedge.clients.gateway.protocol import (
+    assemble_frame,
     b64,
     check_in_message,
     encode_frame,
+    encode_task,
     from_int8_delta,
     int8_delta,
     records_to_json,
     request_mac,
 )
 from fedge.clients.secagg_device import Trained, encode_noised, encode_update
+from fedge.codec import TASK_ENCODINGS, task_capability
 from fedge.edge.signing import fingerprint
 from fedge.edge.trainer import MomentumUpdate, OnnxTrainer
 from fedge.edge.training_bundle import read_training_bundle
@@ -189,6 +192,22 @@ def int8_delta_vector() -> dict[str, Any]:
     return {"what": "q = round-half-even((trained - global) / scale) in float64, scale = max|trained - global| / 127 "
                     "(0 when the delta is 0: q all 0); restored = global + q * float32(scale) in float32",
             "cases": cases}
+
+
+def task_encodings_vector() -> dict[str, Any]:
+    """A round's model in each task (downlink) encoding: the task frame's tensors and what a device reads from them."""
+
+    weights = {"w": np.array([[0.5, -1.0], [2.0, 0.25]], np.float32),
+               "b": np.array([1e-3, -3.0, 70000.0, 1e-7], np.float32)}
+    cases = []
+    for encoding in TASK_ENCODINGS:
+        task = encode_task(weights, encoding)
+        cases.append({"encoding": encoding, "capability": task_capability(encoding),
+                      "frame_hex": hexed(assemble_frame({"kind": "train"}, task.entries, task.data)),
+                      "received": {name: f32(value) for name, value in task.received.items()}})
+    return {"what": "fp32 as is; fp16: float16, saturating at +/-65504; int8: q = round-half-even(w / scale), "
+                    "scale = max|w| / 127 per tensor (float32), read as float32(q) * float32(scale)",
+            "weights": {name: f32(value) for name, value in weights.items()}, "cases": cases}
 
 
 def batching_vector() -> dict[str, Any]:
@@ -515,6 +534,7 @@ VECTORS: dict[str, Callable[[], dict[str, Any]]] = {
     "check-in": check_in_vector,
     "request-mac": request_mac_vector,
     "int8-delta": int8_delta_vector,
+    "task-encodings": task_encodings_vector,
     "batching": batching_vector,
     "preprocessing": preprocessing_vector,
     "optimiser": optimiser_vector,
