@@ -17,6 +17,7 @@ import re
 import threading
 import zipfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,42 @@ def test_a_browser_tab_trains_a_gateway_round_as_the_python_device_would(tmp_pat
         step = float(np.max(np.abs(python[name] - run["weights"][name]))) / 127 if uplink == "int8-delta" else 0.0
         assert float(np.max(np.abs(arrays[name] - python[name]))) <= step + 1e-5, name
     assert min(float(np.max(np.abs(arrays[k] - run["weights"][k]))) for k in python) > 1e-3  # it trained
+
+
+def test_a_tab_that_names_two_gateways_checks_in_at_the_next_when_its_gateway_stops_and_trains_each_round_once(
+        tmp_path: Path, run: dict[str, Any], chromium: Any) -> None:
+    # Prepare: gateway A serves the page; gateway B allows A's origin; the tab names B after A (?gateway=)
+    settings = GatewaySettings(name="gw-test", devices_per_round=1, round_deadline_s=600, idle_poll_s=0.2)
+    first = WebGateway(tmp_path / "a", run, settings)
+    second = WebGateway(tmp_path / "b", run, settings, allow_origins=(first.url,))
+    try:
+        chromium.get(f"{first.url}/web/demo.html?name=browser0&gateway={second.url}")
+        pem = chromium.execute_async_script(
+            "const done = arguments[0];"
+            "(function wait() { const s = window.__fedge;"
+            " if (s && (s.publicKeyPem || s.error)) done(s.publicKeyPem || s.error); else setTimeout(wait, 50); })();")
+        for gateway in (first, second):  # the operator admits the tab's key at both
+            (gateway.allow / "browser0.pub").write_text(pem)
+            gateway.gateway.allow.refresh(force=True)
+        # Execute: round 1 through A; A stops; round 2 through B
+        chromium.execute_script("window.fedgeJoin()")
+        header1, _ = first.round_of(1, 3)
+        first.close()
+        header2, _ = second.round_of(2, 3)
+        # ... and B asks for round 2 again: the tab does not train it twice, so B's round ends on its deadline
+        # with no device (the deadline is what this waits for)
+        second.gateway.settings = replace(settings, round_deadline_s=3.0)
+        with pytest.raises(FedgeError, match="none of this gateway's devices answered"):
+            second.round_of(2, 3)
+        state = _page_when(chromium, "s.progress.some((e) => e.kind === 'skipped')")
+    finally:
+        first.close()
+        second.close()
+    # Assert: one device in each round, through each gateway; the page said it switched, and skipped round 2's repeat
+    assert header1["devices"] == 1 and header1["gateway"] == "gw-test" and header2["devices"] == 1
+    assert state["kinds"].count("train") == 2 and state["error"] is None, state
+    assert any("checking in at " + second.url in line for line in state["lines"]), state["lines"]
+    assert any(line.startswith("skipped round 2: this device trained round 2 already") for line in state["lines"])
 
 
 def _page_when(driver: Any, condition: str) -> dict[str, Any]:

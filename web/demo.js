@@ -41,6 +41,7 @@ const STATUS = {
   late: (e) => "round " + of(e) + " closed before this tab's result arrived (not counted); waiting for the next",
   secagg: (e) => "round " + of(e) + ": secure aggregation, " + String(e.action || "").replace("secagg_", "") + " step sent",
   refused: (e) => "round " + of(e) + ": this tab refused a secure-aggregation step: " + e.reason,
+  skipped: (e) => "round " + of(e) + ": not trained again: " + e.reason,
   done: (e) => "the run is over: " + e.reason,
   inputs: (e) => e.message,
   error: (e) => "error: " + e.error,
@@ -57,7 +58,8 @@ function render(event) {
     line.textContent = event.message;
   } else {
     line.textContent = event.kind + (event.round ? " round " + of(event) : "") +
-      (event.loss !== undefined ? ", loss " + event.loss.toFixed(4) : "") + (event.error ? ": " + event.error : "");
+      (event.loss !== undefined ? ", loss " + event.loss.toFixed(4) : "") + (event.error ? ": " + event.error : "") +
+      (event.reason && !event.error ? ": " + event.reason : "");
   }
   if (event.kind === "error") line.className = "error";
   if (event.kind === "inputs" && event.verdict === "outside") line.className = "warning";
@@ -71,7 +73,9 @@ function render(event) {
 
 async function join() {
   const bundleKeyPem = await (await fetch("bundle-key.pem", {cache: "no-store"})).text();
-  const device = new FedgeDevice({gateway: location.origin, name: name, bundleKeyPem: bundleKeyPem, data: null,
+  // ?gateway=URL (repeatable): gateways to check in at when this page's own cannot be reached, in order
+  const gateways = [location.origin, ...new URLSearchParams(location.search).getAll("gateway")];
+  const device = new FedgeDevice({gateways: gateways, name: name, bundleKeyPem: bundleKeyPem, data: null,
                                   ortBase: new URL("ort/", location.href).href});
   const data = await device.getJson(new URL("data/" + encodeURIComponent(name) + ".json", location.href).pathname,
                                     "this device's examples");

@@ -109,10 +109,20 @@ export class FedgeDevice {
   // relay that check-in to another gateway; with it, a `hello` naming another gateway is refused.
   // maxNetworkFailures: requests in a row that fail to reach a gateway that has not answered yet (no answer at
   // all: CORS, TLS trust, a wrong address) before run() stops; once it has answered, run() keeps trying.
-  constructor({gateway, name, bundleKeyPem, data, ortBase, workerUrl, modelId, trainingModelId, gatewayName,
-               maxNetworkFailures = 5}) {
-    this.gateway = gateway.replace(/\/$/, "");
-    this.expectedGateway = gatewayName ?? null;
+  // gateways: several gateways' URLs instead of one (gatewayNames: their names, in the same order): when the one in
+  // use cannot be reached, the device checks in at the next, and it trains each round at most once whichever
+  // gateway asks (the coordinator counts its result once a round).
+  constructor({gateway, gateways, name, bundleKeyPem, data, ortBase, workerUrl, modelId, trainingModelId,
+               gatewayName, gatewayNames, maxNetworkFailures = 5}) {
+    this.gateways = (gateways ?? (gateway ? [gateway] : [])).map((url) => url.replace(/\/$/, ""));
+    if (!this.gateways.length) throw new Error("name the gateway: {gateway: URL}, or {gateways: [URL, ...]}");
+    this.expectedGateways = gatewayNames ?? (gatewayName ? [gatewayName] : null);
+    if (this.expectedGateways && this.expectedGateways.length !== this.gateways.length) {
+      throw new Error("gatewayNames must name each of the " + this.gateways.length + " gateways, in the same order");
+    }
+    this.gateway = this.gateways[0];
+    this.expectedGateway = this.expectedGateways ? this.expectedGateways[0] : null;
+    this.trainedRound = -1;  // the last round this device trained a plain task for (at any gateway)
     this.name = name;
     this.bundleKeyPem = bundleKeyPem;
     this.lineage = {inference: modelId ?? null, training: trainingModelId ?? null};
@@ -144,6 +154,18 @@ export class FedgeDevice {
       this.pending.set(id, {resolve: resolve, reject: reject});
       this.worker.postMessage({...message, id: id}, transfer || []);
     });
+  }
+
+  // Check in at the next gateway named (the one in use cannot be reached): a new session and gateway name; what
+  // was trained and unmasked is remembered across gateways.
+  nextGateway() {
+    this.gateways.push(this.gateways.shift());
+    if (this.expectedGateways) this.expectedGateways.push(this.expectedGateways.shift());
+    this.gateway = this.gateways[0];
+    this.expectedGateway = this.expectedGateways ? this.expectedGateways[0] : null;
+    this.session = null;
+    this.gatewayName = null;
+    this.answered = null;
   }
 
   // ---------------------------------------------------------------- transport
@@ -298,7 +320,12 @@ export class FedgeDevice {
       return {kind: kind, nextInS: sent["next-in-s"], round: task["server-round"], metrics: result.metrics, ...numRounds,
               ...(sent.late ? {reason: sent.reason} : {})};
     }
+    if (task["server-round"] <= this.trainedRound) {  // its result went through another gateway, where it counts
+      return {kind: "skipped", nextInS: 5, round: task["server-round"],
+              reason: "this device trained round " + task["server-round"] + " already (through another gateway)"};
+    }
     const trained = await this.call({type: "train", weights: weights, config: task.config, seed: String(task.seed), ...data});
+    this.trainedRound = task["server-round"];  // even if the result does not arrive: it may have, through this gateway
     const header = {task: task.task, kind: "train", "num-examples": trained.stats.numExamples,
                     "samples-processed": trained.stats.samplesProcessed, steps: trained.stats.steps,
                     metrics: {"train-loss": trained.stats.loss}, encoding: task.uplink || "fp32"};
@@ -474,6 +501,11 @@ export class FedgeDevice {
         if (/training bundle refused|cannot take part/.test(outcome.error)) { onProgress(outcome); throw error; }
         unreachable = error.network ? unreachable + 1 : 0;
         if (reached && unreachable) outcome.nextInS = Math.min(2 ** Math.min(unreachable, 5), maxWaitS);
+        if (error.network && this.gateways.length > 1) {  // the next gateway named: at once, until each was tried
+          this.nextGateway();
+          outcome.error += "; checking in at " + this.gateway;
+          if (unreachable % this.gateways.length) outcome.nextInS = 0;
+        }
         if (!reached && unreachable >= this.maxNetworkFailures) {
           const stop = new Error(this.unreachable(unreachable, outcome.error));
           onProgress({...outcome, error: stop.message, trained: trained});
