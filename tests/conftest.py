@@ -3,9 +3,12 @@ suite over pytest-xdist workers."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +82,69 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(item.path.name))
     rank = {name: index for index, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as collected
+    items[:] = _interleaved(items)
+
+
+def _interleaved(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The groups in order, deployments alternating with the rest (a group's tests stay together): while two
+    deployments hold the slots (below), the other workers have in-process tests to run, not a slot to wait for."""
+    units: list[tuple[str, list[pytest.Item]]] = []
+    for item in items:
+        marker = item.get_closest_marker("xdist_group")
+        key = str(marker.args[0]) if marker is not None and marker.args else item.nodeid
+        if units and units[-1][0] == key:
+            units[-1][1].append(item)
+        else:
+            units.append((key, [item]))
+    deployments = [unit for _, unit in units if any(_is_deployment(item) for item in unit)]
+    others = [unit for _, unit in units if not any(_is_deployment(item) for item in unit)]
+    ordered: list[pytest.Item] = []
+    while deployments or others:
+        for queue in (deployments, others):
+            if queue:
+                ordered.extend(queue.pop(0))
+    return ordered
+
+
+# Deployments (a coordinator, a SuperLink, devices or gateways, a ClientApp process per message: processes that each
+# import torch and Flower) run at most DEPLOYMENT_SLOTS at once across the xdist workers: four at once on two cores
+# slowed each one's processes past Flower's 60 s heartbeat window and a round's devices past their deadlines. A
+# worker waits for a free slot (a file lock shared by this run's workers), so the deployments' own waits stay events.
+DEPLOYMENT_SLOTS = 2
+DEPLOYMENTS = frozenset({
+    "test_deployment.py", "test_gateway_deployment.py", "test_lifecycle.py", "test_device_rejoin.py",
+    "test_operator_feedback.py", "test_operator_service.py", "test_role_installs.py", "test_task_deployment.py",
+    "test_web_federation.py", "test_coordinator_console.py", "test_delivery.py", "test_submodels.py"})
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    if not _is_deployment(item) or not hasattr(item.config, "workerinput"):
+        yield
+        return
+    shared = item.config._tmp_path_factory.getbasetemp().parent  # type: ignore[attr-defined]  # this run's workers'
+    with _deployment_slot(shared):
+        yield
+
+
+def _is_deployment(item: pytest.Item) -> bool:
+    return item.path.name in DEPLOYMENTS and item.get_closest_marker("slow") is not None
+
+
+@contextmanager
+def _deployment_slot(shared: Path) -> Iterator[None]:
+    """Hold one of DEPLOYMENT_SLOTS file locks in ``shared`` (the kernel releases it if the worker dies)."""
+    paths = [shared / f"deployment-slot-{index}" for index in range(DEPLOYMENT_SLOTS)]
+    while True:
+        for path in paths:
+            with open(path, "a") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                try:
+                    yield
+                finally:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
+                return
+        time.sleep(0.2)
