@@ -426,9 +426,14 @@ def register_encoding(name: str, quantiser: Quantiser) -> Quantiser:
     ValueError
         A name that is taken.
     """
-    if name in _ENCODINGS:
-        raise ValueError(f"device-protocol encoding '{name}' is already {_ENCODINGS[name]!r}")
-    _ENCODINGS[name] = quantiser
+    return _registered(_ENCODINGS, "encoding", name, quantiser)
+
+
+def _registered(table: dict[str, Quantiser], what: str, name: str, quantiser: Quantiser) -> Quantiser:
+    """``quantiser`` entered in ``table`` under ``name`` (ValueError naming the taken ``what``)."""
+    if name in table:
+        raise ValueError(f"device-protocol {what} '{name}' is already {table[name]!r}")
+    table[name] = quantiser
     return quantiser
 
 
@@ -456,10 +461,7 @@ def register_task_encoding(name: str, quantiser: Quantiser) -> Quantiser:
     ValueError
         A name that is taken.
     """
-    if name in _TASK_ENCODINGS:
-        raise ValueError(f"device-protocol task encoding '{name}' is already {_TASK_ENCODINGS[name]!r}")
-    _TASK_ENCODINGS[name] = quantiser
-    return quantiser
+    return _registered(_TASK_ENCODINGS, "task encoding", name, quantiser)
 
 
 def task_capability(name: str) -> str:

@@ -164,18 +164,26 @@ def _wait(condition: Any) -> None:
         time.sleep(0.02)
 
 
-def test_a_gateway_round_sends_the_weighted_mean_of_its_devices_training(live: LiveGateway,
-                                                                           run: dict[str, Any]) -> None:
-    # Prepare: three devices (two P-256, one Ed25519) on different shards, checked in
-    devices = [live.device("phone0", 0), live.device("phone1", 1), live.device("browser", 2)]
+def _polled_round(live: LiveGateway, devices: list[ProtocolDevice]) -> tuple[list[Any], dict[str, Any],
+                                                                            dict[str, Any]]:
+    """The devices check in; the coordinator's instruction reaches the gateway; each device polls once.
+    Their outcomes, and the gateway's answer (header, arrays)."""
     for device in devices:
         device.check_in()
-    # Execute: the coordinator's instruction reaches the gateway; each device polls once
     thread, box = _in_background(live.round)
     _wait(lambda: live.gateway.round is not None)
     outcomes = [device.poll() for device in devices]
     thread.join()
     header, arrays = box["result"]
+    return outcomes, header, arrays
+
+
+def test_a_gateway_round_sends_the_weighted_mean_of_its_devices_training(live: LiveGateway,
+                                                                           run: dict[str, Any]) -> None:
+    # Prepare: three devices (two P-256, one Ed25519) on different shards
+    devices = [live.device("phone0", 0), live.device("phone1", 1), live.device("browser", 2)]
+    # Execute: each takes the round's task once
+    outcomes, header, arrays = _polled_round(live, devices)
     # Assert: each device's training, recomputed with the same trainer, seed and shard; their weighted mean
     trainer = devices[0].training_graph()[1]
     expected, counts = [], []
@@ -193,19 +201,13 @@ def test_a_gateway_round_sends_the_weighted_mean_of_its_devices_training(live: L
 
 def test_protocol_devices_train_from_an_fp16_task_and_the_round_is_their_mean_on_the_exact_weights(
         tmp_path: Path, run: dict[str, Any]) -> None:
-    # Prepare: a live gateway with an fp16 downlink; two reference devices (they read fp16) checked in
+    # Prepare: a live gateway with an fp16 downlink; two reference devices (they read fp16)
     settings = GatewaySettings(name="gw-test", devices_per_round=2, round_deadline_s=300, idle_poll_s=0.2,
                                downlink="fp16")
     with LiveGateway(tmp_path, run, settings) as live:
         devices = [live.device("phone0", 0), live.device("phone1", 1)]
-        for device in devices:
-            device.check_in()
-        # Execute: the coordinator's instruction; each device polls once
-        thread, box = _in_background(live.round)
-        _wait(lambda: live.gateway.round is not None)
-        outcomes = [device.poll() for device in devices]
-        thread.join()
-        header, arrays = box["result"]
+        # Execute: each takes the round's task once
+        outcomes, header, arrays = _polled_round(live, devices)
         trainer = devices[0].training_graph()[1]
     # Assert: each device trained from the fp16 weights (recomputed from them); the gateway's mean is the exact
     # weights plus the devices' weighted mean update
