@@ -72,7 +72,7 @@ def test_a_run_reports_rounds_names_and_metrics_and_a_failing_run_one_line(feder
     # Execute
     federation.wait_for(lambda: "run finished" in federation.log("coordinator"), 900, "the final line")
     status = subprocess.run([FEDGE, "coordinator", "status", "--state-dir", str(federation.root / "state")],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=600)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         metrics = response.read().decode()
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/devices", timeout=10) as response:
@@ -95,7 +95,7 @@ def test_a_run_reports_rounds_names_and_metrics_and_a_failing_run_one_line(feder
     federation.start_coordinator("--rounds", "1", "--clients-per-round", "2", "--run-config",
                                  FAST + " init-checkpoint='/nonexistent/ckpt.npz'")
     # Assert: exit 1, one line naming the error, no traceback on the console
-    assert federation.coordinator is not None and federation.coordinator.wait(180) == 1
+    assert federation.coordinator is not None and federation.coordinator.wait(600) == 1
     log = federation.log("coordinator").split("run finished")[-1]
     assert "fedge: error: the run failed: CheckpointMismatch: checkpoint '/nonexistent/ckpt.npz' does not exist" in log
     assert "Traceback" not in log and "Exit Code" not in log

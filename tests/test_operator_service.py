@@ -241,7 +241,7 @@ def test_metrics_without_the_dashboard_then_a_revoked_and_a_rotated_key(federati
     log = fed.log("coordinator")
     assert f"device dev2 (node {old_node['dev2']}) unregistered" in log, log
     assert f"device dev1 (node {old_node['dev1']}) unregistered" in log, log
-    assert fed.devices[2].wait(120) == 2 and old_key.wait(60) == 2
+    assert fed.devices[2].wait(600) == 2 and old_key.wait(600) == 2
     for index in (2, 3):
         assert "fedge: error: the coordinator did not activate this device" in fed.log(f"device{index}")
     assert "the SuperNode ended on its own" in fed.log("device2")
