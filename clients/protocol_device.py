@@ -151,6 +151,30 @@ def _gateway_address(gateway: str, *, insecure: bool, ca: Path | None) -> tuple[
     return url.hostname, url.port or (443 if url.scheme == "https" else 80), url.scheme == "https"
 
 
+class ResumingHTTPSConnection(http.client.HTTPSConnection):
+    """HTTPS that offers the gateway's last TLS session (TLS 1.3 resumption, RFC 8446 §2.2): a device's
+    next poll skips the gateway's certificate signature and its own chain check, which cost a phone
+    (and the gateway) most of a handshake. The gateway decides whether to resume; a session is only
+    ever offered to the host and port that issued it, and the certificate a resumed session carries is
+    the one verified when it was made (the check-in's gateway name is still read from it)."""
+
+    def __init__(self, host: str, port: int, *, timeout: float, context: ssl.SSLContext,
+                 sessions: dict[tuple[str, int], ssl.SSLSession]) -> None:
+        super().__init__(host, port, timeout=timeout, context=context)
+        self.sessions = sessions
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)  # the TCP connection; TLS below, offering the kept session
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=self.host,  # type: ignore[attr-defined]
+                                              session=self.sessions.get((self.host, self.port)))
+
+    def keep_session(self) -> None:
+        """Keep this connection's TLS session for the next connection (TLS 1.3 sends it after the handshake,
+        so it is known once a response was read)."""
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.session is not None:
+            self.sessions[(self.host, self.port)] = self.sock.session
+
+
 class ProtocolDevice:
     """A device that speaks fedge's device protocol to one gateway.
 
@@ -202,6 +226,7 @@ class ProtocolDevice:
         self._data_source = data
         self._context = ssl.create_default_context(cafile=str(ca)) if self.tls else None
         self._connection: http.client.HTTPConnection | None = None
+        self._tls_sessions: dict[tuple[str, int], ssl.SSLSession] = {}  # each gateway's last TLS session
         self._peer = ""  # the subject CN of the TLS certificate the open connection verified
         self._session: tuple[str, bytes] | None = None
         self._counter = 0
@@ -233,9 +258,9 @@ class ProtocolDevice:
     # ----------------------------------------------------------------------- transport
     def _connect(self) -> http.client.HTTPConnection:
         if self._connection is None:
-            if self.tls:
-                self._connection = http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout_s,
-                                                               context=self._context)
+            if self._context is not None:
+                self._connection = ResumingHTTPSConnection(self.host, self.port, timeout=self.timeout_s,
+                                                           context=self._context, sessions=self._tls_sessions)
             else:
                 self._connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         if self.tls and self._connection.sock is None:  # a new TLS connection: whose certificate is it?
@@ -246,8 +271,11 @@ class ProtocolDevice:
         return self._connection
 
     def close(self) -> None:
-        """Close the connection (devices should not hold one between polls)."""
+        """Close the connection (devices should not hold one between polls); its TLS session is kept, so the
+        next connection to that gateway resumes it."""
         if self._connection is not None:
+            if isinstance(self._connection, ResumingHTTPSConnection):
+                self._connection.keep_session()
             self._connection.close()
             self._connection = None
 

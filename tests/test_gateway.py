@@ -331,6 +331,24 @@ def test_malformed_step_records_are_refused_by_name(case: str, records: Any, rea
         records_from_json(records)
 
 
+def test_a_device_resumes_its_tls_session_and_still_signs_only_for_the_gateway_its_certificate_names(
+        live: LiveGateway) -> None:
+    # Prepare: a device checks in (a full handshake), then closes its connection between polls, as devices do
+    device = live.device("phone0")
+    device.check_in()
+    first = device._connection
+    assert first is not None and isinstance(first.sock, ssl.SSLSocket) and not first.sock.session_reused
+    verified = device._peer  # the common name of the certificate the full handshake verified
+    device.close()
+    # Execute: it checks in again on a new connection
+    device.check_in()
+    # Assert: the gateway resumed the session (no certificate signature, no chain check), and the signed check-in
+    # still went to a connection whose certificate, carried by the session, names the gateway
+    second = device._connection
+    assert second is not None and isinstance(second.sock, ssl.SSLSocket) and second.sock.session_reused
+    assert device._peer == verified and verified.endswith("gw-test") and device.gateway_name == "gw-test"
+
+
 def test_a_recorded_check_in_cannot_be_replayed(live: LiveGateway) -> None:
     body = _signed_check_in(live, "phone0")
     first, _ = _raw(live, "POST", f"{PREFIX}/check-in", body)
