@@ -243,6 +243,7 @@ class ProtocolDevice:
         self.run_over: str | None = None  # once the gateway said the run is over: why (its words)
         self._work: tuple[int, float] | None = None  # (examples, loss) of the masked step just trained
         self._trained_round = -1  # the last round this device trained a plain task for (at any gateway)
+        self._unsent: tuple[str, bytes] | None = None  # (task id, result) of a train result no gateway answered yet
 
     def next_gateway(self) -> None:
         """Check in at the next gateway named (the one in use cannot be reached): a new connection,
@@ -454,6 +455,8 @@ class ProtocolDevice:
             return Outcome("refused", 5.0, int(task.get("server-round", 0)))
         server_round = int(task["server-round"])
         if task["kind"] == "train" and server_round <= self._trained_round:
+            if self._unsent is not None and self._unsent[0] == task[TASK_ID]:  # this task's result did not reach
+                return self._sent_train(server_round, "its result, trained before, sent again")  # the gateway
             log.warning("device %s: not training round %d again: this device trained it already (its result went "
                         "through another gateway, where it is counted)", self.name, server_round)
             return Outcome("refused", 5.0, server_round)
@@ -467,8 +470,15 @@ class ProtocolDevice:
             return self._sent(result, "evaluate", server_round, f"evaluated on {len(targets)} examples, {shown}")
         loss, result = self.train(task, weights, trainer, inputs, targets)
         self._trained_round = server_round  # even if the result does not arrive: it may have, through this gateway
-        return self._sent(result, "train", server_round, f"trained on {len(targets)} examples, loss {loss:.4f}",
-                          loss)
+        self._unsent = (str(task[TASK_ID]), result)  # ... and if this task comes again, it did not: sent again
+        return self._sent_train(server_round, f"trained on {len(targets)} examples, loss {loss:.4f}", loss)
+
+    def _sent_train(self, server_round: int, work: str, loss: float | None = None) -> Outcome:
+        """Send the train result not yet answered (:meth:`_sent`); once the gateway answers, it is sent."""
+        assert self._unsent is not None
+        outcome = self._sent(self._unsent[1], "train", server_round, work, loss)
+        self._unsent = None
+        return outcome
 
     def _sent(self, result: bytes, kind: str, server_round: int, work: str, loss: float | None = None) -> Outcome:
         """Send a round's result; its one line (sent, or the round had closed: 409, a normal outcome)."""

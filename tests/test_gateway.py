@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import logging
 import os
 import re
 import shutil
@@ -532,6 +533,39 @@ def two_gateways(tmp_path: Path, run: dict[str, Any]) -> Iterator[tuple[LiveGate
     finally:
         first.close()
         second.close()
+
+
+def test_a_result_lost_on_the_way_is_sent_again_when_its_gateway_offers_the_task_again(
+        tmp_path: Path, run: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    # Prepare: a gateway round of one device; the device's first result is lost on the way (its connection drops
+    # as the result is sent: a fault put in the transport, once)
+    with LiveGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=1, round_deadline_s=600,
+                                                    idle_poll_s=0.2)) as live:
+        device = live.device("phone0")
+        device.check_in()
+        sent: list[bytes] = []
+        send = device._result_answer
+
+        def dropped(frame: bytes) -> Any:
+            sent.append(frame)
+            device._result_answer = send  # type: ignore[method-assign]
+            raise ConnectionResetError("the connection dropped as the result was sent")
+
+        device._result_answer = dropped  # type: ignore[method-assign]
+        thread, box = _in_background(live.round)
+        _wait(lambda: live.gateway.round is not None)
+        # Execute: the device trains and loses its result; the gateway offers the task again; the device polls
+        with pytest.raises(ConnectionResetError):
+            device.poll()
+        with caplog.at_level(logging.INFO, logger="fedge.protocol_device"):
+            again = device.poll()
+        thread.join()
+        header, arrays = box["result"]
+    # Assert: the same result, sent again, not trained twice; the round has it
+    frame, scales = decode_frame(sent[0])
+    assert again.kind == "train" and header["devices"] == 1 and header["num-examples"] == frame.header["num-examples"]
+    assert all(np.array_equal(arrays[name], frame.tensors[name]) for name in frame.tensors)
+    assert "its result, trained before, sent again" in caplog.text and "trained on" not in caplog.text
 
 
 def test_a_device_checks_in_at_its_next_gateway_when_its_gateway_is_stopped_and_trains_each_round_once(

@@ -123,6 +123,7 @@ export class FedgeDevice {
     this.gateway = this.gateways[0];
     this.expectedGateway = this.expectedGateways ? this.expectedGateways[0] : null;
     this.trainedRound = -1;  // the last round this device trained a plain task for (at any gateway)
+    this.unsent = null;  // {task, frame, work}: a train result no gateway answered yet (sent again if its task comes)
     this.name = name;
     this.bundleKeyPem = bundleKeyPem;
     this.lineage = {inference: modelId ?? null, training: trainingModelId ?? null};
@@ -320,8 +321,15 @@ export class FedgeDevice {
       return {kind: kind, nextInS: sent["next-in-s"], round: task["server-round"], metrics: result.metrics, ...numRounds,
               ...(sent.late ? {reason: sent.reason} : {})};
     }
-    if (task["server-round"] <= this.trainedRound) {  // its result went through another gateway, where it counts
-      return {kind: "skipped", nextInS: 5, round: task["server-round"],
+    if (task["server-round"] <= this.trainedRound) {
+      if (this.unsent && this.unsent.task === task.task) {  // this task's result did not reach the gateway: again
+        const again = await this.result(this.unsent.frame);
+        const work = this.unsent.work;
+        this.unsent = null;
+        return {kind: again.late ? "late" : "train", nextInS: again["next-in-s"], round: task["server-round"], ...work,
+                ...numRounds, resent: true, ...(again.late ? {reason: again.reason} : {})};
+      }
+      return {kind: "skipped", nextInS: 5, round: task["server-round"],  // trained, and sent through another gateway
               reason: "this device trained round " + task["server-round"] + " already (through another gateway)"};
     }
     const trained = await this.call({type: "train", weights: weights, config: task.config, seed: String(task.seed), ...data});
@@ -339,7 +347,11 @@ export class FedgeDevice {
         out[entry.name] = {data: trained.weights[entry.name], shape: shape};
       }
     }
-    const sent = await this.result(encodeFrame(header, out));
+    const frame = encodeFrame(header, out);
+    // ... and if this task comes again, it did not: the same result is sent again (until the gateway answers it)
+    this.unsent = {task: task.task, frame: frame, work: {loss: trained.stats.loss, numExamples: trained.stats.numExamples}};
+    const sent = await this.result(frame);
+    this.unsent = null;
     return {kind: sent.late ? "late" : "train", nextInS: sent["next-in-s"], round: task["server-round"],
             loss: trained.stats.loss, numExamples: trained.stats.numExamples, ...numRounds,
             ...(sent.late ? {reason: sent.reason} : {})};
