@@ -242,6 +242,7 @@ class TlsAcceptor(asyncio.Protocol):
             return
         self.by_address[address] += 1
         self._address = address
+        _no_delay(transport)
         transport.pause_reading()  # type: ignore[attr-defined]  # nothing reaches us before TLS starts
         task = self._loop.create_task(self._handshake(transport))
         HANDSHAKES.add(task)  # held until done: the loop keeps only a weak reference to a task
@@ -298,6 +299,16 @@ class TlsAcceptor(asyncio.Protocol):
 
 
 TLS_READ_BUFFER = 17 * 1024  # one TLS record (16 KiB of plaintext) and its overhead
+
+
+def _no_delay(transport: asyncio.BaseTransport) -> None:
+    """Send each write at once (TCP_NODELAY). asyncio sets it only on sockets whose ``proto`` is TCP, and a
+    socket made with ``proto`` 0 (``bind``'s, as most) accepts connections that have 0 too: the HTTP
+    layer's headers and body then went as two TLS records, the second held by Nagle's algorithm until
+    the device's delayed ACK, 40 ms later, on every response."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _shrink_read_buffer(transport: Any) -> None:
