@@ -8,6 +8,8 @@ training graph on onnxruntime.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import re
 import threading
@@ -115,6 +117,32 @@ def test_a_secure_pool_round_sends_the_pool_mean_and_the_gateway_sees_only_maske
     assert all(set(frame.header["records"]) == {"secagg-received", "fedge"} for frame in masked)
     plain = [frame for _, frame in sent if any(t.dtype == np.float32 for t in frame.tensors.values())]
     assert plain == [] and sum(polling.trained.values()) == 4
+
+
+def test_a_secure_round_sends_its_tasks_as_fp32_whatever_the_gateways_downlink(
+        pool: LiveGateway, run: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+        ) -> None:
+    # Prepare: the gateway sends plain rounds' tasks as fp16 to devices that read it (all four phones do); each
+    # phone records the dtypes of the float tensors of every secure step it is sent
+    monkeypatch.setattr(pool.gateway, "settings", dataclasses.replace(pool.gateway.settings, downlink="fp16"))
+    received: list[str] = []
+    step = ProtocolDevice._secure_step
+
+    def recording(self: ProtocolDevice, task: dict[str, Any], tensors: dict[str, np.ndarray]) -> Any:
+        received.extend(str(value.dtype) for value in tensors.values() if value.dtype.kind == "f")
+        return step(self, task, tensors)
+    monkeypatch.setattr(ProtocolDevice, "_secure_step", recording)
+    names = [f"phone{index}" for index in range(4)]
+    # Execute
+    with caplog.at_level(logging.INFO, logger="fedge"):
+        header, arrays, _, _ = _four_phones_round(pool, monkeypatch, SECURE)
+    # Assert: the model reached the devices as fp32 (the masked sum is taken against it), so the round is the
+    # pool's exact mean within the fixed-point step, and the gateway said why its downlink did not apply
+    assert received and set(received) == {"float32"}, received
+    mean, examples = _expected_mean(pool, run, names)
+    assert header["secure-pool"] == 4 and header["num-examples"] == examples
+    assert max(float(np.max(np.abs(arrays[k] - mean[k]))) for k in mean) <= 1e-5
+    assert "a secure round sends its tasks as fp32 (--downlink fp16 applies to plain rounds)" in caplog.text
 
 
 def test_a_secure_pool_under_distributed_dp_sends_the_clipped_uniform_mean_with_the_devices_noise(
