@@ -203,6 +203,61 @@ def test_a_tab_that_names_two_gateways_checks_in_at_the_next_when_its_gateway_st
     assert any(line.startswith("skipped round 2: this device trained round 2 already") for line in state["lines"])
 
 
+# The tab's first train result is lost on the way (the request fails as a dropped connection does, once); the worker's
+# train calls are counted
+LOSE_FIRST_RESULT = """
+const [done] = arguments;
+window.__trainCalls = 0;
+import('./fedge-device.js').then(({FedgeDevice}) => {
+  const send = FedgeDevice.prototype.send, call = FedgeDevice.prototype.call;
+  let lost = false;
+  FedgeDevice.prototype.send = async function (method, path, body, headers) {
+    if (!lost && method === "POST" && path.endsWith("/result")) {
+      lost = true;
+      const failed = new Error("cannot reach the gateway at " + this.gateway + ": Failed to fetch");
+      failed.network = true;
+      throw failed;
+    }
+    return send.call(this, method, path, body, headers);
+  };
+  FedgeDevice.prototype.call = async function (message) {
+    if (message.type === "train") window.__trainCalls++;
+    return call.call(this, message);
+  };
+  done(true);
+});
+"""
+
+
+def test_a_tab_whose_result_was_lost_sends_the_same_result_again_when_its_gateway_offers_the_task_again(
+        tmp_path: Path, run: dict[str, Any], chromium: Any) -> None:
+    # Prepare: a gateway round of one device; the tab's first result does not reach the gateway
+    gateway = WebGateway(tmp_path, run, GatewaySettings(name="gw-test", devices_per_round=1, round_deadline_s=600,
+                                                       idle_poll_s=0.2))
+    try:
+        _open_device(chromium, gateway, "browser0")
+        assert chromium.execute_async_script(LOSE_FIRST_RESULT)
+        box: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: box.update(result=gateway.round()), daemon=True)
+        thread.start()
+        # Execute: the tab trains, loses its result, polls again and gets the same task
+        chromium.execute_script("window.fedgeJoin()")
+        state = _page_when(chromium, "s.progress.some((e) => e.kind === 'train' || e.kind === 'skipped')")
+        assert "skipped" not in state["kinds"], state  # (before: it refused the task it had trained, as a repeat)
+        thread.join()
+        train_calls = chromium.execute_script("return window.__trainCalls")
+        resent = chromium.execute_script("return window.__fedge.progress.filter((e) => e.kind === 'train')"
+                                         ".map((e) => !!e.resent)")
+    finally:
+        gateway.close()
+    header, arrays = box["result"]
+    # Assert: the round has the tab's one result, trained once and sent again; the lost request was a network error
+    assert header["devices"] == 1 and header["num-examples"] == len(run["shards"][0][1]), header
+    assert train_calls == 1 and resent == [True], (train_calls, resent)
+    assert state["kinds"].index("error") < state["kinds"].index("train"), state
+    assert min(float(np.max(np.abs(arrays[k] - run["weights"][k]))) for k in arrays) > 1e-3  # it trained
+
+
 def _page_when(driver: Any, condition: str) -> dict[str, Any]:
     """The demo page's state once ``condition`` (JavaScript over its state ``s``) holds: an event, not a pause."""
     return dict(driver.execute_async_script(
