@@ -27,6 +27,8 @@ compressed downlink's gain is measured against fp32 in the same run (the ``fedge
 
 Usage: python bench/gateway_load.py [--devices 10000] [--per-round 1000] [--params 100000]
                                    [--downlinks fp32,fp16,int8] [--listeners fedge,uvicorn]
+       python bench/gateway_load.py --gateways 1,2,4 [--per-round 1000] [--rounds 6]
+           (many gateways and one coordinator: bench/gateway_fleet.py)
 Writes bench/results/gateway_load.json. Targets (issue 27): 10,000 connected devices within
 1 GiB per gateway; >= 500 updates/s per gateway core; round overhead <= 2 s.
 """
@@ -284,12 +286,20 @@ def main() -> None:
                         help="device listeners measured in turn: fedge (the gateway's) and uvicorn (before round 3)")
     parser.add_argument("--downlinks", default="fp32,fp16,int8",
                         help="task encodings measured on the first listener (fp32 is measured on each)")
+    parser.add_argument("--gateways", default="",
+                        help="N[,N...]: instead, N gateway processes and one coordinator (bench/gateway_fleet.py), "
+                             "--per-round devices a round over them, --rounds rounds")
+    parser.add_argument("--rounds", type=int, default=6, help="with --gateways: the run's rounds")
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--listener", default="fedge", help=argparse.SUPPRESS)
     parser.add_argument("--downlink", default="fp32", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.per_round, args.listener, args.downlink)
+        return
+    if args.gateways:
+        from gateway_fleet import fleet_bench
+        fleet_bench([int(n) for n in args.gateways.split(",")], args.per_round, args.rounds, args.clients)
         return
     from fedge.clients.gateway.service import add_protocol_device
     from fedge.server.pki import add_gateway, init_keys
