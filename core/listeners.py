@@ -23,7 +23,11 @@ connection slot with idle TLS connections (uvicorn then answers 503 to everyone)
 - with ``tls`` (:func:`uvicorn_options`), TLS is started by fedge's protocol rather than by
   asyncio's server: a connection is counted against its address when it is *accepted*,
   before its handshake, and a handshake that does not finish within ``handshake_timeout_s``
-  is closed (asyncio's own default holds it, and its file descriptor, for 60 s).
+  is closed (asyncio's own default holds it, and its file descriptor, for 60 s);
+- a TLS close that waits at most ``tls_shutdown_timeout_s`` for the peer's close_notify: an idle
+  kept-alive client (a device between polls) reads nothing, and asyncio's default of 30 s kept
+  each connection the listener closed (idle timeout, shutdown) counted against its address for
+  that long, and a listener's shutdown waiting on it.
 
 Threat model: bounds what one network client (one address) can hold. Residual risk: many
 addresses together can still fill the ``concurrency`` slots for up to ``header_timeout_s``
@@ -57,6 +61,7 @@ class ListenerLimits:
     body_timeout_s: float = 30.0
     min_body_rate: int = 16 * 1024  # bytes a second a declared body length must at least arrive at
     handshake_timeout_s: float = 10.0
+    tls_shutdown_timeout_s: float = 1.0  # after the listener's close_notify, the wait for the peer's
 
     def body_deadline_s(self, declared: int | None) -> float:
         """Seconds a request body of ``declared`` bytes (``None``: not declared) may take to arrive."""
@@ -251,7 +256,8 @@ class TlsAcceptor(asyncio.Protocol):
     async def _handshake(self, transport: Any) -> None:
         try:
             secured = await self._loop.start_tls(transport, self, self.context, server_side=True,
-                                                 ssl_handshake_timeout=self.limits.handshake_timeout_s)
+                                                 ssl_handshake_timeout=self.limits.handshake_timeout_s,
+                                                 ssl_shutdown_timeout=self.limits.tls_shutdown_timeout_s)
         except (OSError, TimeoutError, RuntimeError):  # a failed or too slow handshake (SSLError is an OSError)
             transport.abort()
             self._release()

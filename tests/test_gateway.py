@@ -375,6 +375,24 @@ def test_the_gateways_tls_listener_sends_each_response_at_once(live: LiveGateway
     assert no_delay != 0
 
 
+def test_the_gateways_listener_stops_while_a_device_holds_an_idle_kept_alive_connection(
+        tmp_path: Path, run: dict[str, Any]) -> None:
+    # Prepare: a gateway; a device's kept-alive TLS connection, idle after one request (it reads nothing more)
+    live = LiveGateway(tmp_path, run, GatewaySettings(name="gw-test"))
+    context = ssl.create_default_context(cafile=str(run["keys"].ca_cert))
+    client = http.client.HTTPSConnection("127.0.0.1", live.devices.port, context=context, timeout=30)
+    try:
+        client.request("GET", "/v1/hello")
+        assert client.getresponse().read()
+        # Execute: the gateway stops (as at SIGTERM), waiting up to 10 s for its listener's thread
+        live.close()
+    finally:
+        client.close()
+    # Assert: the listener ended: its TLS close waits 1 s for the device's close_notify, not asyncio's 30 s (before,
+    # the thread was still waiting after 10 s, and every connection it closed kept its address's slot that long)
+    assert not live.devices.thread.is_alive()
+
+
 def test_a_recorded_check_in_cannot_be_replayed(live: LiveGateway) -> None:
     body = _signed_check_in(live, "phone0")
     first, _ = _raw(live, "POST", f"{PREFIX}/check-in", body)
