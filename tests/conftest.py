@@ -85,6 +85,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = _interleaved(items)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse --dist loadgroup where it would not group: pytest 9.2 gives a test's node id from a structured id, so
+    pytest-xdist 3.8's group suffix (appended to ``item._nodeid``) never reaches its scheduler."""
+    version = tuple(int(part) for part in pytest.__version__.split(".")[:2] if part.isdigit())
+    if config.getoption("dist", "no") == "loadgroup" and version >= (9, 2):
+        raise pytest.UsageError(
+            f"pytest-xdist's --dist loadgroup does not group tests under pytest {pytest.__version__}: module fixtures "
+            "would be made on every worker and tests that share state (the 'ray' group) would run at once; install "
+            "pyproject's pins (`make setup`: pytest<9.2), or run without workers (TEST_WORKERS=0)")
+
+
 def _interleaved(items: list[pytest.Item]) -> list[pytest.Item]:
     """The groups in order, deployments alternating with the rest (a group's tests stay together): while two
     deployments hold the slots (below), the other workers have in-process tests to run, not a slot to wait for."""
