@@ -48,7 +48,7 @@ from fedge.config import DEFAULTS, Scalar, resolve_run_config
 from fedge.edge.signing import ensure_private_dir
 from fedge.errors import ConfigError, FedgeError
 from fedge.files import open_private_append
-from fedge.process import flower_bin, flower_env, stop_processes
+from fedge.process import COORDINATOR_SUPEREXEC_POLL_S, flower_bin, flower_env, stop_processes
 from fedge.server.pki import CoordinatorKeys
 from fedge.server.rejoins import REVOKED_ENV, revoked_nodes
 
@@ -255,8 +255,9 @@ class Coordinator:
         """
         from fedge.server.publish import PUBLISH_ENV
 
-        return {**flower_env(self.flwr_home), PUBLISH_ENV: str(self.published.resolve()),
-                NAMES_ENV: str(self.names_file.resolve()), REVOKED_ENV: str(self.revoked_file.resolve())}
+        return {**flower_env(self.flwr_home, superexec_poll_s=COORDINATOR_SUPEREXEC_POLL_S),
+                PUBLISH_ENV: str(self.published.resolve()), NAMES_ENV: str(self.names_file.resolve()),
+                REVOKED_ENV: str(self.revoked_file.resolve())}
 
     @property
     def revoked_file(self) -> Path:

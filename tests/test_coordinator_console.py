@@ -286,3 +286,18 @@ def test_measuring_a_sub_models_memory_prints_no_profiler_lines(tmp_path: Path) 
     assert done.returncode == 0, done.stderr
     assert "WARNING fedge.server: measured" in done.stderr
     assert "profiler_start" not in done.stderr + done.stdout and "USDT" not in done.stderr + done.stdout, done.stderr
+
+
+def test_the_coordinators_superexec_polls_once_a_second_and_a_devices_ten_times(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: no poll interval set by the operator
+    from fedge.process import flower_env
+
+    monkeypatch.delenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", raising=False)
+    # Execute
+    coordinator = Coordinator(tmp_path / "state", None).env()
+    device = flower_env(tmp_path / "flwr-home")
+    # Assert: the coordinator's SuperExec launches one ServerApp a run (a 1 s poll costs its start at most 1 s and
+    # its SuperLink a tenth of a core less while idle); a device's launches a ClientApp for every message
+    assert coordinator["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "1.0"
+    assert device["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.1"
