@@ -50,12 +50,13 @@ def umask_zero() -> Iterator[None]:
         os.umask(previous)
 
 
-# `make test` runs the suite on pytest-xdist workers with --dist loadgroup (tests of one group run on one
-# worker, one after another). Each test file is a group of its own, unless its tests name one: a file's
-# module-scoped fixtures (a trained run, a live gateway, an exported graph) are then made once, not once per
-# worker, and a file's tests keep their order. Tests that share something outside their tmp_path name a
-# group with @pytest.mark.xdist_group(...), e.g. "ray": a local Ray instance finds and joins another one
-# started on the machine. Ports: simulation/loopback.free_port() hands each worker ports of its own.
+# `make test` runs the suite on pytest-xdist workers with --dist loadgroup: tests are handed out one by one, except
+# tests that share something outside their tmp_path, which name a group with @pytest.mark.xdist_group(...) and
+# run on one worker, one after another: e.g. "ray" (a local Ray instance finds and joins another one started on
+# the machine). Grouping each file instead (its module fixtures made once, not once per worker) was measured
+# slower from a fresh clone: 2,252 tests in 2007 s against 1466 s handed out one by one, as the big files' groups
+# kept a worker each while deployments waited for their slots. Ports: simulation/loopback.free_port() hands each
+# worker ports of its own.
 #
 # The files that take longest are handed out first, so that none starts last and runs alone at the end
 # (measured with `--durations=0`; a file missing here only moves back to its place in the collection).
@@ -68,18 +69,12 @@ SLOWEST_FIRST: tuple[str, ...] = (
     "test_ray_backend.py", "test_task_deployment.py", "test_new_task.py", "test_fuzz_bundles.py",
     "test_onnx_devices.py", "test_gateway_operator.py", "test_device_rejoin.py",
 )
-# Long files of independent deployments (no module-scoped fixture): their tests are handed out one by one.
-SPREAD = frozenset({"test_gateway_deployment.py", "test_deployment.py", "test_resume.py", "test_operator_service.py",
-                    "test_operator_feedback.py"})
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's hook, which appends each test's group to its node id
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not hasattr(config, "workerinput") or not config.getvalue("loadgroup"):
         return  # not an xdist worker under --dist loadgroup: the suite runs as collected
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None and item.path.name not in SPREAD:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
     rank = {name: index for index, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as collected
     items[:] = _interleaved(items)
@@ -87,12 +82,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_configure(config: pytest.Config) -> None:
     """Refuse --dist loadgroup where it would not group: pytest 9.2 gives a test's node id from a structured id, so
-    pytest-xdist 3.8's group suffix (appended to ``item._nodeid``) never reaches its scheduler."""
+    pytest-xdist 3.8's group suffix (appended to ``item._nodeid``) never reaches its scheduler (the "ray" group's
+    tests would run at once)."""
     version = tuple(int(part) for part in pytest.__version__.split(".")[:2] if part.isdigit())
     if config.getoption("dist", "no") == "loadgroup" and version >= (9, 2):
         raise pytest.UsageError(
-            f"pytest-xdist's --dist loadgroup does not group tests under pytest {pytest.__version__}: module fixtures "
-            "would be made on every worker and tests that share state (the 'ray' group) would run at once; install "
+            f"pytest-xdist's --dist loadgroup does not group tests under pytest {pytest.__version__}: tests that share "
+            "state (the 'ray' group) would run at once; install "
             "pyproject's pins (`make setup`: pytest<9.2), or run without workers (TEST_WORKERS=0)")
 
 
