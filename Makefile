@@ -45,8 +45,8 @@ browser:
 	else echo "WARNING: could not install onnxruntime-web@$(ORTWEB_VERSION) with npm into $(ORTWEB_DIR): the browser training test will be SKIPPED"; fi
 
 # The suite runs on TEST_WORKERS pytest-xdist processes (its deployment tests partly wait on
-# processes and sockets, so more workers than cores pay): each test file on one worker, files
-# that share state outside their tmp_path in named groups (tests/conftest.py). TEST_WORKERS=0,
+# processes and sockets, so more workers than cores pay): tests are handed out one by one, and
+# files that share state outside their tmp_path stay on one worker in named groups (tests/conftest.py). TEST_WORKERS=0,
 # or no xdist in the venv, runs it in this one process. The 25 slowest tests are printed.
 TEST_WORKERS ?= 4
 test: $(STAMP) browser

@@ -16,6 +16,7 @@ from fedge import knobs
 from fedge.config import parse_run_config_args, resolve_run_config
 from fedge.errors import ConfigError, FedgeError, Stopped
 from fedge.profiles import RUNTIMES
+from fedge.server.run_restarts import DEFAULT_RESTARTS
 
 
 def add_parsers(sub: Any) -> None:
@@ -60,6 +61,9 @@ def _start_options(start: argparse.ArgumentParser) -> None:
     start.add_argument("--resume-existing", action="store_true",
                        help="with --run-dir: resume it if it already holds a run (checkpointed rounds), else start "
                             "it (one command line for a service that is restarted)")
+    start.add_argument("--restarts", type=int, default=DEFAULT_RESTARTS, metavar="N",
+                       help="go on after a lost ServerApp (no heartbeat for 60 s: a stalled machine, a killed "
+                            f"process) at most N times, from its last checkpointed round (default {DEFAULT_RESTARTS})")
     start.add_argument("--dashboard", action="store_true", help="also serve the dashboard for this run")
     start.add_argument("--dashboard-host", default="127.0.0.1", help="dashboard address (off loopback: token)")
     start.add_argument("--dashboard-port", type=int, default=8765)
@@ -284,6 +288,8 @@ def _start(args: argparse.Namespace) -> int:
     from fedge.server.coordinator import check_coordinator_keys
     from fedge.server.pki import CoordinatorKeys
 
+    if args.restarts < 0:
+        raise ConfigError(f"--restarts {args.restarts}: give how many times a lost run may go on (0: never)")
     keys = None if args.insecure else CoordinatorKeys(args.keys)
     if keys is not None:
         check_coordinator_keys(keys)  # TLS files first, then the run against the registered devices
@@ -321,9 +327,10 @@ def _start_coordinator(args: argparse.Namespace, keys: Any, run_config: dict[str
                       f"--coordinator {coordinator.bundles_url.split('://')[1]}`), published from "
                       f"{coordinator.published}", flush=True)
             from fedge.server.progress import RunFeed
+            from fedge.server.run_restarts import run_with_restarts
 
             feed = RunFeed(run_dir, coordinator.names).start()
-            output = coordinator.run(run_config)
+            output = run_with_restarts(coordinator, run_config, restarts=args.restarts)
             feed.stop()
             watch.stop()
             coordinator.stop()  # the run is over: Flower's processes go; the dashboard may stay

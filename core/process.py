@@ -44,11 +44,12 @@ def flower_bin(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
-def processes_of(flwr_home: Path) -> list[int]:
+def processes_of(flwr_home: Path, program: str | None = None) -> list[int]:
     """Ids of live processes whose ``FLWR_HOME`` is ``flwr_home``: every Flower process fedge started for it.
 
     Flower starts its helpers (SuperExec, ServerApp, ClientApp) in sessions of their own, so
     a process group does not reach them; the environment every one of them inherits does.
+    ``program`` (e.g. ``flwr-serverapp``): only processes whose command line names it.
     """
     marker, found = str(flwr_home), []
     if not Path("/proc/self/environ").exists():  # not Linux: psutil (the sim extra) reads environments
@@ -56,7 +57,8 @@ def processes_of(flwr_home: Path) -> list[int]:
 
         for proc in psutil.process_iter(["pid"]):
             try:
-                if proc.pid != os.getpid() and proc.environ().get("FLWR_HOME") == marker:
+                if (proc.pid != os.getpid() and proc.environ().get("FLWR_HOME") == marker
+                        and (program is None or any(program in word for word in proc.cmdline()))):
                     found.append(proc.pid)
             except (psutil.Error, OSError):
                 continue
@@ -66,9 +68,18 @@ def processes_of(flwr_home: Path) -> list[int]:
             variables = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"FLWR_HOME={marker}".encode() in variables and int(entry.name) != os.getpid():
+        if f"FLWR_HOME={marker}".encode() in variables and int(entry.name) != os.getpid() \
+                and (program is None or _names(entry, program)):
             found.append(int(entry.name))
     return found
+
+
+def _names(entry: Path, program: str) -> bool:
+    """Whether the process ``/proc/PID`` was started with ``program`` in its command line."""
+    try:
+        return program.encode() in (entry / "cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def stop_processes(flwr_home: Path, first: list[subprocess.Popen[Any]], grace_s: float = 10.0) -> None:

@@ -20,6 +20,7 @@ dependency installation is off) and Flower's telemetry and update checks are off
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -48,7 +49,7 @@ from fedge.config import DEFAULTS, Scalar, resolve_run_config
 from fedge.edge.signing import ensure_private_dir
 from fedge.errors import ConfigError, FedgeError
 from fedge.files import open_private_append
-from fedge.process import COORDINATOR_SUPEREXEC_POLL_S, flower_bin, flower_env, stop_processes
+from fedge.process import COORDINATOR_SUPEREXEC_POLL_S, flower_bin, flower_env, processes_of, stop_processes
 from fedge.server.pki import CoordinatorKeys
 from fedge.server.rejoins import REVOKED_ENV, revoked_nodes
 
@@ -511,6 +512,34 @@ class Coordinator:
                 waiting.stop()
         return output
 
+    def run_status(self, run_id: str | None) -> str:
+        """How the SuperLink says run ``run_id`` ended (``finished:failed (No heartbeat received ...)``), or ''."""
+        if run_id is None:
+            return ""
+        done = self._flwr("ls", CONNECTION, "--run-id", run_id, "--format", "json")
+        try:
+            run = json.loads(done.stdout)["runs"][0]
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            return ""
+        details = str(run.get("status-details") or "")
+        return f"{run.get('status', '?')}" + (f" ({details})" if details and details != "N/A" else "")
+
+    def end_lost_server_app(self, grace_s: float = 5.0) -> int:
+        """Stop what is left of a ServerApp whose run the SuperLink ended; returns how many were stopped.
+
+        Its task token is revoked (nothing it sends counts), but a process the machine froze may
+        wake up and write to the run directory: it must be gone before the run goes on.
+        """
+        lost = processes_of(self.flwr_home, "flwr-serverapp")
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            for pid in processes_of(self.flwr_home, "flwr-serverapp"):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signum)
+            deadline = time.monotonic() + grace_s
+            while processes_of(self.flwr_home, "flwr-serverapp") and time.monotonic() < deadline:
+                time.sleep(0.2)
+        return len(lost)
+
     def _app_description(self) -> Path:
         """A Flower app directory whose components are the installed fedge's apps.
 
@@ -727,6 +756,7 @@ class RunOutput:
         self.error: str | None = None
         self.exit_code: int | None = None
         self.returncode: int | None = None
+        self.run_id: str | None = None  # the SuperLink's id for the run (``flwr run`` names it at start)
         self.waits_itself = threading.Event()  # the ServerApp logged its own "waiting for devices/gateways" line
         self._mode = ""  # "traceback" or "banner" while such lines are held back from the console
         self._lock = threading.Lock()  # the run's lines and :class:`DeviceWait`'s share the console
@@ -741,6 +771,9 @@ class RunOutput:
         self.log.write(line)
         self.log.flush()
         text = ANSI.sub("", line).rstrip()
+        started = re.match(r"Successfully started run (\d+)$", text)
+        if started:
+            self.run_id = started.group(1)
         if self._mode == "traceback":
             found = EXCEPTION_LINE.match(text)
             if found:

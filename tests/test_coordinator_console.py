@@ -28,6 +28,7 @@ from flwr.clientapp import ClientApp
 from fedge.config import resolve_run_config
 from fedge.errors import ConfigError, FedgeError
 from fedge.server.coordinator import Coordinator, FleetStatus, FleetWatch, RunOutput
+from fedge.server.run_restarts import was_lost
 from fedge.simulation.grid import InlineGrid
 from fedge.simulation.loopback import LoopbackFederation
 
@@ -301,3 +302,23 @@ def test_the_coordinators_superexec_polls_once_a_second_and_a_devices_ten_times(
     # its SuperLink a tenth of a core less while idle); a device's launches a ClientApp for every message
     assert coordinator["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "1.0"
     assert device["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.1"
+
+
+@pytest.mark.parametrize(("lines", "summary", "lost"), [
+    (["Successfully started run 42\n", "round 1/3: 1/1 participants\n"], False, True),  # ended without a word
+    (["Traceback (most recent call last):\n", "ConfigError: no device\n"], False, False),  # it said why it failed
+    (["Exit Code: 201\n"], False, False),  # Flower said the ServerApp failed
+    (["Successfully started run 42\n"], True, False),  # the run finished (its summary says how)
+])
+def test_a_run_is_lost_only_when_its_server_app_ended_without_a_summary_or_a_reason(
+        tmp_path: Path, lines: list[str], summary: bool, lost: bool) -> None:
+    # Prepare: a run's streamed log, and its summary where it wrote one
+    output = RunOutput(io.StringIO(), io.StringIO())
+    if summary:
+        (tmp_path / "summary.json").write_text("{}")
+    # Execute
+    for line in lines:
+        output.feed(line)
+    # Assert: only a run that ended silently is restarted; the SuperLink's id for it is kept
+    assert was_lost(output, tmp_path) is lost
+    assert output.run_id == ("42" if "Successfully started run 42\n" in lines else None)

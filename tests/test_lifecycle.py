@@ -6,10 +6,16 @@ again. The coordinator sees it go and come back, sends the instruction again, an
 ends with both devices, long before the round timeout (without the resend the round waited
 for the timeout, 300 s here, and ended with one device). Then the coordinator and the devices
 are stopped as systemd stops them: each prints one line and leaves no Flower helper behind.
+
+A ServerApp the machine froze for longer than Flower's 60 s heartbeat loses its run (the
+SuperLink ends it; CI's stalled VM did this): the coordinator stops what is left of it and
+goes on after the last checkpointed round.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -17,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from fedge.process import processes_of
+from fedge.server.checkpoint import load_checkpoint
 from fedge.simulation.loopback import LoopbackFederation
 
 pytestmark = pytest.mark.slow
@@ -78,3 +86,36 @@ def test_a_device_restarted_mid_round_counts_and_sigterm_leaves_no_process(feder
     assert "Traceback" not in federation.log("device0")
     assert (federation.run_dir / "checkpoint.npz").exists()
     assert stop_s < 30
+
+
+def checkpointed(federation: LoopbackFederation) -> int:
+    """The round of the run's last checkpoint (-1 before the first; it is written atomically)."""
+    path = federation.run_dir / "checkpoint.npz"
+    return load_checkpoint(path).server_round if path.exists() else -1
+
+
+def test_a_server_app_frozen_past_flowers_heartbeat_is_replaced_and_the_run_goes_on(
+        federation: LoopbackFederation) -> None:
+    # Prepare: three rounds, one device, round 1 checkpointed
+    federation.start_coordinator("--rounds", "3", "--clients-per-round", "1", "--run-config",
+                                 "model='mlp' export-onnx=false round-timeout=300.0 runtime='torch'")
+    federation.start_device(0)
+    federation.wait_for(lambda: checkpointed(federation) >= 1, 900, "round 1's checkpoint")
+    flwr_home = federation.root / "state" / "flwr-home"
+    [frozen] = processes_of(flwr_home, "flwr-serverapp")
+    # Execute: the ServerApp stops as a stalled machine stops it, until the SuperLink ends its run
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        federation.wait_for(lambda: "was lost, not failed" in federation.log("coordinator"), 900,
+                            "the coordinator to see its ServerApp lost")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen, signal.SIGCONT)
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
+    # Assert: the frozen process is gone, the run went on from round 1 and recorded each round once
+    log = federation.log("coordinator")
+    assert frozen not in processes_of(flwr_home, "flwr-serverapp")
+    assert "No heartbeat received from the task" in log and "restart 1 of 3" in log, log
+    assert "goes on after its last checkpointed round" in log and "Traceback" not in log, log
+    assert [row["round"] for row in federation.rows()] == [0, 1, 2, 3]
+    assert federation.coordinator is not None and federation.coordinator.wait(60) == 0

@@ -109,6 +109,7 @@ def _start(keys: Path, tmp_path: Path, *extra: str) -> list[str]:
     (["--metrics-token-file", "{missing}"], "cannot read --metrics-token-file"),
     (["--metrics-port", "{busy}"], "the metrics endpoint cannot listen on 127.0.0.1:"),
     (["--dashboard", "--dashboard-port", "{busy}"], "the dashboard cannot listen on 127.0.0.1:"),
+    (["--restarts", "-1"], "--restarts -1: give how many times a lost run may go on (0: never)"),
 ])
 def test_an_exposed_or_unservable_metrics_endpoint_refuses_the_start(
         two_devices: Path, tmp_path: Path, extra: list[str], message: str,
