@@ -31,8 +31,9 @@ DEFAULT_RESTARTS = 3
 
 
 def was_lost(output: RunOutput, run_dir: Path) -> bool:
-    """Whether the run ended without a summary and without its ServerApp reporting why."""
-    return not (run_dir / "summary.json").exists() and output.error is None and output.exit_code is None
+    """Whether the run started, then ended without a summary and without its ServerApp reporting why."""
+    return (output.run_id is not None and not (run_dir / "summary.json").exists() and output.error is None
+            and output.exit_code is None)
 
 
 def run_with_restarts(coordinator: Coordinator, run_config: Mapping[str, Scalar], *, restarts: int) -> RunOutput:
@@ -40,8 +41,9 @@ def run_with_restarts(coordinator: Coordinator, run_config: Mapping[str, Scalar]
     run_dir = Path(str(run_config[knobs.RUN_DIR]))
     output = coordinator.run(run_config)
     for restart in range(1, restarts + 1):
-        if coordinator.stopped or not was_lost(output, run_dir):
-            break
+        superlink = coordinator.superlink
+        if coordinator.stopped or not was_lost(output, run_dir) or superlink is None or superlink.poll() is not None:
+            break  # stopped on purpose, finished or failed, or the SuperLink itself is gone
         why = coordinator.run_status(output.run_id) or "it ended the run without a reason"
         stopped = coordinator.end_lost_server_app()
         resume = (run_dir / "checkpoint.npz").exists()

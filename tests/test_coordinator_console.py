@@ -309,6 +309,7 @@ def test_the_coordinators_superexec_polls_once_a_second_and_a_devices_ten_times(
     (["Traceback (most recent call last):\n", "ConfigError: no device\n"], False, False),  # it said why it failed
     (["Exit Code: 201\n"], False, False),  # Flower said the ServerApp failed
     (["Successfully started run 42\n"], True, False),  # the run finished (its summary says how)
+    (["Connection refused\n"], False, False),  # the run never started
 ])
 def test_a_run_is_lost_only_when_its_server_app_ended_without_a_summary_or_a_reason(
         tmp_path: Path, lines: list[str], summary: bool, lost: bool) -> None:
