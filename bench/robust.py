@@ -22,6 +22,7 @@ so however the groups fall no more than 10 of the 50 hold one (Krum's bound: n >
 Usage: python bench/robust.py [--seeds 42 1 2]          (flat)
        python bench/robust.py --groups [--rounds 10] [--flat-rounds 2]     (over secure groups)
        python bench/robust.py --goal [--seeds 42 1 2] [--rounds 10]       (the goal, over seeds)
+       python bench/robust.py --cost [--sizes 100 1000]       (grouping's cost: round time and bytes)
 Writes bench/results/robust.json (each mode its own key; the other mode's results are kept).
 """
 
@@ -31,6 +32,7 @@ import argparse
 import copy
 import json
 import logging
+import math
 import statistics
 import tempfile
 import time
@@ -82,8 +84,14 @@ def main() -> None:
                         help="--groups: rounds of the one-instance baseline (~100 s each on 2 loaded cores)")
     parser.add_argument("--goal", action="store_true",
                         help="issue 42's goal over seeds: 5 %% model replacement through 50 secure groups of 4")
+    parser.add_argument("--cost", action="store_true",
+                        help="the cost of grouping: one secure instance vs secure-groups, 2 clean rounds each")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100, 1000], help="--cost: devices a round")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
+    if args.cost:
+        cost_main(args.sizes, args.seeds[0])
+        return
     if args.goal:
         goal_main(args.rounds, args.seeds)
         return
@@ -322,6 +330,38 @@ def goal_main(rounds: int, seeds: list[int]) -> None:
     kept["goal"] = {"seeds": seeds, "rounds": rounds, "base": GROUPS_BASE, "rules": GOAL_RULES,
                     "final_accuracy": results, "total_wall_s": round(time.perf_counter() - started, 1),
                     "machine": "2 shared CPU cores, loaded by other work"}
+    out.write_text(json.dumps(kept, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+def neighbours_for(n: int) -> int:
+    """SecAgg+'s O(log n) neighbourhood for one instance over ``n`` devices: 2 ceil(log2 n) (bench/secure_scale.py)."""
+    return min(n - 1, 2 * math.ceil(math.log2(n)))
+
+
+def cost_main(sizes: list[int], seed: int) -> None:
+    """For each fleet size, 2 clean rounds of FedAvg under one SecAgg+ instance over every device and under
+    ``secure-groups`` of about 10 and of 4: the median round's wall time and the bytes a round."""
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for devices in sizes:
+            setups = {f"one instance (SecAgg+, {neighbours_for(devices)} neighbours)":
+                      {"secure-groups": 0, "secagg-neighbours": neighbours_for(devices)},
+                      f"{devices // 10} groups of 10": {"secure-groups": devices // 10},
+                      f"{devices // 4} groups of 4": {"secure-groups": devices // 4}}
+            for name, setup in setups.items():
+                run_dir = Path(tmp) / f"{devices}-{name}".replace(" ", "_")
+                record = grouped_run({**GROUPS_BASE, "fleet": f"laptop={devices}", "clients-per-round": devices,
+                                      "strategy": "fedavg", "num-rounds": 2, "seed": seed, **setup,
+                                      "run-dir": str(run_dir)}, "none", 0.0)
+                results.setdefault(str(devices), {})[name] = record
+                print(f"  {devices:>5} devices  {name:<36} round {record['round_wall_s']:>7.2f} s  "
+                      f"{record['bytes_up_per_round'] / 1e6:8.2f} MB up  {record['bytes_down_per_round'] / 1e6:8.2f} "
+                      f"MB down  accuracy {record['final_accuracy']:.4f}", flush=True)
+    out = HERE / "results" / "robust.json"
+    kept = json.loads(out.read_text()) if out.exists() else {}
+    kept["cost"] = {"seed": seed, "base": GROUPS_BASE, "rounds": 2, "results": results,
+                    "machine": "2 shared CPU cores, loaded by other work (wall times are indicative)"}
     out.write_text(json.dumps(kept, indent=2) + "\n")
     print(f"wrote {out}")
 

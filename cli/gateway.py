@@ -64,6 +64,14 @@ def _start_options(start: argparse.ArgumentParser) -> None:
                        help="how a plain round's task carries the model to devices that read it (fp16: half the "
                             "bytes, int8: a quarter; devices' updates are taken against what they received); "
                             "secure rounds send fp32")
+    from fedge.aggregate import DEVICE_RULES  # noqa: PLC0415 - numpy only
+
+    start.add_argument("--device-rule", default="mean", choices=DEVICE_RULES,
+                       help="a plain round's reply over its devices' updates: mean (hierarchical FedAvg, default) or "
+                            "a robust rule (unweighted), so one hostile device moves the reply only within the "
+                            "others' spread (a secure pool reveals only its mean)")
+    start.add_argument("--device-trim-fraction", type=float, default=0.2,
+                       help="--device-rule trimmed-mean: the share cut at each end of each coordinate (default 0.2)")
     start.add_argument("--bundles", default="",
                        help="HOST:PORT of the coordinator's bundle service (default: the coordinator's port + 1)")
     start.add_argument("--state-dir", type=Path, help="this gateway's working files (default ~/.fedge-gateway)")
@@ -95,7 +103,8 @@ def _start(args: argparse.Namespace) -> int:
                                round_deadline_s=args.round_deadline, idle_poll_s=args.poll_interval,
                                max_in_flight=args.max_in_flight, max_per_address=args.max_per_address,
                                max_num_examples=args.max_num_examples,
-                               uplink=args.uplink, downlink=args.downlink)
+                               uplink=args.uplink, downlink=args.downlink, device_rule=args.device_rule,
+                               device_trim_fraction=args.device_trim_fraction)
     return run_gateway(GatewayOptions(coordinator=args.coordinator, devices=args.devices, key=args.key, ca=args.ca,
                                       trust=args.trust, cert=args.cert, cert_key=args.cert_key, host=args.host,
                                       port=args.port, insecure=args.insecure, state_dir=args.state_dir,

@@ -181,6 +181,18 @@ def coordinate_median(updates: Sequence[Arrays]) -> dict[str, NDArray[np.generic
             for name, first in updates[0].items()}
 
 
+ROBUST_DEVICE_RULES: dict[str, Callable[[Sequence[Arrays], float], dict[str, NDArray[np.generic]]]] = {
+    "median": lambda updates, _trim_fraction: coordinate_median(updates),
+    "trimmed-mean": trimmed_mean,
+}
+"""Robust rules a plain gateway may reply with over its devices' updates (unweighted; called with the updates and
+the trim fraction) instead of their weighted mean, so that a gateway with many devices is not one unit of trust."""
+
+DEVICE_RULES = ("mean", *ROBUST_DEVICE_RULES)
+"""What a plain gateway replies with over its devices' updates: ``mean`` (hierarchical FedAvg: the streaming
+weighted mean) or a robust rule of :data:`ROBUST_DEVICE_RULES`."""
+
+
 def krum_scores(updates: Sequence[Arrays], num_byzantine: int) -> NDArray[np.float64]:
     """Krum score of each update: the sum of squared distances to its ``n - f - 2``
     nearest other updates (Blanchard et al., "Machine Learning with Adversaries:

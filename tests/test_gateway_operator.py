@@ -24,6 +24,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from fedge import wire
+from fedge.cli.main import main
 from fedge.clients.app import make_default_client_app
 from fedge.clients.gateway.service import GatewayOptions, GatewaySettings, wait_for_training_graph
 from fedge.clients.protocol_device import ProtocolDevice
@@ -306,3 +307,25 @@ def test_a_secure_round_waiting_for_its_pool_says_how_many_devices_can_join_it(
     assert lines[0].startswith("round 1: waiting for devices: 1 checked in (1 polled in the last 30 s, able to run "
                                "secure aggregation) of 3 wanted, deadline in 1 s")
     assert 2 <= len(lines) <= 5
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--device-rule", "mode"], "argument --device-rule: invalid choice: 'mode' (choose from mean, median, "
+                                "trimmed-mean)"),  # some Pythons quote the choices: unquoted below
+    (["--device-rule", "trimmed-mean", "--device-trim-fraction", "0.5"],
+     "gateway device trim fraction 0.5: give a fraction in [0, 0.5)"),
+])
+def test_a_gateway_refuses_an_unknown_device_rule_or_trim_fraction_at_start_naming_the_choices(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str) -> None:
+    # Prepare: a start line that would otherwise go on to contact the coordinator
+    argv = ["gateway", "start", "--coordinator", "127.0.0.1:1", "--devices", str(tmp_path / "allow"),
+            "--trust", str(tmp_path / "signing.pub"), *extra]
+    # Execute
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own refusal
+        code = int(exit_.code or 0)
+    # Assert: exit 2, the message names the choices from the registry, nothing was made
+    assert code == 2 and message in capsys.readouterr().err.replace("'mean'", "mean").replace(
+        "'median'", "median").replace("'trimmed-mean'", "trimmed-mean")
+    assert not (tmp_path / "allow").exists()

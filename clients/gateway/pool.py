@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from numpy.typing import NDArray
 
 from fedge import knobs
-from fedge.aggregate import WeightedMeanAccumulator, clip_update, coordinate_median, trimmed_mean
+from fedge.aggregate import DEVICE_RULES, ROBUST_DEVICE_RULES, WeightedMeanAccumulator, clip_update
 from fedge.clients.gateway.protocol import (
     CHECK_IN_DEVICE,
     CLOCK_SKEW_S,
@@ -417,12 +417,6 @@ class DeviceBounds:
 MAX_CLAIM = 10**12
 
 
-DEVICE_RULES = ("mean", "median", "trimmed-mean")
-"""What a plain gateway replies with over its devices' updates: their weighted mean (hierarchical FedAvg), or a
-robust rule over them (coordinate-wise median, trimmed mean; unweighted), so that a gateway with many devices is
-not one unit of trust (issue 42 §3)."""
-
-
 def device_seed(run_seed: int, server_round: int, device: str) -> int:
     """A device's training seed for a round (stable across gateways and restarts)."""
     number = int.from_bytes(hashlib.sha256(device.encode()).digest()[:6], "big")
@@ -597,9 +591,7 @@ class GatewayRound:
     def _robust(self) -> dict[str, NDArray[np.generic]]:
         """The device rule over the kept updates: coordinate-wise median or trimmed mean (unweighted: a device's
         example count is its own claim), so one device moves the reply at most within the others' spread."""
-        if self.device_rule == "median":
-            return coordinate_median(self._kept)
-        return trimmed_mean(self._kept, self.trim_fraction)
+        return ROBUST_DEVICE_RULES[self.device_rule](self._kept, self.trim_fraction)
 
     def task(self, session: Session) -> EncodedTask:
         """The round's model in the task encoding ``session``'s device is sent (the gateway's ``downlink``

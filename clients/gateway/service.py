@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 
 from fedge import knobs
+from fedge.aggregate import DEVICE_RULES
 from fedge.clients.gateway.pool import (
-    DEVICE_RULES,
     AllowList,
     DeviceBounds,
     GatewayRound,
@@ -571,6 +571,14 @@ class Served:
         self.thread.join(timeout=10)
 
 
+def _rule_note(settings: GatewaySettings) -> str:
+    """The start line's note of a robust device rule ('' for the weighted mean)."""
+    if settings.device_rule == "mean":
+        return ""
+    trim = f" (cutting {settings.device_trim_fraction:g} at each end)" if settings.device_rule == "trimmed-mean" else ""
+    return f"; a plain round replies with the {settings.device_rule}{trim} of its devices' updates, unweighted"
+
+
 def print_insecure_warning() -> None:
     """Say loudly that this gateway serves plain HTTP."""
     print(INSECURE_WARNING, file=sys.stderr, flush=True)
@@ -692,7 +700,7 @@ def run_gateway(options: GatewayOptions) -> int:
     control = Served(control_app(gateway, token), "127.0.0.1", 0, limits=ListenerLimits(), name="fedge-gateway-ctl")
     scheme = "http" if options.insecure else "https"
     print(f"gateway '{options.settings.name}' serves devices on {scheme}://{options.host}:{devices.port}{PREFIX} "
-          f"({len(gateway.allow)} devices in its allow-list)", flush=True)
+          f"({len(gateway.allow)} devices in its allow-list{_rule_note(options.settings)})", flush=True)
     if options.web is not None:
         print(f"web device demo page: {scheme}://{options.host}:{devices.port}/web/demo.html?name=NAME", flush=True)
         if (warning := demo_page_warning(options.host)) is not None:

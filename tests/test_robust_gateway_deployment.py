@@ -1,0 +1,114 @@
+"""Issue 42: one hostile protocol device through a real gateway is bounded by the gateway's device rule.
+
+Real parts: `fedge coordinator start` (SuperLink, TLS, node auth, FedAvg over its one gateway), one
+`fedge gateway start --device-rule median` and four reference protocol devices on 127.0.0.1. Three
+train honestly; the fourth sends the model it was given plus 1,000 in every entry (no norm bound:
+``max-update-norm = 0``, so nothing but the rule stands in its way). The median of four values of
+which the largest is the attacker's is the mean of the two largest honest ones: every round's model
+is that, computed here from what the honest devices sent, and the attacker's +1,000 is nowhere in it
+(the weighted mean would have moved every entry by about +250).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedge.clients.gateway.protocol import decode_frame, encode_frame
+from fedge.clients.gateway.service import add_protocol_device
+from fedge.clients.protocol_device import ProtocolDevice
+from fedge.config import resolve_run_config
+from fedge.server.checkpoint import load_checkpoint
+from fedge.simulation.loopback import LoopbackFederation, free_port
+from fedge.task.loading import load_task
+from tests.test_gateway_deployment import RUN, _start_gateway
+
+pytestmark = pytest.mark.slow
+DEVICES, ROUNDS, HOSTILE = 4, 2, 3
+
+
+class RecordingDevice(ProtocolDevice):
+    """An honest protocol device that keeps the weights it sent each round."""
+
+    sent: dict[int, dict[str, np.ndarray]]
+
+    def train(self, task: dict[str, Any], *args: Any) -> tuple[float, bytes]:  # noqa: D102
+        loss, result = super().train(task, *args)
+        self.sent = getattr(self, "sent", {})
+        self.sent[int(task["server-round"])] = dict(decode_frame(result)[0].tensors)
+        return loss, result
+
+
+class HostileDevice(RecordingDevice):
+    """Trains, then sends the weights it was given plus 1,000 in every entry, under the honest header."""
+
+    def train(self, task: dict[str, Any], weights: dict[str, np.ndarray], *args: Any) -> tuple[float, bytes]:
+        loss, result = super().train(task, weights, *args)
+        frame, _ = decode_frame(result)
+        return loss, encode_frame(frame.header, {name: (weights[name] + 1000.0).astype(np.float32)
+                                                 for name in frame.tensors})
+
+
+@pytest.fixture
+def federation(tmp_path: Path) -> Iterator[LoopbackFederation]:
+    fed = LoopbackFederation(tmp_path, num_devices=1)  # dev0: the gateway's node key
+    yield fed
+    fed.close()
+
+
+def _devices(federation: LoopbackFederation, port: int) -> dict[int, RecordingDevice]:
+    config = resolve_run_config({"partitioner": "iid"})
+    task = load_task(config)
+    devices = {}
+    for index in range(DEVICES):
+        shard = task.partition(index, DEVICES, config)
+        kind = HostileDevice if index == HOSTILE else RecordingDevice
+        devices[index] = kind(gateway=f"https://127.0.0.1:{port}", name=f"phone{index}",
+                              key=federation.root / "allow" / f"phone{index}.key",
+                              data=(tuple(shard.inputs), shard.targets), trust=federation.bundle_signing_key,
+                              ca=federation.keys.ca_cert, state_dir=federation.root / f"phone{index}")
+    return devices
+
+
+def test_one_hostile_protocol_device_moves_a_median_gateways_reply_only_within_the_honest_devices(
+        federation: LoopbackFederation) -> None:
+    # Prepare: the allow-list, the coordinator (its one node a round: the gateway), a gateway whose rounds take all
+    # four devices and reply with their coordinate-wise median
+    for index in range(DEVICES):
+        add_protocol_device(federation.root / "allow", f"phone{index}")
+    federation.start_coordinator("--rounds", str(ROUNDS), "--clients-per-round", "1", "--run-config",
+                                 f"{RUN} max-update-norm=0.0 min-train-replies=1")
+    federation.wait_for(federation.bundle_signing_key.exists, 900, "the bundle signing key")
+    port = free_port()
+    _start_gateway(federation, 0, port, extra=("--devices-per-round", str(DEVICES), "--device-rule", "median"))
+    devices = _devices(federation, port)
+    stop = threading.Event()
+    threads = [threading.Thread(target=device.run, kwargs={"stop": stop, "max_wait_s": 1.0}, daemon=True)
+               for device in devices.values()]
+    # Execute: the devices run until their gateway says the run is over
+    for thread in threads:
+        thread.start()
+    try:
+        federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
+        federation.wait_for(lambda: not any(thread.is_alive() for thread in threads), 900, "the devices to be told")
+    finally:
+        stop.set()
+    # Assert: each round's model is the mean of the two largest honest entries; the attacker's +1,000 is not in it
+    log = federation.log("gateway0")
+    assert "a plain round replies with the median of its devices' updates" in log, log
+    assert log.count(f"{DEVICES} device results") == ROUNDS, log
+    checkpoints = federation.run_dir / "checkpoints"
+    for server_round in range(1, ROUNDS + 1):
+        before = load_checkpoint(checkpoints / f"round-{server_round - 1:04d}.npz").arrays
+        after = load_checkpoint(checkpoints / f"round-{server_round:04d}.npz").arrays
+        for name in after:
+            honest = np.sort(np.stack([devices[i].sent[server_round][name].astype(np.float64)
+                                       for i in range(DEVICES) if i != HOSTILE]), axis=0)
+            np.testing.assert_allclose(after[name], (honest[1] + honest[2]) / 2, atol=1e-5, err_msg=name)
+            assert np.max(np.abs(after[name] - before[name])) < 1.0, name
+    assert federation.rows()[-1]["accuracy"] > federation.rows()[0]["accuracy"] + 0.2
