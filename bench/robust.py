@@ -345,10 +345,11 @@ def cost_main(sizes: list[int], seed: int) -> None:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for devices in sizes:
+            bits = {"secagg-bits": 40} if devices > 400 else {}  # one instance's sum must fit: refused at 32 bits
             setups = {f"one instance (SecAgg+, {neighbours_for(devices)} neighbours)":
-                      {"secure-groups": 0, "secagg-neighbours": neighbours_for(devices)},
-                      f"{devices // 10} groups of 10": {"secure-groups": devices // 10},
-                      f"{devices // 4} groups of 4": {"secure-groups": devices // 4}}
+                      {"secure-groups": 0, "secagg-neighbours": neighbours_for(devices), **bits},
+                      f"{devices // 10} groups of 10": {"secure-groups": devices // 10, **bits},
+                      f"{devices // 4} groups of 4": {"secure-groups": devices // 4, **bits}}
             for name, setup in setups.items():
                 run_dir = Path(tmp) / f"{devices}-{name}".replace(" ", "_")
                 record = grouped_run({**GROUPS_BASE, "fleet": f"laptop={devices}", "clients-per-round": devices,
