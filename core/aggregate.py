@@ -181,6 +181,25 @@ def coordinate_median(updates: Sequence[Arrays]) -> dict[str, NDArray[np.generic
             for name, first in updates[0].items()}
 
 
+def _median_bound(bound: float, norms: Sequence[float]) -> float:
+    """The median of ``norms`` (the last round's, before clipping); ``bound`` kept when there are none or their
+    median is 0 (0 would turn the bound off)."""
+    finite = [norm for norm in norms if np.isfinite(norm)]
+    median = float(np.median(finite)) if finite else 0.0
+    return median if median > 0 else bound
+
+
+NORM_BOUND_RULES: dict[str, Callable[[float, Sequence[float]], float]] = {
+    "fixed": lambda bound, _norms: bound,
+    "median": _median_bound,
+}
+"""How the device tier's L2 bound on each update (``max-update-norm``) moves between rounds, called with the
+round's bound and the round's update norms before clipping: ``fixed`` keeps it; ``median`` makes the next round's
+bound the median norm (norm bounding, Sun et al., "Can You Really Backdoor Federated Learning?", 2019, with the
+bound following the norms, as the adaptive clipping of Andrew et al., NeurIPS 2021, follows a quantile of them;
+fedge takes the last round's median itself: no DP noise on the count, so no learning rate to estimate it)."""
+
+
 ROBUST_DEVICE_RULES: dict[str, Callable[[Sequence[Arrays], float], dict[str, NDArray[np.generic]]]] = {
     "median": lambda updates, _trim_fraction: coordinate_median(updates),
     "trimmed-mean": trimmed_mean,

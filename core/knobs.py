@@ -44,6 +44,12 @@ def within(low: float, high: float, *, closed: str = "[]", note: str = "") -> Ch
     return check, text
 
 
+def _norm_bound_rules() -> tuple[str, ...]:
+    from fedge.aggregate import NORM_BOUND_RULES  # noqa: PLC0415 - numpy: read when a value is checked
+
+    return tuple(NORM_BOUND_RULES)
+
+
 @dataclass(frozen=True)
 class Knob:
     """One run-config key.
@@ -99,6 +105,7 @@ MAX_NUM_EXAMPLES = "max-num-examples"
 MAX_DEVICE_EXAMPLES = "max-device-examples"
 MAX_GATEWAY_DEVICES = "max-gateway-devices"
 MAX_UPDATE_NORM = "max-update-norm"
+UPDATE_NORM_BOUND = "update-norm-bound"
 MIN_TRAIN_REPLIES = "min-train-replies"
 ROUND_TIMEOUT = "round-timeout"
 FRACTION_EVALUATE = "fraction-evaluate"
@@ -213,6 +220,10 @@ KNOBS: dict[str, Knob] = {
     MAX_UPDATE_NORM: Knob(10.0, "the device tier: L2 bound on each device's update (clipped at its gateway) and on "
                           "each gateway's update (clipped at the coordinator), counted; 0: off", "strategies",
                           check=at_least(0)),
+    UPDATE_NORM_BOUND: Knob("fixed", "the device tier's max-update-norm between rounds: fixed, or median (each "
+                            "round's bound is the last round's median update norm before clipping, devices' at "
+                            "their gateways and gateways' at the coordinator; max-update-norm is the first round's)",
+                            "strategies", choices=(), more=_norm_bound_rules),
     MIN_TRAIN_REPLIES: Knob(2, "accepted updates needed to change the model", "strategies", check=at_least(1)),
     ROUND_TIMEOUT: Knob(600.0, "seconds a round waits for replies (and for devices to connect)", "strategies",
                         check=above(0)),
@@ -330,8 +341,8 @@ KNOBS: dict[str, Knob] = {
 
 
 def _allowed(knob: Knob) -> str:
-    if knob.choices:
-        return " \\| ".join(f"`{c}`" for c in knob.allowed())
+    if allowed := knob.allowed():
+        return " \\| ".join(f"`{c}`" for c in allowed)
     return knob.check[1] if knob.check else ""
 
 

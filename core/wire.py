@@ -56,6 +56,10 @@ SECURE_POOL = "secure-pool"
 GATEWAY = "gateway"
 CLIPPED = "clipped"
 CAPPED = "capped"
+# ... and the median L2 norm of its devices' updates before clipping (a plain round's: update-norm-bound = median
+# sets each round's device bound from these); the coordinator's train instruction to gateways carries the bound
+DEVICE_NORM_MEDIAN = "device-norm-median"
+DEVICE_NORM_BOUND = "device-norm-bound"
 EVAL_PREFIX = "eval-"  # a device's evaluation reply names each task metric "eval-<metric>"
 # the architecture hash of the run's signed training graph (onnx devices check theirs matches)
 TRAINING_GRAPH = "training-graph"
@@ -304,6 +308,7 @@ class ReplyMeta:
     gateway: str | None = None  # a gateway's reply: its name
     clipped: int = 0  # a gateway's reply: its devices' updates it clipped to the run's norm bound
     capped: int = 0  # ... and whose weight it capped at max-device-examples
+    device_norm_median: float | None = None  # ... and the median norm of its devices' updates before clipping
 
     @property
     def pooled(self) -> bool:
@@ -344,12 +349,17 @@ def read_reply_meta(content: RecordDict) -> ReplyMeta | None:
     if gateway is not None and (not isinstance(gateway, str) or not PROFILE_NAME.match(gateway)):
         raise UpdateRejected(f"reply meta '{GATEWAY}' must be 1-64 letters, digits, '.', '_' or '-', "
                              f"got {gateway!r:.40}")
+    norm = record.get(DEVICE_NORM_MEDIAN)
+    if norm is not None and (isinstance(norm, bool) or not isinstance(norm, int | float) or not math.isfinite(norm)
+                             or norm < 0):
+        raise UpdateRejected(f"reply meta '{DEVICE_NORM_MEDIAN}' must be a finite number >= 0, got {norm!r:.40}")
     return ReplyMeta(server_round=_count(record, SERVER_ROUND, low=0), profile=profile,
                      samples_processed=_count(record, SAMPLES_PROCESSED, low=0) or 0,
                      steps=_count(record, STEPS, low=1), inputs=inputs,
                      aggregate_of=_count(record, AGGREGATE_OF, low=1),
                      secure_pool=_count(record, SECURE_POOL, low=0), gateway=gateway,
-                     clipped=_count(record, CLIPPED, low=0) or 0, capped=_count(record, CAPPED, low=0) or 0)
+                     clipped=_count(record, CLIPPED, low=0) or 0, capped=_count(record, CAPPED, low=0) or 0,
+                     device_norm_median=None if norm is None else float(norm))
 
 
 def read_reply_meta_or_none(content: RecordDict) -> ReplyMeta | None:

@@ -39,6 +39,7 @@ from fedge.strategies.drivers.asynchronous import AsynchronousDriver
 from fedge.strategies.drivers.secure import MIN_DEVICES, SecureAggregation
 from fedge.strategies.drivers.secure_groups import SecureGroups, check_group_size
 from fedge.strategies.fedavg import DownlinkLayer, PrivacyLayer
+from fedge.strategies.norm_bound import NormBounds
 from fedge.strategies.policies import DeadlinePolicy, RoundPolicy, SyncPolicy
 from fedge.strategies.registry import names_where
 from fedge.strategies.rounds import GATEWAY_NODES
@@ -150,6 +151,13 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_na
     if config[knobs.GATEWAYS]:
         check_hierarchical(config, strategy)
         strategy.node_word = GATEWAY_NODES  # its nodes are gateways: its lines say so
+        bound = config.number(knobs.MAX_UPDATE_NORM)
+        strategy.rounds.norm_bounds = NormBounds(rule=config.text(knobs.UPDATE_NORM_BOUND), device=bound, gateway=bound)
+    elif config.text(knobs.UPDATE_NORM_BOUND) != knobs.KNOBS[knobs.UPDATE_NORM_BOUND].default:
+        raise ConfigError(f"update-norm-bound = {config.text(knobs.UPDATE_NORM_BOUND)} moves the device tier's "
+                          "max-update-norm, which clips devices' updates at their gateways and gateways' at the "
+                          "coordinator: it needs gateways = true (without gateways, dp = 'client-adaptive' adapts a "
+                          "clipping norm on the devices, and the robust strategies bound each update's influence)")
     return strategy
 
 

@@ -102,6 +102,10 @@ class RoundRecorder:
             "secagg_capped_weights": report.secagg_capped_weights if report else 0,
             "dp_out_of_range": report.dp_out_of_range if report else 0,
             "group_norms": report.group_norms if report else [],
+            "gateway_norms": report.gateway_norms if report else [],  # before the coordinator clipped them
+            "device_norm_medians": report.device_norm_medians if report else [],  # each plain gateway's devices'
+            "device_norm_bound": report.norm_bounds[0] if report and report.norm_bounds else None,
+            "gateway_norm_bound": report.norm_bounds[1] if report and report.norm_bounds else None,
             "train_loss": report.train_loss if report else None,
             "aggregated": report.aggregated if report else False,
         }

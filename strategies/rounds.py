@@ -29,6 +29,7 @@ from fedge import wire
 from fedge.distributed_noise import DistributedNoise
 from fedge.errors import ConfigError
 from fedge.strategies.drivers.base import RoundReport
+from fedge.strategies.norm_bound import NORM_BOUND_STATE, NormBounds
 from fedge.strategies.policies import RoundPolicy, SyncPolicy
 from fedge.strategies.registry import names_where
 from fedge.strategies.rule import RoundContext, Rule, Update
@@ -151,6 +152,7 @@ class Rounds:
     privacy: PrivacyLayer | None = None  # central DP (Flower's wrappers), or distributed DP (a NoiseLayer)
     downlink: DownlinkLayer | None = None
     submodels: SubModels | None = None
+    norm_bounds: NormBounds | None = None  # gateways = true: the device tier's norm bounds, moved round by round
     buffer_names: frozenset[str] | None = None
     clients_per_round: int | None = None
     min_train_replies: int = 1
@@ -270,12 +272,24 @@ class Rounds:
         self.state.global_arrays = arrays
         node_ids = self.select_nodes(server_round, grid)
         config[wire.SERVER_ROUND] = server_round
+        bounds = self._norm_bounds(config)
         record = RecordDict({self.sampling.arrayrecord_key: arrays, self.sampling.configrecord_key: config})
         self.state.stragglers = self.pick_stragglers(server_round, node_ids)
         messages = [Message(self.instruction(node, record, config, server_round, grid), dst_node_id=node,
                             message_type=MessageType.TRAIN) for node in node_ids]
-        self.state.reports.append(RoundReport(server_round=server_round, selected=len(messages)))
+        self.state.reports.append(RoundReport(server_round=server_round, selected=len(messages), norm_bounds=bounds))
         return messages
+
+    def _norm_bounds(self, config: ConfigRecord) -> tuple[float, float] | None:
+        """This round's device-tier norm bounds, moved by the last round's norms: the devices' goes to the gateways
+        in ``config``, the gateways' to the validator; None without them (no gateways)."""
+        if self.norm_bounds is None:
+            return None
+        if self.state.reports:
+            self.norm_bounds.observe(self.state.reports[-1])
+        config[wire.DEVICE_NORM_BOUND] = self.norm_bounds.device
+        self.validator.gateway_norm_bound = self.norm_bounds.gateway
+        return self.norm_bounds.device, self.norm_bounds.gateway
 
     def instruction(self, node: int, record: RecordDict, config: ConfigRecord, server_round: int,
                     grid: Grid) -> RecordDict:
@@ -367,20 +381,28 @@ class Rounds:
 
     # ---- checkpoints
     def checkpoint_state(self) -> dict[str, NDArray[np.generic]]:
-        """What a checkpoint keeps beside the model: the rule's state, the privacy accountant's, the selector's."""
+        """What a checkpoint keeps beside the model: the rule's state, the privacy accountant's, the selector's,
+        the device tier's norm bounds (moved by the round just ended: what the next round uses)."""
+        bounds = {}
+        if self.norm_bounds is not None:
+            if self.state.reports:
+                self.norm_bounds.observe(self.state.reports[-1])
+            bounds = self.norm_bounds.state_dict()
         return {**self.rule.state_dict(), **(self.privacy.state_dict() if self.privacy else {}),
-                **self.selector.state_dict()}
+                **self.selector.state_dict(), **bounds}
 
     def restore_state(self, state: dict[str, NDArray[np.generic]]) -> None:
         """Restore :meth:`checkpoint_state`, refusing state neither the rule nor DP keeps (named)."""
         privacy_keys = set(self.privacy.state_dict()) if self.privacy else set()
-        rule_state = {key: value for key, value in state.items()
-                      if key not in privacy_keys and not key.startswith(SELECTOR_STATE)}
+        rule_state = {key: value for key, value in state.items() if key not in privacy_keys
+                      and not key.startswith(SELECTOR_STATE) and not key.startswith(NORM_BOUND_STATE)}
         self.rule.check_state(rule_state)
         self.rule.load_state_dict(rule_state)
         if self.privacy:
             self.privacy.load_state_dict(state)
         self.selector.load_state_dict({key: value for key, value in state.items() if key.startswith(SELECTOR_STATE)})
+        if self.norm_bounds is not None:
+            self.norm_bounds.load_state_dict(state)
 
 
 T = TypeVar("T")

@@ -87,9 +87,13 @@ def _counted(rounds: Rounds, report: RoundReport, accepted: AcceptedUpdate) -> U
     for key, count in accepted.pool_clipping.items():  # a gateway's secure pool: its devices' encodings' clips
         name = key.replace("-", "_")
         setattr(report, name, getattr(report, name) + count)
+    if accepted.norm is not None:
+        report.gateway_norms.append(accepted.norm)
     if accepted.meta is not None:
         report.clipped_devices += accepted.meta.clipped
         report.capped_devices += accepted.meta.capped
+        if accepted.meta.device_norm_median is not None:
+            report.device_norm_medians.append(accepted.meta.device_norm_median)
     update = update_of(accepted, uniform=rounds.central_privacy is not None)  # central DP: the uniform mean
     if rounds.submodels is not None:
         update.window = rounds.submodels.windows.get(accepted.node_id)

@@ -60,6 +60,7 @@ class AcceptedUpdate:
     meta: wire.ReplyMeta | None = None
     clipped: bool = False  # a gateway's update, clipped to max-update-norm here
     pool_clipping: Mapping[str, int] = field(default_factory=dict)  # a secure pool's counts (POOL_CLIPPING)
+    norm: float | None = None  # a gateway's update: its L2 norm before clipping
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ class CheckedReply:
     metrics: wire.TrainMetrics
     clipped: bool = False
     pool_clipping: Mapping[str, int] = field(default_factory=dict)
+    norm: float | None = None  # a gateway's update: its L2 norm before clipping
 
 
 class ReplyValidator:
@@ -164,6 +166,7 @@ class ReplyValidator:
                  accepts_aggregates: bool = True, secure_pool: int = 0,
                  device_tier: DeviceTierBounds | None = None) -> None:
         self.device_tier = device_tier or DeviceTierBounds()
+        self.gateway_norm_bound = self.device_tier.max_update_norm  # this round's (update-norm-bound moves it)
         self.gateway_nodes: dict[str, int] = {}  # gateway name -> the node that first replied under it
         self.max_num_examples = max_num_examples
         self.secure_pool = secure_pool
@@ -221,11 +224,11 @@ class ReplyValidator:
         record = next(iter(content.array_records.values()))
         arrays = decode_update(record, reference) if is_encoded(record) else decode_arrays(record, spec)
         check_arrays(arrays, spec)
-        clipped = False
+        clipped, norm = False, None
         if pooled and reference is not None:
-            arrays, clipped = self._bound_gateway(arrays, reference, meta, node_id, server_round)
+            arrays, clipped, norm = self._bound_gateway(arrays, reference, meta, node_id, server_round)
         counts = pool_clipping(content, meta, sum(value.size for value in arrays.values()))
-        return CheckedReply(arrays, float(metrics.num_examples), meta, metrics, clipped, counts)
+        return CheckedReply(arrays, float(metrics.num_examples), meta, metrics, clipped, counts, norm)
 
     def _check_gateway(self, meta: wire.ReplyMeta, node_id: int | None) -> None:
         """A pooled reply stands for at most max-gateway-devices devices, under a name no other node uses."""
@@ -248,9 +251,9 @@ class ReplyValidator:
 
     def _bound_gateway(self, arrays: dict[str, NDArray[np.generic]], reference: Mapping[str, NDArray[np.generic]],
                        meta: wire.ReplyMeta | None, node_id: int | None,
-                       server_round: int) -> tuple[dict[str, NDArray[np.generic]], bool]:
-        """A gateway's update, clipped to max-update-norm; its norm logged either way."""
-        bound = self.device_tier.max_update_norm
+                       server_round: int) -> tuple[dict[str, NDArray[np.generic]], bool, float]:
+        """A gateway's update, clipped to this round's norm bound; its norm (logged either way) before clipping."""
+        bound = self.gateway_norm_bound
         bounded, norm, clipped = clip_update(arrays, reference, bound)
         name = meta.gateway if meta is not None and meta.gateway else f"node {node_id}"
         if clipped:
@@ -258,7 +261,7 @@ class ReplyValidator:
                         name, norm, bound)
         else:
             log.info("round %d: gateway %s's update has norm %.4g", server_round, name, norm)
-        return bounded, clipped
+        return bounded, clipped, norm
 
     def _check_round(self, meta: wire.ReplyMeta | None, server_round: int) -> None:
         if meta is None:
@@ -308,7 +311,7 @@ class ReplyValidator:
                 yield Rejection(node_id, exc.reason)
                 continue
             yield AcceptedUpdate(node_id, checked.arrays, checked.weight, message.content, checked.meta,
-                                 checked.clipped, checked.pool_clipping)
+                                 checked.clipped, checked.pool_clipping, checked.norm)
 
 
 def pool_clipping(content: RecordDict, meta: wire.ReplyMeta | None, model_elements: int) -> dict[str, int]:

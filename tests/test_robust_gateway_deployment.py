@@ -102,13 +102,17 @@ def test_one_hostile_protocol_device_moves_a_median_gateways_reply_only_within_t
     log = federation.log("gateway0")
     assert "a plain round replies with the median of its devices' updates" in log, log
     assert log.count(f"{DEVICES} device results") == ROUNDS, log
-    checkpoints = federation.run_dir / "checkpoints"
+    checkpoints, rows = federation.run_dir / "checkpoints", federation.rows()
     for server_round in range(1, ROUNDS + 1):
         before = load_checkpoint(checkpoints / f"round-{server_round - 1:04d}.npz").arrays
         after = load_checkpoint(checkpoints / f"round-{server_round:04d}.npz").arrays
+        # the gateway's reported median of its four devices' update norms: the mean of the middle two
+        norms = sorted(float(np.sqrt(sum(np.sum((devices[i].sent[server_round][name].astype(np.float64) -
+                                                 before[name]) ** 2) for name in before))) for i in range(DEVICES))
+        assert rows[server_round]["device_norm_medians"] == pytest.approx([(norms[1] + norms[2]) / 2], rel=1e-5)
         for name in after:
             honest = np.sort(np.stack([devices[i].sent[server_round][name].astype(np.float64)
                                        for i in range(DEVICES) if i != HOSTILE]), axis=0)
             np.testing.assert_allclose(after[name], (honest[1] + honest[2]) / 2, atol=1e-5, err_msg=name)
             assert np.max(np.abs(after[name] - before[name])) < 1.0, name
-    assert federation.rows()[-1]["accuracy"] > federation.rows()[0]["accuracy"] + 0.2
+    assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.2

@@ -65,6 +65,9 @@ def test_one_hostile_protocol_device_is_bounded_by_the_median_inside_its_gateway
     # entry, within the honest devices' range; the weighted mean is pulled to (1 + 2 + 3 + 10,000 x 100 x
     # clipped) / 10,300, about 0.97 x the attacker's clipped entry
     assert codes == [200] * 4 and header["devices"] == 4 and header["clipped"] >= 1
+    # ... and it reports its devices' median update norm before clipping (update-norm-bound = median reads it):
+    # the norms are 0.01, 0.02, 0.03 and 3 times sqrt(P), so the median is 0.025 sqrt(P)
+    assert header["device-norm-median"] == pytest.approx(0.025 * np.sqrt(entries), rel=1e-4)
     expected = 0.025 if device_rule == "median" else (100 * 0.06 + 10_000 * clipped) / 10_300
     for name, change in moved.items():
         np.testing.assert_allclose(change, expected, atol=1e-4, err_msg=name)

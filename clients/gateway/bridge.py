@@ -44,6 +44,9 @@ BOUND_KEYS = (knobs.MAX_DEVICE_EXAMPLES, knobs.MAX_UPDATE_NORM)
 
 def _config_of(msg: Message, context: Context, config: RunConfig, kind: str) -> dict[str, Any]:
     bounds = {key: config[key] for key in BOUND_KEYS}
+    instruction = msg.content.config_records.get(wire.CONFIG)
+    if instruction is not None and (bound := instruction.get(wire.DEVICE_NORM_BOUND)) is not None:
+        bounds[knobs.MAX_UPDATE_NORM] = bound  # this round's (update-norm-bound = median); the gateway checks it
     if kind != "train":
         return {knobs.SEED: config.integer(knobs.SEED), **bounds}
     instruction = train_order(msg, context, config).instruction  # its devices' training keys: the protocol's form
@@ -94,6 +97,12 @@ def pool_clipping(result: dict[str, Any]) -> dict[str, int]:
     return {key: int(counts.get(key, 0)) for key in POOL_CLIPPING}
 
 
+def _norm_median(result: dict[str, Any]) -> dict[str, float]:
+    """A plain round's median device update norm for the reply meta (none for a secure pool or an evaluation)."""
+    median = result.get("device-norm-median")
+    return {} if median is None else {wire.DEVICE_NORM_MEDIAN: float(median)}
+
+
 def gateway_content(msg: Message, context: Context, config: RunConfig, kind: str) -> RecordDict:
     """The reply of a gateway node: its devices' aggregate for ``msg`` (train or evaluate)."""
     weights = received_weights(msg.content.array_records[wire.ARRAYS])
@@ -113,7 +122,7 @@ def gateway_content(msg: Message, context: Context, config: RunConfig, kind: str
                          wire.STEPS: max(1, int(result["steps"])), wire.AGGREGATE_OF: int(result["devices"]),
                          wire.SECURE_POOL: int(result.get("secure-pool", 0)), wire.GATEWAY: str(result["gateway"]),
                          wire.CLIPPED: int(result.get("clipped", 0)), wire.CAPPED: int(result.get("capped", 0)),
-                         **pool_clipping(result)})
+                         **pool_clipping(result), **_norm_median(result)})
     reply_metrics = MetricRecord({wire.TRAIN_LOSS: metrics.get("train-loss", 0.0),
                                   wire.NUM_EXAMPLES: int(result["num-examples"])})
     return RecordDict({wire.ARRAYS: record, wire.METRICS: reply_metrics, wire.REPLY_META: meta})

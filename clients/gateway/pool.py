@@ -371,6 +371,7 @@ class RoundResult:
     capped: int = 0  # device weights capped at the run's max-device-examples
     pool_clipping: Mapping[str, int] = field(default_factory=dict)  # a secure round: what the devices' encodings
     # clipped, totals over the pool (fedge.strategies.validation.POOL_CLIPPING)
+    device_norm_median: float | None = None  # a plain train round: its devices' median update norm before clipping
 
 
 @dataclass(frozen=True)
@@ -453,6 +454,7 @@ class GatewayRound:
         self._metric_means: dict[str, float] = {}  # running float64 means, weighted by the devices' (capped) weights
         self._examples = self._samples = self._steps = self._devices = self._rejected = 0
         self._clipped = self._capped = 0
+        self._norms: list[float] = []  # the accepted train results' update norms before clipping
         self._answered: set[str] = set()  # device names whose result is in the sum
         self._taken: set[str] = set()  # device names handed this round's task
         self._lock = threading.Lock()
@@ -477,7 +479,7 @@ class GatewayRound:
         try:
             examples, weight, samples, steps = self._claims(header)
             metrics = self._metrics(header)
-            arrays, clipped = self._arrays(session, frame, scales) if self.kind == "train" else ({}, False)
+            arrays, clipped, norm = self._arrays(session, frame, scales) if self.kind == "train" else ({}, False, None)
         except (UpdateRejected, DeviceProtocolError) as exc:
             self._reject(session, exc)
         with self._lock:
@@ -492,6 +494,8 @@ class GatewayRound:
             else:
                 self._fold(session.device, arrays, weight, means, samples, steps)
                 self._clipped += clipped
+                if norm is not None:
+                    self._norms.append(norm)
                 self._capped += weight < examples
         if means is None:
             self._reject(session, UpdateRejected("its metrics make this round's metric means overflow"))
@@ -557,8 +561,9 @@ class GatewayRound:
         return values
 
     def _arrays(self, session: Session, frame: Frame, scales: Mapping[str, float]
-                ) -> tuple[dict[str, NDArray[np.generic]], bool]:
-        """The device's trained weights, checked, with the update clipped to the run's norm bound.
+                ) -> tuple[dict[str, NDArray[np.generic]], bool, float]:
+        """The device's trained weights, checked, with the update clipped to the round's norm bound; whether it
+        was clipped and its norm before.
 
         A device handed a lossy task (fp16, int8) trained from the weights as it read them; its
         update is taken against those and applied to the round's exact weights, so the task's
@@ -573,8 +578,8 @@ class GatewayRound:
             arrays = {name: (np.asarray(self.weights[name], np.float64) + (np.asarray(value, np.float64) -
                              np.asarray(received[name], np.float64))).astype(self.weights[name].dtype)
                       for name, value in arrays.items()}
-        bounded, _, clipped = clip_update(arrays, self.weights, self.bounds.max_update_norm)
-        return bounded, clipped
+        bounded, norm, clipped = clip_update(arrays, self.weights, self.bounds.max_update_norm)
+        return bounded, clipped, norm
 
     def close(self) -> RoundResult | None:
         """End the round: its result, or ``None`` when no device answered."""
@@ -586,7 +591,8 @@ class GatewayRound:
             return RoundResult(kind=self.kind, arrays=arrays, num_examples=self._examples,
                                metrics=dict(self._metric_means), samples_processed=self._samples, steps=self._steps,
                                devices=self._devices, rejected=self._rejected, clipped=self._clipped,
-                               capped=self._capped)
+                               capped=self._capped,
+                               device_norm_median=float(np.median(self._norms)) if self._norms else None)
 
     def _robust(self) -> dict[str, NDArray[np.generic]]:
         """The device rule over the kept updates: coordinate-wise median or trimmed mean (unweighted: a device's

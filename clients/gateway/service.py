@@ -524,7 +524,8 @@ def control_app(gateway: Gateway, token: str) -> Any:
         header = {"num-examples": result.num_examples, "metrics": result.metrics, "devices": result.devices,
                   "rejected": result.rejected, "samples-processed": result.samples_processed, "steps": result.steps,
                   "secure-pool": result.devices if result.secure else 0, "gateway": gateway.settings.name,
-                  "clipped": result.clipped, "capped": result.capped, "pool-clipping": dict(result.pool_clipping)}
+                  "clipped": result.clipped, "capped": result.capped, "pool-clipping": dict(result.pool_clipping),
+                  "device-norm-median": result.device_norm_median}
         return Response(encode_frame(header, result.arrays), media_type=FRAME_TYPE)
 
     async def status(request: Any) -> Any:

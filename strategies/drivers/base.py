@@ -39,6 +39,9 @@ class RoundReport:
     secagg_capped_weights: int = 0  # ... devices whose weight was capped at max-num-examples
     dp_out_of_range: int = 0  # distributed DP: entries of the noised sum brought back into range
     group_norms: list[float] = field(default_factory=list)  # robust rules over groups: each group's update norm
+    gateway_norms: list[float] = field(default_factory=list)  # each accepted gateway update's norm before clipping
+    device_norm_medians: list[float] = field(default_factory=list)  # ... and its devices' median norm (plain rounds)
+    norm_bounds: tuple[float, float] | None = None  # the device tier's bounds this round: (devices', gateways')
 
     def sort(self, verdict: AcceptedUpdate | Rejection) -> AcceptedUpdate | None:
         """File a reply's verdict: a failure or a rejection is kept here (and None returned); an
