@@ -1,12 +1,15 @@
-"""Issue 42: one hostile protocol device through a real gateway is bounded by the gateway's device rule.
+"""Issue 42: one hostile protocol device through a real gateway is bounded by the gateway's device rule,
+and the device tier's norm bounds follow the norms (``update-norm-bound = median``).
 
 Real parts: `fedge coordinator start` (SuperLink, TLS, node auth, FedAvg over its one gateway), one
 `fedge gateway start --device-rule median` and four reference protocol devices on 127.0.0.1. Three
-train honestly; the fourth sends the model it was given plus 1,000 in every entry (no norm bound:
-``max-update-norm = 0``, so nothing but the rule stands in its way). The median of four values of
-which the largest is the attacker's is the mean of the two largest honest ones: every round's model
-is that, computed here from what the honest devices sent, and the attacker's +1,000 is nowhere in it
-(the weighted mean would have moved every entry by about +250).
+train honestly; the fourth sends the model it was given plus 1,000 in every entry. Round 1 runs
+without a norm bound (``max-update-norm = 0``): the median of four values of which the largest is
+the attacker's keeps it out. Round 2 runs under the bounds round 1's norms set: each device's update
+clipped at the gateway to the median device norm the gateway reported, the gateway's update clipped
+at the coordinator to its round-1 norm. Every round's model is computed here by hand from what the
+devices sent, and the attacker's +1,000 is nowhere in it (the weighted mean would have moved every
+entry by about +250 in round 1).
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ class HostileDevice(RecordingDevice):
     def train(self, task: dict[str, Any], weights: dict[str, np.ndarray], *args: Any) -> tuple[float, bytes]:
         loss, result = super().train(task, weights, *args)
         frame, _ = decode_frame(result)
-        return loss, encode_frame(frame.header, {name: (weights[name] + 1000.0).astype(np.float32)
-                                                 for name in frame.tensors})
+        hostile = {name: (weights[name] + 1000.0).astype(np.float32) for name in frame.tensors}
+        self.sent[int(task["server-round"])] = hostile  # what it sent, in place of what it trained
+        return loss, encode_frame(frame.header, hostile)
 
 
 @pytest.fixture
@@ -75,14 +79,14 @@ def _devices(federation: LoopbackFederation, port: int) -> dict[int, RecordingDe
     return devices
 
 
-def test_one_hostile_protocol_device_moves_a_median_gateways_reply_only_within_the_honest_devices(
+def test_a_hostile_protocol_device_is_bounded_by_a_median_gateway_and_the_norm_bounds_follow_the_median(
         federation: LoopbackFederation) -> None:
     # Prepare: the allow-list, the coordinator (its one node a round: the gateway), a gateway whose rounds take all
     # four devices and reply with their coordinate-wise median
     for index in range(DEVICES):
         add_protocol_device(federation.root / "allow", f"phone{index}")
     federation.start_coordinator("--rounds", str(ROUNDS), "--clients-per-round", "1", "--run-config",
-                                 f"{RUN} max-update-norm=0.0 min-train-replies=1")
+                                 f"{RUN} max-update-norm=0.0 update-norm-bound='median' min-train-replies=1")
     federation.wait_for(federation.bundle_signing_key.exists, 900, "the bundle signing key")
     port = free_port()
     _start_gateway(federation, 0, port, extra=("--devices-per-round", str(DEVICES), "--device-rule", "median"))
@@ -98,21 +102,44 @@ def test_one_hostile_protocol_device_moves_a_median_gateways_reply_only_within_t
         federation.wait_for(lambda: not any(thread.is_alive() for thread in threads), 900, "the devices to be told")
     finally:
         stop.set()
-    # Assert: each round's model is the mean of the two largest honest entries; the attacker's +1,000 is not in it
+    # Assert: the gateway replied with its devices' median; round 2 ran under the bounds round 1's norms set
     log = federation.log("gateway0")
     assert "a plain round replies with the median of its devices' updates" in log, log
     assert log.count(f"{DEVICES} device results") == ROUNDS, log
     checkpoints, rows = federation.run_dir / "checkpoints", federation.rows()
+    assert (rows[1]["device_norm_bound"], rows[1]["gateway_norm_bound"]) == (0.0, 0.0)  # max-update-norm: off
+    assert rows[2]["device_norm_bound"] == pytest.approx(rows[1]["device_norm_medians"][0])
+    assert rows[2]["gateway_norm_bound"] == pytest.approx(rows[1]["gateway_norms"][0])
     for server_round in range(1, ROUNDS + 1):
         before = load_checkpoint(checkpoints / f"round-{server_round - 1:04d}.npz").arrays
         after = load_checkpoint(checkpoints / f"round-{server_round:04d}.npz").arrays
-        # the gateway's reported median of its four devices' update norms: the mean of the middle two
-        norms = sorted(float(np.sqrt(sum(np.sum((devices[i].sent[server_round][name].astype(np.float64) -
-                                                 before[name]) ** 2) for name in before))) for i in range(DEVICES))
-        assert rows[server_round]["device_norm_medians"] == pytest.approx([(norms[1] + norms[2]) / 2], rel=1e-5)
+        expected, gateway_norm = _expected_model(before, [devices[i].sent[server_round] for i in range(DEVICES)],
+                                                 rows[server_round])
+        assert rows[server_round]["gateway_norms"] == pytest.approx([gateway_norm], rel=1e-4)
         for name in after:
-            honest = np.sort(np.stack([devices[i].sent[server_round][name].astype(np.float64)
-                                       for i in range(DEVICES) if i != HOSTILE]), axis=0)
-            np.testing.assert_allclose(after[name], (honest[1] + honest[2]) / 2, atol=1e-5, err_msg=name)
-            assert np.max(np.abs(after[name] - before[name])) < 1.0, name
+            np.testing.assert_allclose(after[name], expected[name], atol=1e-5, err_msg=name)
+            assert np.max(np.abs(after[name] - before[name])) < 1.0, name  # the attacker's +1,000 is not in it
     assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.2
+
+
+def _norm(update: dict[str, np.ndarray]) -> float:
+    return float(np.sqrt(sum(np.sum(value ** 2) for value in update.values())))
+
+
+def _expected_model(before: dict[str, np.ndarray], sent: list[dict[str, np.ndarray]],
+                    row: dict[str, Any]) -> tuple[dict[str, np.ndarray], float]:
+    """The round's model by hand: each device's update clipped to the round's device bound at the gateway, the
+    mean of the middle two of the four in each entry (the median), that clipped to the gateway bound here; and the
+    gateway's update norm before that clipping. Checks the gateway's reported median device norm on the way."""
+    updates = [{name: weights[name].astype(np.float64) - before[name] for name in before} for weights in sent]
+    norms = [_norm(update) for update in updates]
+    middle = sorted(norms)[1:3]
+    assert row["device_norm_medians"] == pytest.approx([sum(middle) / 2], rel=1e-5)
+    bound = row["device_norm_bound"]
+    clipped = [{name: value * min(1.0, bound / norm) if bound else value for name, value in update.items()}
+               for update, norm in zip(updates, norms, strict=True)]
+    median = {name: np.sort(np.stack([update[name] for update in clipped]), axis=0)[1:3].mean(axis=0)
+              for name in before}
+    gateway_norm, bound = _norm(median), row["gateway_norm_bound"]
+    scale = min(1.0, bound / gateway_norm) if bound else 1.0
+    return {name: before[name] + scale * median[name] for name in before}, gateway_norm
