@@ -123,7 +123,8 @@ DEPLOYMENT_SLOTS = 2
 DEPLOYMENTS = frozenset({
     "test_deployment.py", "test_gateway_deployment.py", "test_lifecycle.py", "test_device_rejoin.py",
     "test_operator_feedback.py", "test_operator_service.py", "test_role_installs.py", "test_task_deployment.py",
-    "test_web_federation.py", "test_coordinator_console.py", "test_delivery.py", "test_submodels.py"})
+    "test_web_federation.py", "test_coordinator_console.py", "test_delivery.py", "test_submodels.py",
+    "test_robust_gateway_deployment.py"})
 
 
 @pytest.hookimpl(hookwrapper=True)
