@@ -69,7 +69,8 @@ def _start_options(start: argparse.ArgumentParser) -> None:
     start.add_argument("--device-rule", default="mean", choices=DEVICE_RULES,
                        help="a plain round's reply over its devices' updates: mean (hierarchical FedAvg, default) or "
                             "a robust rule (unweighted), so one hostile device moves the reply only within the "
-                            "others' spread (a secure pool reveals only its mean)")
+                            "others' spread (median: from 3 devices; trimmed-mean: once the fraction cuts one at each "
+                            "end; a secure pool reveals only its mean)")
     start.add_argument("--device-trim-fraction", type=float, default=0.2,
                        help="--device-rule trimmed-mean: the share cut at each end of each coordinate (default 0.2)")
     start.add_argument("--bundles", default="",

@@ -222,7 +222,8 @@ KNOBS: dict[str, Knob] = {
                           check=at_least(0)),
     UPDATE_NORM_BOUND: Knob("fixed", "the device tier's max-update-norm between rounds: fixed, or median (each "
                             "round's bound is the last round's median update norm before clipping, devices' at "
-                            "their gateways and gateways' at the coordinator; max-update-norm is the first round's)",
+                            "their gateways and gateways' at the coordinator; max-update-norm is the first round's "
+                            "and the ceiling; 0: the first round unbounded, no ceiling)",
                             "strategies", choices=(), more=_norm_bound_rules),
     MIN_TRAIN_REPLIES: Knob(2, "accepted updates needed to change the model", "strategies", check=at_least(1)),
     ROUND_TIMEOUT: Knob(600.0, "seconds a round waits for replies (and for devices to connect)", "strategies",

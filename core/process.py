@@ -58,7 +58,7 @@ def processes_of(flwr_home: Path, program: str | None = None) -> list[int]:
         for proc in psutil.process_iter(["pid"]):
             try:
                 if (proc.pid != os.getpid() and proc.environ().get("FLWR_HOME") == marker
-                        and (program is None or any(program in word for word in proc.cmdline()))):
+                        and (program is None or any(Path(word).name == program for word in proc.cmdline()[:2]))):
                     found.append(proc.pid)
             except (psutil.Error, OSError):
                 continue
@@ -75,11 +75,13 @@ def processes_of(flwr_home: Path, program: str | None = None) -> list[int]:
 
 
 def _names(entry: Path, program: str) -> bool:
-    """Whether the process ``/proc/PID`` was started with ``program`` in its command line."""
+    """Whether the process ``/proc/PID`` runs ``program``: its executable or (a console script under an
+    interpreter) its first argument is named so."""
     try:
-        return program.encode() in (entry / "cmdline").read_bytes()
+        argv = (entry / "cmdline").read_bytes().split(b"\0")[:2]
     except OSError:
         return False
+    return any(Path(os.fsdecode(word)).name == program for word in argv if word)
 
 
 def stop_processes(flwr_home: Path, first: list[subprocess.Popen[Any]], grace_s: float = 10.0) -> None:

@@ -349,17 +349,27 @@ def read_reply_meta(content: RecordDict) -> ReplyMeta | None:
     if gateway is not None and (not isinstance(gateway, str) or not PROFILE_NAME.match(gateway)):
         raise UpdateRejected(f"reply meta '{GATEWAY}' must be 1-64 letters, digits, '.', '_' or '-', "
                              f"got {gateway!r:.40}")
-    norm = record.get(DEVICE_NORM_MEDIAN)
-    if norm is not None and (isinstance(norm, bool) or not isinstance(norm, int | float) or not math.isfinite(norm)
-                             or norm < 0):
-        raise UpdateRejected(f"reply meta '{DEVICE_NORM_MEDIAN}' must be a finite number >= 0, got {norm!r:.40}")
+    norm = _device_norm_median(record, plain_gateway=gateway is not None and not record.get(SECURE_POOL))
     return ReplyMeta(server_round=_count(record, SERVER_ROUND, low=0), profile=profile,
                      samples_processed=_count(record, SAMPLES_PROCESSED, low=0) or 0,
                      steps=_count(record, STEPS, low=1), inputs=inputs,
                      aggregate_of=_count(record, AGGREGATE_OF, low=1),
                      secure_pool=_count(record, SECURE_POOL, low=0), gateway=gateway,
                      clipped=_count(record, CLIPPED, low=0) or 0, capped=_count(record, CAPPED, low=0) or 0,
-                     device_norm_median=None if norm is None else float(norm))
+                     device_norm_median=norm)
+
+
+def _device_norm_median(record: ConfigRecord, *, plain_gateway: bool) -> float | None:
+    """A plain gateway's median device update norm, checked (None when the reply carries none)."""
+    norm = record.get(DEVICE_NORM_MEDIAN)
+    if norm is None:
+        return None
+    if not plain_gateway:  # a secure pool's gateway sees no device's update; a device has no devices
+        raise UpdateRejected(f"reply meta '{DEVICE_NORM_MEDIAN}' comes only with a plain gateway's reply (a "
+                             f"'{GATEWAY}' name and no '{SECURE_POOL}'), and this reply is none")
+    if isinstance(norm, bool) or not isinstance(norm, int | float) or not math.isfinite(norm) or norm < 0:
+        raise UpdateRejected(f"reply meta '{DEVICE_NORM_MEDIAN}' must be a finite number >= 0, got {norm!r:.40}")
+    return float(norm)
 
 
 def read_reply_meta_or_none(content: RecordDict) -> ReplyMeta | None:

@@ -516,10 +516,10 @@ class Coordinator:
         """How the SuperLink says run ``run_id`` ended (``finished:failed (No heartbeat received ...)``), or ''."""
         if run_id is None:
             return ""
-        done = self._flwr("ls", CONNECTION, "--run-id", run_id, "--format", "json")
         try:
+            done = self._flwr("ls", CONNECTION, "--run-id", run_id, "--format", "json")
             run = json.loads(done.stdout)["runs"][0]
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+        except (subprocess.TimeoutExpired, OSError, json.JSONDecodeError, KeyError, IndexError, TypeError):
             return ""
         details = str(run.get("status-details") or "")
         return f"{run.get('status', '?')}" + (f" ({details})" if details and details != "N/A" else "")
@@ -771,7 +771,7 @@ class RunOutput:
         self.log.write(line)
         self.log.flush()
         text = ANSI.sub("", line).rstrip()
-        started = re.match(r"Successfully started run (\d+)$", text)
+        started = re.match(r"Successfully started run (\d+)\b", text)  # (" in federation X" may follow)
         if started:
             self.run_id = started.group(1)
         if self._mode == "traceback":

@@ -4,9 +4,11 @@ Flower's SuperLink ends a run whose ServerApp sent no heartbeat for 60 s (``HEAR
 x HEARTBEAT_DEFAULT_INTERVAL`` in flwr 1.42, not settable). A machine that stalls that long (a
 virtual machine its host paused, swap, a laptop lid) or a ServerApp the kernel killed loses the
 run though nothing in it was wrong; ``flwr run`` then ends without a word. The coordinator tells
-that apart from a run that failed (the ServerApp reported an exception, or wrote its summary)
-and starts the run again after its last checkpointed round, at most ``restarts`` times, saying
-so on the console and in ``STATE_DIR/run.log``. A run lost before its first round starts over.
+that apart from a run that failed (the ServerApp reported an exception, or wrote its summary) or
+was stopped (``flwr stop``): it goes on only when the SuperLink says the run failed for want of a
+heartbeat, and then after its last checkpointed round, at most ``restarts`` times, saying so on
+the console and in ``STATE_DIR/run.log``. A run lost before its first checkpoint (round 0's,
+written once the initial model is evaluated) starts over.
 
 Threat model: the ServerApp is the coordinator's own process; what it lost is its lease on the
 SuperLink. The lost process is stopped before the run goes on, so it cannot write to the run
@@ -36,6 +38,12 @@ def was_lost(output: RunOutput, run_dir: Path) -> bool:
             and output.exit_code is None)
 
 
+def lost_for_want_of_a_heartbeat(status: str) -> bool:
+    """Whether the SuperLink's word on a run (``finished:failed (No heartbeat received from the task)``) says it
+    ended the run because its ServerApp went silent (not stopped by an operator, not still running)."""
+    return status.startswith("finished:failed") and "heartbeat" in status.lower()
+
+
 def run_with_restarts(coordinator: Coordinator, run_config: Mapping[str, Scalar], *, restarts: int) -> RunOutput:
     """Run ``run_config`` on ``coordinator``; go on after a lost ServerApp up to ``restarts`` times."""
     run_dir = Path(str(run_config[knobs.RUN_DIR]))
@@ -44,7 +52,9 @@ def run_with_restarts(coordinator: Coordinator, run_config: Mapping[str, Scalar]
         superlink = coordinator.superlink
         if coordinator.stopped or not was_lost(output, run_dir) or superlink is None or superlink.poll() is not None:
             break  # stopped on purpose, finished or failed, or the SuperLink itself is gone
-        why = coordinator.run_status(output.run_id) or "it ended the run without a reason"
+        why = coordinator.run_status(output.run_id)
+        if not lost_for_want_of_a_heartbeat(why):
+            break  # stopped by an operator, still running, or the SuperLink cannot say: reported as it ended
         stopped = coordinator.end_lost_server_app()
         resume = (run_dir / "checkpoint.npz").exists()
         _say(coordinator.state_dir / "run.log",

@@ -11,11 +11,15 @@ The devices' level uses the median over gateways of each gateway's median device
 reports one number, not each device's norm); the gateways' level the median of their update norms,
 which the coordinator measures itself. The first round uses ``max-update-norm`` at both levels.
 
-Threat model: hostile devices and gateways report or cause the norms. A minority cannot move a
-median past the honest ones', so they cannot raise the next bound beyond the honest majority's
-norms; they can lower it, down to the honest minority's, which clips honest updates harder and
-slows training (counted: ``clipped_devices``, ``clipped_gateways``), not steers it. A secure pool's
-gateway sees no device norms and reports none: its devices' level keeps the last bound.
+Threat model: hostile devices and gateways report or cause the norms. A moved bound never exceeds
+``max-update-norm`` when that is set (above 0): the median only tightens the operator's bound. Below
+it, hostile reports fewer than half of those counted cannot raise the median above an honest
+report (with exactly two reports the median is their mean: one can raise it, up to the ceiling);
+they can lower it, which clips honest updates harder and slows training (counted:
+``clipped_devices``, ``clipped_gateways``), not steers it. Only a plain gateway's reply may carry a
+device norm median (:func:`fedge.wire.read_reply_meta` rejects it on any other); a secure pool's
+gateway sees no device norms and reports none: with no plain gateway the devices' bound stays.
+With ``max-update-norm = 0`` the first round is unbounded and the median sets the bounds after it.
 """
 
 from __future__ import annotations
@@ -41,19 +45,24 @@ class NormBounds:
     device: float
     gateway: float
     observed: int = field(default=0)  # the last round whose norms moved the bounds
+    ceiling: float = field(init=False)  # max-update-norm, when set: a moved bound never exceeds it
 
     def __post_init__(self) -> None:
         if self.rule not in NORM_BOUND_RULES:
             raise ConfigError(f"update-norm-bound '{self.rule}': use one of {', '.join(NORM_BOUND_RULES)}")
+        self.ceiling = max(self.device, self.gateway)
 
     def observe(self, report: RoundReport) -> None:
         """Move the bounds by ``report``'s norms (once per round: a second call for it does nothing)."""
         if report.server_round <= self.observed:
             return
         move = NORM_BOUND_RULES[self.rule]
-        self.device = move(self.device, report.device_norm_medians)
-        self.gateway = move(self.gateway, report.gateway_norms)
+        self.device = self._capped(move(self.device, report.device_norm_medians))
+        self.gateway = self._capped(move(self.gateway, report.gateway_norms))
         self.observed = report.server_round
+
+    def _capped(self, bound: float) -> float:
+        return min(bound, self.ceiling) if self.ceiling > 0 else bound
 
     def state_dict(self) -> dict[str, NDArray[np.generic]]:
         """The bounds and the round they follow, for a checkpoint."""

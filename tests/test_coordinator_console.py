@@ -18,6 +18,7 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -28,7 +29,7 @@ from flwr.clientapp import ClientApp
 from fedge.config import resolve_run_config
 from fedge.errors import ConfigError, FedgeError
 from fedge.server.coordinator import Coordinator, FleetStatus, FleetWatch, RunOutput
-from fedge.server.run_restarts import was_lost
+from fedge.server.run_restarts import run_with_restarts, was_lost
 from fedge.simulation.grid import InlineGrid
 from fedge.simulation.loopback import LoopbackFederation
 
@@ -323,3 +324,74 @@ def test_a_run_is_lost_only_when_its_server_app_ended_without_a_summary_or_a_rea
     # Assert: only a run that ended silently is restarted; the SuperLink's id for it is kept
     assert was_lost(output, tmp_path) is lost
     assert output.run_id == ("42" if "Successfully started run 42\n" in lines else None)
+
+
+def test_flowers_start_line_with_a_federation_still_names_the_run() -> None:
+    output = RunOutput(io.StringIO(), io.StringIO())
+    output.feed("Successfully started run 42 in federation fleet-a\n")
+    assert output.run_id == "42"
+
+
+class _LosingCoordinator:
+    """The coordinator's part :func:`run_with_restarts` drives: every run ends silently; the SuperLink says
+    ``statuses`` in turn; it counts runs and lost ServerApps stopped."""
+
+    def __init__(self, state_dir: Path, statuses: list[str], superlink_alive: bool = True) -> None:
+        self.state_dir, self.statuses, self.stopped = state_dir, statuses, False
+        self.superlink = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) if superlink_alive \
+            else None
+        self.configs: list[dict[str, Any]] = []
+        self.ended = 0
+
+    def run(self, run_config: dict[str, Any]) -> RunOutput:
+        self.configs.append(dict(run_config))
+        output = RunOutput(io.StringIO(), io.StringIO())
+        output.feed(f"Successfully started run {len(self.configs)}\n")
+        return output
+
+    def run_status(self, run_id: str | None) -> str:
+        return self.statuses[int(run_id or 0) - 1]
+
+    def end_lost_server_app(self) -> int:
+        self.ended += 1
+        return 1
+
+    def close(self) -> None:
+        if self.superlink is not None:
+            self.superlink.kill()
+            self.superlink.wait()
+
+
+HEARTBEAT = "finished:failed (No heartbeat received from the task)"
+
+
+@pytest.mark.parametrize(("statuses", "checkpoint", "runs", "resumed"), [
+    ([HEARTBEAT, HEARTBEAT, HEARTBEAT, HEARTBEAT], True, 4, [False, True, True, True]),  # 3 restarts, then it stops
+    ([HEARTBEAT, "finished:stopped"], True, 2, [False, True]),  # an operator's flwr stop: not restarted
+    (["running"], True, 1, [False]),  # the run goes on without this flwr run: not a second one beside it
+    ([""], True, 1, [False]),  # the SuperLink could not say: not restarted
+    ([HEARTBEAT, HEARTBEAT, HEARTBEAT, HEARTBEAT], False, 4, [False, False, False, False]),  # no checkpoint: over
+])
+def test_only_a_run_the_superlink_ended_for_want_of_a_heartbeat_goes_on(
+        tmp_path: Path, statuses: list[str], checkpoint: bool, runs: int, resumed: list[bool]) -> None:
+    # Prepare: a coordinator whose runs all end without a summary
+    if checkpoint:
+        (tmp_path / "checkpoint.npz").write_bytes(b"")
+    coordinator = _LosingCoordinator(tmp_path, statuses)
+    try:
+        # Execute
+        run_with_restarts(coordinator, {"run-dir": str(tmp_path)}, restarts=3)  # type: ignore[arg-type]
+    finally:
+        coordinator.close()
+    # Assert: how many runs, which resumed, one lost ServerApp stopped before each restart, each said in run.log
+    assert len(coordinator.configs) == runs
+    assert [bool(config.get("resume")) for config in coordinator.configs] == resumed
+    assert coordinator.ended == runs - 1
+    assert (tmp_path / "run.log").read_text().count("was lost, not failed") == runs - 1 if runs > 1 else \
+        not (tmp_path / "run.log").exists()
+
+
+def test_no_run_goes_on_when_the_superlink_itself_is_gone(tmp_path: Path) -> None:
+    coordinator = _LosingCoordinator(tmp_path, [HEARTBEAT], superlink_alive=False)
+    run_with_restarts(coordinator, {"run-dir": str(tmp_path)}, restarts=3)  # type: ignore[arg-type]
+    assert len(coordinator.configs) == 1 and coordinator.ended == 0

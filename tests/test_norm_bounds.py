@@ -133,3 +133,43 @@ def test_each_reply_is_judged_against_the_round_bound_not_the_run_config() -> No
     # Assert: clipped to 2 (the update scaled by 2/3), its norm before clipping kept
     assert checked.clipped and checked.norm == pytest.approx(3.0)
     assert np.allclose(checked.arrays["w"], 2.0 / 3.0)
+
+
+def test_a_moved_bound_never_exceeds_max_update_norm() -> None:
+    # Prepare: max-update-norm 10 (the ceiling); a round whose norms' median is 40 (hostile reports, or a wild round)
+    bounds = NormBounds(rule="median", device=10.0, gateway=10.0)
+    # Execute
+    bounds.observe(RoundReport(server_round=1, selected=3, gateway_norms=[30.0, 40.0, 50.0],
+                               device_norm_medians=[5.0, 90.0]))
+    # Assert: the gateways' bound stays at 10; the devices' is the mean of the two reports, 47.5, capped at 10
+    assert (bounds.device, bounds.gateway) == (10.0, 10.0)
+
+
+@pytest.mark.parametrize(("secure_pool", "gateway"), [(5, "gw1"), (0, None)], ids=["secure-pool", "not-a-gateway"])
+def test_a_device_norm_median_from_anything_but_a_plain_gateway_is_rejected(secure_pool: int,
+                                                                         gateway: str | None) -> None:
+    reply = train_reply(1, good_arrays(1.0), num_examples=100)
+    meta = reply.content[wire.REPLY_META]
+    assert isinstance(meta, ConfigRecord)
+    meta[wire.AGGREGATE_OF], meta[wire.SECURE_POOL], meta[wire.DEVICE_NORM_MEDIAN] = 5, secure_pool, 0.5
+    if gateway is not None:
+        meta[wire.GATEWAY] = gateway
+    with pytest.raises(UpdateRejected, match="comes only with a plain gateway's reply"):
+        wire.read_reply_meta(reply.content)
+
+
+def test_a_resumed_run_goes_on_with_the_bounds_its_checkpoint_holds() -> None:
+    # Prepare: a run whose bounds round 1 moved to 0.7 and 4.0, checkpointed
+    config = resolve_run_config({"gateways": True, "clients-per-round": 1, "min-train-replies": 1,
+                                 "update-norm-bound": "median"})
+    before = build_strategy(config)
+    assert before.rounds.norm_bounds is not None
+    before.rounds.norm_bounds.observe(RoundReport(server_round=1, selected=2, gateway_norms=[4.0],
+                                                  device_norm_medians=[0.7]))
+    # Execute: a new coordinator's strategy restores the checkpoint's state and configures round 2
+    after = build_strategy(config)
+    after.restore_state(before.checkpoint_state())
+    sent = ConfigRecord({})
+    after.rounds.configure_train(2, global_arrays(), sent, OneNodeGrid())  # type: ignore[arg-type]
+    # Assert: round 2 runs under the restored bounds
+    assert sent[wire.DEVICE_NORM_BOUND] == 0.7 and after.rounds.validator.gateway_norm_bound == 4.0

@@ -6,6 +6,7 @@ device moves its gateway's reply only within the honest devices' spread (not one
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -95,3 +96,18 @@ def test_the_trimmed_mean_inside_a_gateway_cuts_each_end() -> None:
     # Assert: (2 + 3 + 4) / 3 = 3; the weight is still the devices' total
     assert result is not None and result.num_examples == 50
     np.testing.assert_allclose(result.arrays["w"], [3.0])
+
+
+def test_a_trimmed_mean_that_cuts_no_device_says_its_reply_is_a_plain_mean(caplog: pytest.LogCaptureFixture) -> None:
+    # Prepare: four devices at trim 0.2: floor(0.8) = 0 cut at each end
+    current = GatewayRound(kind="train", server_round=3, config={}, graph="", weights={"w": np.zeros(1, np.float32)},
+                           target=4, max_num_examples=1000, device_rule="trimmed-mean", trim_fraction=0.2)
+    for index, value in enumerate([1.0, 2.0, 3.0, 100.0]):
+        current._fold(f"d{index}", {"w": np.array([value], np.float32)}, 10, {}, 10, 1)
+    # Execute
+    with caplog.at_level(logging.WARNING, logger="fedge"):
+        result = current.close()
+    # Assert: the plain mean (106 / 4), and a line that says so
+    assert result is not None
+    np.testing.assert_allclose(result.arrays["w"], [26.5])
+    assert "round 3: the trimmed mean cuts no device at either end of 4 (trim fraction 0.2)" in caplog.text

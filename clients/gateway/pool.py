@@ -597,6 +597,10 @@ class GatewayRound:
     def _robust(self) -> dict[str, NDArray[np.generic]]:
         """The device rule over the kept updates: coordinate-wise median or trimmed mean (unweighted: a device's
         example count is its own claim), so one device moves the reply at most within the others' spread."""
+        if self.device_rule == "trimmed-mean" and int(self.trim_fraction * len(self._kept)) == 0:
+            log.warning("round %d: the trimmed mean cuts no device at either end of %d (trim fraction %g): this "
+                        "round's reply is their plain mean; a hostile device is not bounded by it",
+                        self.server_round, len(self._kept), self.trim_fraction)
         return ROBUST_DEVICE_RULES[self.device_rule](self._kept, self.trim_fraction)
 
     def task(self, session: Session) -> EncodedTask:
