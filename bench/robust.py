@@ -21,7 +21,7 @@ so however the groups fall no more than 10 of the 50 hold one (Krum's bound: n >
 
 Usage: python bench/robust.py [--seeds 42 1 2]          (flat)
        python bench/robust.py --groups [--rounds 10] [--flat-rounds 2]     (over secure groups)
-       python bench/robust.py --goal [--seeds 42 1 2] [--rounds 10]       (the goal, over seeds)
+       python bench/robust.py --goal [--seeds 42 1 2] [--rounds 10] [--rules bulyan ...]  (the goal, over seeds)
        python bench/robust.py --cost [--sizes 100 1000]       (grouping's cost: round time and bytes)
 Writes bench/results/robust.json (each mode its own key; the other mode's results are kept).
 """
@@ -84,6 +84,9 @@ def main() -> None:
                         help="--groups: rounds of the one-instance baseline (~100 s each on 2 loaded cores)")
     parser.add_argument("--goal", action="store_true",
                         help="issue 42's goal over seeds: 5 %% model replacement through 50 secure groups of 4")
+    parser.add_argument("--rules", nargs="*", default=[],
+                        help="--goal: only the rules whose name holds one of these words (the others' earlier "
+                             "results are kept)")
     parser.add_argument("--cost", action="store_true",
                         help="the cost of grouping: one secure instance vs secure-groups, 2 clean rounds each")
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 1000], help="--cost: devices a round")
@@ -93,7 +96,7 @@ def main() -> None:
         cost_main(args.sizes, args.seeds[0])
         return
     if args.goal:
-        goal_main(args.rounds, args.seeds)
+        goal_main(args.rounds, args.seeds, args.rules)
         return
     if args.groups:
         groups_main(args.rounds, args.seeds[0], args.flat_rounds)
@@ -296,20 +299,30 @@ def groups_main(rounds: int, seed: int, flat_rounds: int) -> None:
 GOAL_RULES: dict[str, dict[str, Any]] = {
     "fedavg over 50 groups of 4": {"strategy": "fedavg", "secure-groups": 50},
     "median over 50 groups of 4": {"strategy": "median", "secure-groups": 50},
+    "trimmed-mean (0.2) over 50 groups of 4": {"strategy": "trimmed-mean", "trim-fraction": 0.2, "secure-groups": 50},
+    "bulyan (f=10) over 50 groups of 4": {"strategy": "bulyan", "num-byzantine": 10, "secure-groups": 50},
     "multi-krum (f=10, m=40) over 50 groups of 4": {"strategy": "krum", "num-byzantine": 10, "krum-select": 40,
                                                     "secure-groups": 50},
 }
 GOAL_ATTACKS = ("none", "model replacement 5%", "sign flip x4 5%")
 
 
-def goal_main(rounds: int, seeds: list[int]) -> None:
+def goal_main(rounds: int, seeds: list[int], only: list[str]) -> None:
     """Each goal rule x attack x seed; the table of means over seeds, each attack's gap to the rule's clean run
-    and to clean FedAvg's."""
-    results: dict[str, dict[str, list[float]]] = {}
+    and to clean FedAvg's. ``only``: run the rules whose name holds one of these words, keeping the others'
+    results from an earlier run with the same seeds and rounds."""
+    out = HERE / "results" / "robust.json"
+    kept = json.loads(out.read_text()) if out.exists() else {}
+    earlier = kept.get("goal", {})
+    same = earlier.get("seeds") == seeds and earlier.get("rounds") == rounds
+    results: dict[str, dict[str, list[float]]] = dict(earlier.get("final_accuracy", {})) if same and only else {}
+    chosen = {name: rule for name, rule in GOAL_RULES.items() if not only or any(word in name for word in only)}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
+        for name in chosen:
+            results[name] = {}
         for seed in seeds:
-            for name, rule in GOAL_RULES.items():
+            for name, rule in chosen.items():
                 for attack_name in GOAL_ATTACKS:
                     attack, share = GROUP_ATTACKS[attack_name]
                     run_dir = Path(tmp) / f"{seed}-{name}-{attack_name}".replace(" ", "_")
@@ -325,10 +338,9 @@ def goal_main(rounds: int, seeds: list[int]) -> None:
             f"{statistics.mean(row[a]):>10.4f} ({100 * (statistics.mean(row[a]) - clean):+5.1f}/"
             f"{100 * (statistics.mean(row[a]) - clean_fedavg):+5.1f})" for a in GOAL_ATTACKS))
     print("cells: mean final accuracy over seeds (points vs the rule's clean run / vs clean FedAvg over the groups)")
-    out = HERE / "results" / "robust.json"
-    kept = json.loads(out.read_text()) if out.exists() else {}
     kept["goal"] = {"seeds": seeds, "rounds": rounds, "base": GROUPS_BASE, "rules": GOAL_RULES,
-                    "final_accuracy": results, "total_wall_s": round(time.perf_counter() - started, 1),
+                    "final_accuracy": results, "last_invocation_wall_s": round(time.perf_counter() - started, 1),
+                    "rules_last_invocation": list(chosen),
                     "machine": "2 shared CPU cores, loaded by other work"}
     out.write_text(json.dumps(kept, indent=2) + "\n")
     print(f"wrote {out}")
