@@ -3,7 +3,8 @@ SDK's demo page, three headless-Chromium tabs and one Python protocol device, al
 TLS (the gateway's certificate from `fedge keys add-gateway`, the only one Chromium is told to trust).
 
 The same run with four Python protocol devices (same names, so the same seeds, and the same
-partitions) is the baseline: a browser sends the update a Python device sends (numpy's batch
+partitions), run beside it in its own federation (both mostly wait on processes: 81 -> 62 s on a quiet
+machine), is the baseline: a browser sends the update a Python device sends (numpy's batch
 order, float32 steps), so the two runs must learn alike. One tab reloads right after sending its
 first result, while the round still waits for others: it must not be counted twice. The tabs'
 files hold raw digits (grey levels 0..16, as a sensor gives them) and the Python devices'
@@ -108,10 +109,49 @@ def _wait_page(driver: Any, condition: Any) -> dict[str, Any]:
     return state
 
 
+def _python_baseline(root: Path, shards: list[Any]) -> tuple[LoopbackFederation, threading.Event, list[Any]]:
+    """The baseline, started: four Python protocol devices (the same names and partitions) in a fresh federation."""
+    baseline = LoopbackFederation(root, num_devices=1)
+    port = _start(baseline, shards)
+    stop, trained = threading.Event(), {}
+    for name in NAMES[:BROWSERS]:
+        add_protocol_device(baseline.root / "allow", name)
+    threads = [_python_device(baseline, port, name, shard, stop, trained)
+               for name, shard in zip(NAMES, shards, strict=True)]
+    return baseline, stop, threads
+
+
 def test_three_browsers_and_a_python_device_train_like_an_all_python_fleet(federation: LoopbackFederation,
                                                                              tmp_path: Path) -> None:
-    # Prepare: the federation; Chromium trusting the gateway's certificate only; four devices' examples
+    # Prepare: the federation; Chromium trusting the gateway's certificate only; four devices' examples; the
+    # all-Python baseline runs beside it (its own coordinator and gateway: both runs mostly wait on processes)
     shards = _shards()
+    baseline, baseline_stop, baseline_threads = _python_baseline(tmp_path / "python", shards)
+    try:
+        rows, gateway_log, states = _browser_run(federation, shards)
+        baseline.wait_for(lambda: (baseline.run_dir / "summary.json").exists(), 900, "the baseline's summary")
+        python_rows = baseline.rows()
+    finally:
+        baseline_stop.set()
+        for thread in baseline_threads:
+            thread.join(60)
+        baseline.close()
+    # Assert: every round aggregated the gateway's 4 device results (the reloaded tab counted once)
+    assert [row["round"] for row in rows] == list(range(ROUNDS + 1)), federation.log("coordinator")
+    assert all(row["aggregated"] and row["participants"] == 1 and row["rejected"] == 0 for row in rows[1:]), rows
+    assert gateway_log.count("4 device results (0 rejected, 0 clipped") == ROUNDS, gateway_log
+    assert all(state["error"] is None for state in states.values()), states
+    assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.3
+    # ... and learned like the all-Python fleet: within 0.5 accuracy points, round for round
+    assert [row["round"] for row in python_rows] == list(range(ROUNDS + 1))
+    gaps = [abs(a["accuracy"] - b["accuracy"]) for a, b in zip(rows, python_rows, strict=True)]
+    assert max(gaps) <= 0.005, (gaps, [r["accuracy"] for r in rows], [r["accuracy"] for r in python_rows])
+
+
+def _browser_run(federation: LoopbackFederation, shards: list[Any]
+                 ) -> tuple[list[dict[str, Any]], str, dict[str, dict[str, Any]]]:
+    """Three tabs and a Python device through one gateway, one tab reloaded mid-round: (rows, gateway log, tab
+    states)."""
     port = _start(federation, shards)
     root = federation.root
     driver = start_chromium(trust_certificate_flag((root / "keys" / "gateways" / "gw0.crt").read_bytes()))
@@ -146,32 +186,4 @@ def test_three_browsers_and_a_python_device_train_like_an_all_python_fleet(feder
         stop.set()
         driver.quit()
     python.join(60)
-    rows, gateway_log = federation.rows(), federation.log("gateway0")
-    # the baseline: four Python protocol devices, same names and partitions, a fresh federation
-    baseline = LoopbackFederation(tmp_path / "python", num_devices=1)
-    try:
-        port = _start(baseline, shards)
-        stop, python_trained = threading.Event(), {}
-        for name in NAMES[:BROWSERS]:
-            add_protocol_device(baseline.root / "allow", name)
-        threads = [_python_device(baseline, port, name, shard, stop, python_trained)
-                   for name, shard in zip(NAMES, shards, strict=True)]
-        baseline.wait_for(lambda: (baseline.run_dir / "summary.json").exists(), 900, "the baseline's summary")
-        stop.set()
-        for thread in threads:
-            thread.join(60)
-        python_rows = baseline.rows()
-    finally:
-        baseline.close()
-    # Assert: every round aggregated the gateway's 4 device results (the reloaded tab counted once)
-    assert [row["round"] for row in rows] == list(range(ROUNDS + 1)), federation.log("coordinator")
-    assert all(row["aggregated"] and row["participants"] == 1 and row["rejected"] == 0 for row in rows[1:]), rows
-    assert gateway_log.count("4 device results (0 rejected, 0 clipped") == ROUNDS, gateway_log
-    assert all(state["error"] is None for state in states.values()), states
-    assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.3
-    # ... and learned like the all-Python fleet: within 0.5 accuracy points, round for round
-    assert [row["round"] for row in python_rows] == list(range(ROUNDS + 1))
-    gaps = [abs(a["accuracy"] - b["accuracy"]) for a, b in zip(rows, python_rows, strict=True)]
-    assert max(gaps) <= 0.005, (gaps, [r["accuracy"] for r in rows], [r["accuracy"] for r in python_rows])
-
-
+    return federation.rows(), federation.log("gateway0"), states
