@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -102,8 +103,9 @@ def serve(root: Path, per_round: int, listener: str = "fedge", downlink: str = "
                                       downlink=downlink),
                       root / "allow", None)
     control = Served(control_app(gateway, "bench-token"), "127.0.0.1", 0, limits=ListenerLimits())
-    if not os.environ.get("FEDGE_PROFILE") and listener == "fedge":
-        devices = Served(device_app(gateway), "127.0.0.1", 0, limits=DEVICE_LIMITS, cert=cert, cert_key=cert_key)
+    if not os.environ.get("FEDGE_PROFILE") and listener in ("fedge", "fedge-h11"):
+        limits = DEVICE_LIMITS if listener == "fedge" else dataclasses.replace(DEVICE_LIMITS, parser="h11")
+        devices = Served(device_app(gateway), "127.0.0.1", 0, limits=limits, cert=cert, cert_key=cert_key)
         print(json.dumps({"devices": devices.port, "control": control.port}), flush=True)
         while True:
             time.sleep(3600)
@@ -283,7 +285,8 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=100_000)
     parser.add_argument("--clients", type=int, default=2, help="load-generator processes")
     parser.add_argument("--listeners", default="fedge,uvicorn",
-                        help="device listeners measured in turn: fedge (the gateway's) and uvicorn (before round 3)")
+                        help="device listeners measured in turn: fedge (the gateway's), fedge-h11 (the same with "
+                             "the h11 parser, before issue 43's httptools) and uvicorn (before round 3)")
     parser.add_argument("--downlinks", default="fp32,fp16,int8",
                         help="task encodings measured on the first listener (fp32 is measured on each)")
     parser.add_argument("--gateways", default="",
@@ -406,6 +409,11 @@ def report(records: dict[str, dict[str, Any]], args: argparse.Namespace) -> None
                   new["task_bytes"] / old["task_bytes"])
         print(f"{name} / fedge (fp32 tasks): updates per CPU-second {ratios[0]:.2f}x, round wall {ratios[1]:.2f}x, "
               f"task bytes {ratios[2]:.2f}x")
+    if {"fedge", "fedge-h11"} <= set(records):
+        new, old = records["fedge"], records["fedge-h11"]
+        print(f"\nhttptools / h11 (fp32 tasks): updates per CPU-second "
+              f"{new['updates_per_cpu_s'] / old['updates_per_cpu_s']:.2f}x, round wall "
+              f"{new['round_wall_s'] / old['round_wall_s']:.2f}x")
     if {"fedge", "uvicorn"} <= set(records):
         new, old = records["fedge"], records["uvicorn"]
         print(f"\nfedge / uvicorn: check-ins/s {new['check_ins_per_s'] / old['check_ins_per_s']:.2f}x, updates per "

@@ -1,4 +1,4 @@
-"""Limits every fedge HTTP listener applies to each connection (uvicorn's h11 protocol, guarded).
+"""Limits every fedge HTTP listener applies to each connection (uvicorn's HTTP protocol, guarded).
 
 The SuperLink's device port (Flower's Fleet API, served over HTTPS by uvicorn), the bundle
 service and the metrics endpoint / dashboard all run uvicorn. Left to itself uvicorn picks
@@ -6,10 +6,13 @@ service and the metrics endpoint / dashboard all run uvicorn. Left to itself uvi
 and no uvicorn protocol times out a connection that never sends a request. One client could
 therefore grow a listener's memory without bound (never-ending headers) or hold every
 connection slot with idle TLS connections (uvicorn then answers 503 to everyone).
-:func:`uvicorn_options` gives a listener uvicorn's h11 protocol with:
+:func:`uvicorn_options` gives a listener uvicorn's httptools protocol (``ListenerLimits.parser``;
+``h11``, uvicorn's pure-Python one, behind the same guard, is the other choice) with:
 
 - a header size limit: headers larger than ``max_header_bytes`` are answered ``431`` and
-  the connection is closed (h11 buffers at most that much of an incomplete request);
+  the connection is closed (h11 buffers at most that much of an incomplete request; httptools
+  has no limit of its own, so fedge counts the bytes a request's headers take and stops at
+  the limit, plus at most one read);
 - a header deadline: a connection whose request headers are not complete
   ``header_timeout_s`` after it opened (or after its previous response) is closed, so
   slow-trickled headers and idle connections hold a slot for at most that long;
@@ -62,15 +65,124 @@ class ListenerLimits:
     min_body_rate: int = 16 * 1024  # bytes a second a declared body length must at least arrive at
     handshake_timeout_s: float = 10.0
     tls_shutdown_timeout_s: float = 1.0  # after the listener's close_notify, the wait for the peer's
+    parser: str = "httptools"  # HTTP_PARSERS: httptools (C) or h11 (pure Python, 1.1-1.3x the gateway's CPU a result)
 
     def body_deadline_s(self, declared: int | None) -> float:
         """Seconds a request body of ``declared`` bytes (``None``: not declared) may take to arrive."""
         return self.body_timeout_s + (declared or 0) / self.min_body_rate
 
 
+class _Guard:
+    """What every guarded HTTP protocol adds to uvicorn's, whatever parses the requests: a per-address cap, a
+    header deadline and a body deadline. The parser's subclass says where a request stands
+    (:meth:`_awaiting_headers`, :meth:`_awaiting_body`) and writes a final response (:meth:`_send_final`)."""
+
+    limits: ListenerLimits = ListenerLimits()
+    by_address: Counter[str] = Counter()
+    transport: Any
+    loop: Any
+    client: Any
+    logger: Any
+
+    def _guard_init(self) -> None:
+        self._deadline: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
+        self._counted: str | None = None
+        self.counted_at_accept = False  # the TLS acceptor counted this connection's address already
+
+    def _count(self, transport: asyncio.Transport) -> bool:
+        """Count this connection against its address and start its header deadline; False: refused (aborted)."""
+        if self.counted_at_accept:
+            self._start_deadline()
+            return True
+        address = self.client[0] if self.client else "?"
+        if self.by_address[address] >= self.limits.per_address:
+            self.logger.warning("%s holds %d connections already (the most one address may); closed a new one",
+                                address, self.limits.per_address)
+            transport.abort()
+            return False
+        self.by_address[address] += 1
+        self._counted = address
+        self._start_deadline()
+        return True
+
+    def _uncount(self) -> None:
+        self._stop_deadline()
+        self._stop_body_deadline()
+        if self._counted is not None:
+            self.by_address[self._counted] -= 1
+            if self.by_address[self._counted] <= 0:
+                del self.by_address[self._counted]
+            self._counted = None
+
+    def _awaiting_headers(self) -> bool:
+        raise NotImplementedError
+
+    def _awaiting_body(self) -> bool:
+        raise NotImplementedError
+
+    def _send_final(self, status: int, reason: bytes, content_type: bytes, body: bytes) -> None:
+        raise NotImplementedError
+
+    def _declared_length(self) -> int | None:
+        headers = dict(getattr(self, "headers", []) or [])
+        value = headers.get(b"content-length", b"")
+        return int(value) if value.isdigit() and len(value) <= 18 else None
+
+    def _start_body_deadline(self) -> None:
+        if self._body_deadline is None:
+            self._body_deadline = self.loop.call_later(self.limits.body_deadline_s(self._declared_length()),
+                                                       self._body_too_late)
+
+    def _stop_body_deadline(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
+    def _body_too_late(self) -> None:
+        """The body did not arrive in time: 408 (unless the app already answered) and close."""
+        self._body_deadline = None
+        if self.transport.is_closing() or not self._awaiting_body():
+            return
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and not cycle.response_started:
+            self._send_final(408, b"Request Timeout", b"application/json",
+                             b'{"error": "the request body did not arrive in time; send it at once (or faster)"}')
+        if cycle is not None:  # the app waiting for the body hears a disconnect, and sends nothing more
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.close()
+
+    def _too_large(self) -> None:
+        """431: the request's headers grew past the limit; the connection is closed."""
+        self._send_final(431, b"Request Header Fields Too Large", b"text/plain; charset=utf-8",
+                         f"request headers larger than {self.limits.max_header_bytes} bytes".encode())
+        self.transport.close()
+
+    def _start_deadline(self) -> None:
+        self._stop_deadline()
+        self._deadline = self.loop.call_later(self.limits.header_timeout_s, self._headers_too_late)
+
+    def _stop_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _headers_too_late(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing() and self._awaiting_headers():
+            self.transport.abort()
+
+
+def _final_response(status: int, reason: bytes, content_type: bytes, body: bytes) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection."""
+    return b"".join([b"HTTP/1.1 %d %s\r\n" % (status, reason), b"content-type: ", content_type, b"\r\n",
+                     b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body), body])
+
+
 @functools.cache
-def _guarded_base() -> type[Any]:
-    """uvicorn's h11 protocol with a header deadline, a 431 for large headers and a per-address cap.
+def _guarded_h11() -> type[Any]:
+    """uvicorn's h11 protocol, guarded (:class:`_Guard`); h11 bounds an incomplete request's headers itself.
 
     Built on first use: uvicorn and h11 are imported only by a process that serves HTTP.
     """
@@ -89,83 +201,40 @@ def _guarded_base() -> type[Any]:
                 self.error_status = exc.error_status_hint
                 raise
 
-
-    class _GuardedH11(H11Protocol):
+    class _GuardedH11(_Guard, H11Protocol):
         """uvicorn's h11 protocol with a header deadline, a 431 for large headers and a per-address cap."""
-
-        limits: ListenerLimits = ListenerLimits()
-        by_address: Counter[str] = Counter()
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.conn = _RecordingConnection(h11.SERVER, self.limits.max_header_bytes)
-            self._deadline: asyncio.TimerHandle | None = None
-            self._body_deadline: asyncio.TimerHandle | None = None
-            self._counted: str | None = None
-            self.counted_at_accept = False  # the TLS acceptor counted this connection's address already
+            self._guard_init()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # noqa: D102
             super().connection_made(transport)
-            if self.counted_at_accept:
-                self._start_deadline()
-                return
-            address = self.client[0] if self.client else "?"
-            if self.by_address[address] >= self.limits.per_address:
-                self.logger.warning("%s holds %d connections already (the most one address may); closed a new one",
-                                    address, self.limits.per_address)
-                transport.abort()
-                return
-            self.by_address[address] += 1
-            self._counted = address
-            self._start_deadline()
+            self._count(transport)
 
         def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
-            self._stop_deadline()
-            self._stop_body_deadline()
-            if self._counted is not None:
-                self.by_address[self._counted] -= 1
-                if self.by_address[self._counted] <= 0:
-                    del self.by_address[self._counted]
-                self._counted = None
+            self._uncount()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:  # noqa: D102
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # the request's headers are complete (or it failed)
+            if not self._awaiting_headers():  # the request's headers are complete (or it failed)
                 self._stop_deadline()
-            if self.conn.their_state is h11.SEND_BODY and self._body_deadline is None:
-                self._body_deadline = self.loop.call_later(self.limits.body_deadline_s(self._declared_length()),
-                                                           self._body_too_late)
-            elif self.conn.their_state is not h11.SEND_BODY:
+            if self._awaiting_body():
+                self._start_body_deadline()
+            else:
                 self._stop_body_deadline()
 
-        def _declared_length(self) -> int | None:
-            headers = dict(getattr(self, "headers", []) or [])
-            value = headers.get(b"content-length", b"")
-            return int(value) if value.isdigit() and len(value) <= 18 else None
+        def _awaiting_headers(self) -> bool:
+            return self.conn.their_state is h11.IDLE
 
-        def _stop_body_deadline(self) -> None:
-            if self._body_deadline is not None:
-                self._body_deadline.cancel()
-                self._body_deadline = None
-
-        def _body_too_late(self) -> None:
-            """The body did not arrive in time: 408 (unless the app already answered) and close."""
-            self._body_deadline = None
-            if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
-                return
-            cycle = getattr(self, "cycle", None)
-            if cycle is not None and not cycle.response_started and self.conn.our_state is h11.SEND_RESPONSE:
-                self._send_final(408, b"Request Timeout", b"application/json",
-                                 b'{"error": "the request body did not arrive in time; send it at once (or faster)"}')
-            if cycle is not None:  # the app waiting for the body hears a disconnect, and sends nothing more
-                cycle.disconnected = True
-                cycle.message_event.set()
-            self.transport.close()
+        def _awaiting_body(self) -> bool:
+            return self.conn.their_state is h11.SEND_BODY
 
         def on_response_complete(self) -> None:  # noqa: D102
             super().on_response_complete()
-            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            if not self.transport.is_closing() and self._awaiting_headers():
                 self._start_deadline()  # the next request's headers get the same deadline
 
         def send_400_response(self, msg: str) -> None:
@@ -174,12 +243,11 @@ def _guarded_base() -> type[Any]:
             if status != 431:
                 super().send_400_response(msg)
                 return
-            self._send_final(431, b"Request Header Fields Too Large", b"text/plain; charset=utf-8",
-                             f"request headers larger than {self.limits.max_header_bytes} bytes".encode())
-            self.transport.close()
+            self._too_large()
 
         def _send_final(self, status: int, reason: bytes, content_type: bytes, body: bytes) -> None:
-            """Write a whole response that closes the connection (the app never answers this request)."""
+            if self.conn.our_state is not h11.SEND_RESPONSE:  # the app has started its answer
+                return
             response = h11.Response(status_code=status, reason=reason,
                                     headers=[(b"content-type", content_type), (b"connection", b"close"),
                                              (b"content-length", str(len(body)).encode())])
@@ -187,21 +255,78 @@ def _guarded_base() -> type[Any]:
             self.transport.write(self.conn.send(h11.Data(data=body)) or b"")
             self.transport.write(self.conn.send(h11.EndOfMessage()) or b"")
 
-        def _start_deadline(self) -> None:
-            self._stop_deadline()
-            self._deadline = self.loop.call_later(self.limits.header_timeout_s, self._headers_too_late)
-
-        def _stop_deadline(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
-        def _headers_too_late(self) -> None:
-            self._deadline = None
-            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-                self.transport.abort()
-
     return _GuardedH11
+
+
+@functools.cache
+def _guarded_httptools() -> type[Any]:
+    """uvicorn's httptools protocol (llhttp, in C), guarded (:class:`_Guard`).
+
+    httptools has no header size limit of its own: the bytes a request's headers take are counted
+    as they arrive, and past ``max_header_bytes`` the request is answered 431 and the connection
+    closed, so what one connection buffers is bounded by the limit plus one read (a TLS record,
+    16 KiB, on fedge's TLS listeners).
+    """
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class _GuardedHttpTools(_Guard, HttpToolsProtocol):
+        """uvicorn's httptools protocol with a header size limit, a header deadline and a per-address cap."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._guard_init()
+            self._in_headers, self._header_bytes, self._in_body = True, 0, False
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # noqa: D102
+            super().connection_made(transport)
+            self._count(transport)
+
+        def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
+            self._uncount()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:  # noqa: D102
+            if self._in_headers:
+                self._header_bytes += len(data)
+            super().data_received(data)
+            if self._in_headers and self._header_bytes > self.limits.max_header_bytes \
+                    and not self.transport.is_closing():
+                self._too_large()
+
+        def on_headers_complete(self) -> None:  # noqa: D102
+            self._in_headers, self._header_bytes = False, 0
+            self._stop_deadline()
+            super().on_headers_complete()
+            declared = self._declared_length()
+            chunked = dict(self.headers).get(b"transfer-encoding", b"").lower() == b"chunked"
+            if (declared or chunked) and not self.transport.is_closing():
+                self._in_body = True
+                self._start_body_deadline()
+
+        def on_message_complete(self) -> None:  # noqa: D102
+            self._in_headers, self._in_body = True, False
+            self._stop_body_deadline()
+            super().on_message_complete()
+
+        def on_response_complete(self) -> None:  # noqa: D102
+            super().on_response_complete()
+            if not self.transport.is_closing() and self._in_headers:
+                self._start_deadline()  # the next request's headers get the same deadline
+
+        def _awaiting_headers(self) -> bool:
+            return self._in_headers
+
+        def _awaiting_body(self) -> bool:
+            return self._in_body
+
+        def _send_final(self, status: int, reason: bytes, content_type: bytes, body: bytes) -> None:
+            self.transport.write(_final_response(status, reason, content_type, body))
+
+    return _GuardedHttpTools
+
+
+# the request parsers a listener may run (``ListenerLimits.parser``), each behind the same guard
+HTTP_PARSERS = {"httptools": _guarded_httptools, "h11": _guarded_h11}
 
 
 def guarded_protocol(limits: ListenerLimits, tls: ssl.SSLContext | None = None) -> type[asyncio.Protocol]:
@@ -210,7 +335,9 @@ def guarded_protocol(limits: ListenerLimits, tls: ssl.SSLContext | None = None) 
     With ``tls``, the class accepts the connection, counts it, then runs the TLS handshake
     itself (:class:`TlsAcceptor`)."""
     counts: Counter[str] = Counter()
-    inner = type("GuardedH11", (_guarded_base(),), {"limits": limits, "by_address": counts})
+    if limits.parser not in HTTP_PARSERS:
+        raise ValueError(f"unknown HTTP parser {limits.parser!r}; choose one of {', '.join(HTTP_PARSERS)}")
+    inner = type("Guarded", (HTTP_PARSERS[limits.parser](),), {"limits": limits, "by_address": counts})
     if tls is None:
         return inner
     return type("GuardedTls", (TlsAcceptor,), {"limits": limits, "by_address": counts, "inner": inner, "context": tls})
