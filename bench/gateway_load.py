@@ -26,7 +26,7 @@ task encoding of ``--downlinks`` (``fedge gateway start --downlink``: fp16, int8
 compressed downlink's gain is measured against fp32 in the same run (the ``fedge`` column).
 
 Usage: python bench/gateway_load.py [--devices 10000] [--per-round 1000] [--params 100000]
-                                   [--downlinks fp32,fp16,int8] [--listeners fedge,uvicorn]
+                                   [--downlinks fp32,fp16,int8] [--listeners fedge,uvicorn] [--resumed-too]
        python bench/gateway_load.py --gateways 1,2,4 [--per-round 1000] [--rounds 6]
            (many gateways and one coordinator: bench/gateway_fleet.py)
 Writes bench/results/gateway_load.json. Targets (issue 27): 10,000 connected devices within
@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -135,6 +137,26 @@ def serve(root: Path, per_round: int, listener: str = "fedge", downlink: str = "
 
 
 # --------------------------------------------------------------------------- a minimal async HTTP/1.1 client
+OFFERED: contextvars.ContextVar[ssl.SSLSession | None] = contextvars.ContextVar("offered", default=None)
+
+
+class ResumingContext(ssl.SSLContext):
+    """A client context that offers the TLS session in :data:`OFFERED` (a device's last one with this gateway, as
+    :class:`fedge.clients.protocol_device.ResumingHTTPSConnection` does): asyncio's connections take no session."""
+
+    def wrap_bio(self, *args: Any, **kwargs: Any) -> ssl.SSLObject:  # noqa: D102
+        kwargs.setdefault("session", OFFERED.get())
+        return super().wrap_bio(*args, **kwargs)
+
+
+@functools.cache
+def client_context(ca: str) -> ssl.SSLContext:
+    """One per CA and process: a TLS session resumes only through the context that made it."""
+    context = ResumingContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(cafile=ca)
+    return context
+
+
 def source_of(name: str) -> str:
     """Device ``dN``'s own loopback address (127.0.x.y): a fleet's devices come from many addresses,
     and the gateway caps what one address may hold."""
@@ -163,15 +185,15 @@ async def call(host: str, port: int, context: ssl.SSLContext, method: str, path:
 
 
 async def check_in_all(host: str, port: int, ca: str, names: list[str], keys: list[bytes]
-                       ) -> list[tuple[str, bytes, str]]:
-    """Check every device in; their (token, session key, name)."""
-    context = ssl.create_default_context(cafile=ca)
+                       ) -> list[tuple[str, bytes, str, ssl.SSLSession | None]]:
+    """Check every device in; their (token, session key, name, TLS session)."""
+    context = client_context(ca)
     status, body, pair = await call(host, port, context, "GET", f"{PREFIX}/hello")
     gateway = json.loads(body)["gateway"]
     pair[1].close()
     limit = asyncio.Semaphore(CONCURRENCY)
 
-    async def one(name: str, pem: bytes) -> tuple[str, bytes, str]:
+    async def one(name: str, pem: bytes) -> tuple[str, bytes, str, ssl.SSLSession | None]:
         key = serialization.load_pem_private_key(pem, None)
         assert isinstance(key, ec.EllipticCurvePrivateKey)
         nonce, issued = b64(os.urandom(16)), int(time.time())
@@ -181,24 +203,29 @@ async def check_in_all(host: str, port: int, ca: str, names: list[str], keys: li
         async with limit:
             status, body, pair = await call(host, port, context, "POST", f"{PREFIX}/check-in", request,
                                             {"Content-Type": "application/json"}, source=source_of(name))
+            tls = pair[1].get_extra_info("ssl_object").session  # TLS 1.3: the ticket came before the answer
             pair[1].close()
         answer = json.loads(body)
         assert status == 200, answer
-        return answer["session"], unb64(answer["key"], "key", size=32), name
+        return answer["session"], unb64(answer["key"], "key", size=32), name, tls
 
     return list(await asyncio.gather(*(one(n, k) for n, k in zip(names, keys, strict=True))))
 
 
-async def round_all(host: str, port: int, ca: str, sessions: list[tuple[str, bytes, str]], base: dict[str, np.ndarray],
-                    update: tuple[dict[str, np.ndarray], dict[str, float]]) -> tuple[list[float], int]:
-    """Each session fetches the task and posts its update; the time each result was accepted, a task's bytes."""
-    context = ssl.create_default_context(cafile=ca)
+async def round_all(host: str, port: int, ca: str, sessions: list[tuple[str, bytes, str, ssl.SSLSession | None]],
+                    base: dict[str, np.ndarray], update: tuple[dict[str, np.ndarray], dict[str, float]],
+                    resume: bool = False) -> tuple[list[float], int, int]:
+    """Each session fetches the task and posts its update (``resume``: on a connection that resumes its check-in's
+    TLS session); the time each result was accepted, a task's bytes, connections resumed."""
+    context = client_context(ca)
+    resumed: list[bool] = []
     limit = asyncio.Semaphore(CONCURRENCY)
     done: list[float] = []
     task_bytes: list[int] = []
 
-    async def one(token: str, key: bytes, name: str) -> None:
+    async def one(token: str, key: bytes, name: str, tls: ssl.SSLSession | None) -> None:
         source = source_of(name)
+        OFFERED.set(tls if resume else None)  # this task's own context
         async with limit:
             counter, pair = 1, None
             while True:
@@ -218,12 +245,13 @@ async def round_all(host: str, port: int, ca: str, sessions: list[tuple[str, byt
             status, body, pair = await call(host, port, context, "POST", f"{PREFIX}/result", frame, {
                 "Authorization": f"Fedge-Session {token}", COUNTER_HEADER: str(counter), MAC_HEADER: mac,
                 "Content-Type": "application/vnd.fedge.frame"}, pair)
+            resumed.append(pair[1].get_extra_info("ssl_object").session_reused)
             pair[1].close()
             assert status == 200, body[:200]
             done.append(time.time())
 
-    await asyncio.gather(*(one(t, k, n) for t, k, n in sessions))
-    return done, max(task_bytes)
+    await asyncio.gather(*(one(*session) for session in sessions))
+    return done, max(task_bytes), sum(resumed)
 
 
 def worker(job: dict[str, Any], queue: Any) -> None:
@@ -237,7 +265,8 @@ def worker(job: dict[str, Any], queue: Any) -> None:
     trained = {k: v + rng.normal(scale=0.01, size=v.shape).astype(np.float32) for k, v in base.items()}
     update = int8_delta(trained, base)
     job["go"].wait()
-    accepted = asyncio.run(round_all("127.0.0.1", job["port"], job["ca"], sessions[:job["per_round"]], base, update))
+    accepted = asyncio.run(round_all("127.0.0.1", job["port"], job["ca"], sessions[:job["per_round"]], base, update,
+                                     job["resume"]))
     queue.put(("round", accepted))
 
 
@@ -289,6 +318,9 @@ def main() -> None:
                              "the h11 parser, before issue 43's httptools) and uvicorn (before round 3)")
     parser.add_argument("--downlinks", default="fp32,fp16,int8",
                         help="task encodings measured on the first listener (fp32 is measured on each)")
+    parser.add_argument("--resumed-too", action="store_true",
+                        help="also the first listener with fp32 tasks where each device's round connection resumes "
+                             "its check-in's TLS session (as fedge's reference device and browsers do)")
     parser.add_argument("--gateways", default="",
                         help="N[,N...]: instead, N gateway processes and one coordinator (bench/gateway_fleet.py), "
                              "--per-round devices a round over them, --rounds rounds")
@@ -315,10 +347,12 @@ def main() -> None:
         add_protocol_device(root / "allow", f"d{index}")
     records = {}
     listeners = args.listeners.split(",")
-    runs = [(listeners[0], d) for d in args.downlinks.split(",")] + [(name, "fp32") for name in listeners[1:]]
-    for listener, downlink in runs:
-        name = listener if downlink == "fp32" else f"{listener}+{downlink}"
-        print(f"listener '{listener}', {downlink} tasks:", flush=True)
+    runs = [(listeners[0], d, False) for d in args.downlinks.split(",")] + \
+        [(name, "fp32", False) for name in listeners[1:]]
+    runs = runs + [(listeners[0], "fp32", True)] if args.resumed_too else runs
+    for listener, downlink, resume in runs:
+        name = (listener if downlink == "fp32" else f"{listener}+{downlink}") + ("/resumed" if resume else "")
+        print(f"listener '{listener}', {downlink} tasks{', TLS sessions resumed' if resume else ''}:", flush=True)
         server = subprocess.Popen([sys.executable, __file__, "--serve", str(root), "--per-round", str(args.per_round),
                                    "--listener", listener, "--downlink", downlink], stdout=subprocess.PIPE, text=True)
         try:
@@ -326,7 +360,7 @@ def main() -> None:
             ports = json.loads(server.stdout.readline())
             process = psutil.Process(server.pid)
             rss_before = process.memory_info().rss
-            records[name] = run_load(args, root, keys.ca_cert, ports, process, rss_before)
+            records[name] = run_load(args, root, keys.ca_cert, ports, process, rss_before, resume)
         finally:
             server.terminate()
             server.wait(60)
@@ -336,14 +370,14 @@ def main() -> None:
 
 
 def run_load(args: argparse.Namespace, root: Path, ca: Path, ports: dict[str, int], process: psutil.Process,
-             rss_before: int) -> dict[str, Any]:
+             rss_before: int, resume: bool = False) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
     queue, go = context.Queue(), context.Manager().Event()
     share = args.devices // args.clients
     jobs = [{"names": [f"d{i}" for i in range(c * share, (c + 1) * share)],
              "keys": [str(root / "allow" / f"d{i}.key") for i in range(c * share, (c + 1) * share)],
              "port": ports["devices"], "ca": str(ca), "params": args.params,
-             "per_round": args.per_round // args.clients,
+             "per_round": args.per_round // args.clients, "resume": resume,
              "go": go} for c in range(args.clients)]
     started = time.time()
     workers = [context.Process(target=worker, args=(job, queue)) for job in jobs]
@@ -367,7 +401,7 @@ def run_load(args: argparse.Namespace, root: Path, ca: Path, ports: dict[str, in
     answered = time.time()
     opened, header = box["opened"], box["header"]
     answers = [queue.get()[1] for _ in workers]
-    accepted = [t for times, _ in answers for t in times]
+    accepted = [t for times, _, _ in answers for t in times]
     cpu_round = sum(process.cpu_times()[:2]) - cpu_before
     for w in workers:
         w.join()
@@ -380,7 +414,8 @@ def run_load(args: argparse.Namespace, root: Path, ca: Path, ports: dict[str, in
             "bytes_per_session": (rss_after - rss_before) / args.devices, "round_wall_s": answered - opened,
             "updates_per_s": len(accepted) / span if span == span and span > 0 else float("nan"),
             "gateway_cpu_round_s": cpu_round, "updates_per_cpu_s": len(accepted) / cpu_round,
-            "task_bytes": answers[0][1], "round_devices": header["devices"], "round_examples": header["num-examples"],
+            "task_bytes": answers[0][1], "round_connections_resumed": sum(a[2] for a in answers),
+            "round_devices": header["devices"], "round_examples": header["num-examples"],
             "machine_cores": os.cpu_count()}
 
 
@@ -409,6 +444,12 @@ def report(records: dict[str, dict[str, Any]], args: argparse.Namespace) -> None
                   new["task_bytes"] / old["task_bytes"])
         print(f"{name} / fedge (fp32 tasks): updates per CPU-second {ratios[0]:.2f}x, round wall {ratios[1]:.2f}x, "
               f"task bytes {ratios[2]:.2f}x")
+    for name in (n for n in records if n.endswith("/resumed")):
+        new, old = records[name], records[name.removesuffix("/resumed")]
+        print(f"\n{name} / full handshakes: updates per CPU-second "
+              f"{new['updates_per_cpu_s'] / old['updates_per_cpu_s']:.2f}x, round wall "
+              f"{new['round_wall_s'] / old['round_wall_s']:.2f}x ({new['round_connections_resumed']} of "
+              f"{new['per_round']} round connections resumed)")
     if {"fedge", "fedge-h11"} <= set(records):
         new, old = records["fedge"], records["fedge-h11"]
         print(f"\nhttptools / h11 (fp32 tasks): updates per CPU-second "
