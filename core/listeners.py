@@ -126,7 +126,7 @@ class _Guard:
 
     def _declared_length(self) -> int | None:
         headers = dict(getattr(self, "headers", []) or [])
-        value = headers.get(b"content-length", b"")
+        value = headers.get(b"content-length", b"").strip()
         return int(value) if value.isdigit() and len(value) <= 18 else None
 
     def _start_body_deadline(self) -> None:
@@ -219,8 +219,12 @@ def _guarded_h11() -> type[Any]:
 
         def data_received(self, data: bytes) -> None:  # noqa: D102
             super().data_received(data)
+            cycle = getattr(self, "cycle", None)
             if not self._awaiting_headers():  # the request's headers are complete (or it failed)
                 self._stop_deadline()
+            elif self._deadline is None and (cycle is None or cycle.response_complete) \
+                    and not self.transport.is_closing():  # answered before its body came: no response restarts it
+                self._start_deadline()
             if self._awaiting_body():
                 self._start_body_deadline()
             else:
@@ -258,6 +262,9 @@ def _guarded_h11() -> type[Any]:
     return _GuardedH11
 
 
+MAX_PIPELINED = 4  # requests queued behind the one being answered (fedge's devices send one at a time)
+
+
 @functools.cache
 def _guarded_httptools() -> type[Any]:
     """uvicorn's httptools protocol (llhttp, in C), guarded (:class:`_Guard`).
@@ -270,12 +277,13 @@ def _guarded_httptools() -> type[Any]:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class _GuardedHttpTools(_Guard, HttpToolsProtocol):
-        """uvicorn's httptools protocol with a header size limit, a header deadline and a per-address cap."""
+        """uvicorn's httptools protocol with a header size limit, header and body deadlines, a per-address cap
+        and at most MAX_PIPELINED requests queued behind the one being answered."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._guard_init()
-            self._in_headers, self._header_bytes, self._in_body = True, 0, False
+            self._in_headers, self._header_bytes, self._in_body, self._refused = True, 0, False, False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # noqa: D102
             super().connection_made(transport)
@@ -286,6 +294,8 @@ def _guarded_httptools() -> type[Any]:
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:  # noqa: D102
+            if self._refused:
+                return
             if self._in_headers:
                 self._header_bytes += len(data)
             super().data_received(data)
@@ -293,24 +303,52 @@ def _guarded_httptools() -> type[Any]:
                     and not self.transport.is_closing():
                 self._too_large()
 
+        def _busy(self) -> bool:
+            """A request's response is not complete yet (what arrives now is pipelined behind it)."""
+            return bool(self.pipeline) or (self.cycle is not None and not self.cycle.response_complete)
+
+        def on_message_begin(self) -> None:  # noqa: D102
+            if not self._refused:
+                super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:  # noqa: D102
+            if not self._refused:
+                super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:  # noqa: D102
+            if not self._refused:
+                super().on_header(name, value)
+
         def on_headers_complete(self) -> None:  # noqa: D102
-            self._in_headers, self._header_bytes = False, 0
+            if self._refused:
+                return
+            if self._busy() and len(self.pipeline) >= MAX_PIPELINED:  # each queued request holds a cycle: refuse
+                self._refused = True  # the rest of this read is parsed and dropped
+                self.transport.abort()
+                return
+            self._in_headers, self._header_bytes = False, 0  # (queued requests are capped just above)
             self._stop_deadline()
             super().on_headers_complete()
-            declared = self._declared_length()
-            chunked = dict(self.headers).get(b"transfer-encoding", b"").lower() == b"chunked"
-            if (declared or chunked) and not self.transport.is_closing():
+            if not self.transport.is_closing():  # llhttp ends a request without a body at once (below)
                 self._in_body = True
                 self._start_body_deadline()
 
+        def on_body(self, body: bytes) -> None:  # noqa: D102
+            if not self._refused:
+                super().on_body(body)
+
         def on_message_complete(self) -> None:  # noqa: D102
+            if self._refused:
+                return
             self._in_headers, self._in_body = True, False
             self._stop_body_deadline()
             super().on_message_complete()
+            if not self._busy() and not self.transport.is_closing():  # answered before its body came: the next
+                self._start_deadline()  # request's headers get the deadline now (no response will restart it)
 
         def on_response_complete(self) -> None:  # noqa: D102
             super().on_response_complete()
-            if not self.transport.is_closing() and self._in_headers:
+            if not self.transport.is_closing() and self._in_headers and not self._busy():
                 self._start_deadline()  # the next request's headers get the same deadline
 
         def _awaiting_headers(self) -> bool:
@@ -320,7 +358,13 @@ def _guarded_httptools() -> type[Any]:
             return self._in_body
 
         def _send_final(self, status: int, reason: bytes, content_type: bytes, body: bytes) -> None:
-            self.transport.write(_final_response(status, reason, content_type, body))
+            """Write the final answer only where it cannot land inside another response: after every earlier
+            response (a 431), or for the request being answered before its response started (a 408)."""
+            if self.pipeline:
+                return
+            if self.cycle is None or self.cycle.response_complete or \
+                    (self._in_body and not self.cycle.response_started):
+                self.transport.write(_final_response(status, reason, content_type, body))
 
     return _GuardedHttpTools
 
@@ -475,7 +519,8 @@ def uvicorn_options(limits: ListenerLimits | None = None, *, tls: ssl.SSLContext
     """
     limits = limits or ListenerLimits()
     options = {"http": guarded_protocol(limits, tls), "h11_max_incomplete_event_size": limits.max_header_bytes,
-               "timeout_keep_alive": limits.idle_timeout_s, "limit_concurrency": limits.concurrency}
+               "timeout_keep_alive": limits.idle_timeout_s, "limit_concurrency": limits.concurrency,
+               "ws": "none"}  # fedge serves no WebSocket; an upgraded connection would leave the guard uncounted
     if tls is not None:
         options["loop"] = "asyncio"
     return options
