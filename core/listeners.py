@@ -90,7 +90,15 @@ class _Guard:
         self._counted: str | None = None
         self.counted_at_accept = False  # the TLS acceptor counted this connection's address already
 
-    def _count(self, transport: asyncio.Transport) -> bool:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # noqa: D102
+        super().connection_made(transport)  # type: ignore[misc]  # the parser's protocol, next in the MRO
+        self._count(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
+        self._uncount()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _count(self, transport: asyncio.BaseTransport) -> bool:
         """Count this connection against its address and start its header deadline; False: refused (aborted)."""
         if self.counted_at_accept:
             self._start_deadline()
@@ -99,7 +107,7 @@ class _Guard:
         if self.by_address[address] >= self.limits.per_address:
             self.logger.warning("%s holds %d connections already (the most one address may); closed a new one",
                                 address, self.limits.per_address)
-            transport.abort()
+            transport.abort()  # type: ignore[attr-defined]  # a stream transport
             return False
         self.by_address[address] += 1
         self._counted = address
@@ -209,14 +217,6 @@ def _guarded_h11() -> type[Any]:
             self.conn = _RecordingConnection(h11.SERVER, self.limits.max_header_bytes)
             self._guard_init()
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # noqa: D102
-            super().connection_made(transport)
-            self._count(transport)
-
-        def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
-            self._uncount()
-            super().connection_lost(exc)
-
         def data_received(self, data: bytes) -> None:  # noqa: D102
             super().data_received(data)
             cycle = getattr(self, "cycle", None)
@@ -284,14 +284,6 @@ def _guarded_httptools() -> type[Any]:
             super().__init__(*args, **kwargs)
             self._guard_init()
             self._in_headers, self._header_bytes, self._in_body, self._refused = True, 0, False, False
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # noqa: D102
-            super().connection_made(transport)
-            self._count(transport)
-
-        def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
-            self._uncount()
-            super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:  # noqa: D102
             if self._refused:
