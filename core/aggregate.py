@@ -166,12 +166,17 @@ def trimmed_mean(updates: Sequence[Arrays], trim_fraction: float) -> dict[str, N
     if not 0 <= trim_fraction < 0.5:
         raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
     _require(updates)
-    cut = int(np.floor(trim_fraction * len(updates)))
+    cut = trim_count(len(updates), trim_fraction)
     result = {}
     for name, first in updates[0].items():
         ordered = np.sort(_stacked(updates, name), axis=0)
         result[name] = _cast(ordered[cut:len(updates) - cut].mean(axis=0), first.dtype)
     return result
+
+
+def trim_count(n: int, trim_fraction: float) -> int:
+    """How many values the trimmed mean drops at each end of ``n``: floor(trim_fraction * n)."""
+    return int(np.floor(trim_fraction * n))
 
 
 def coordinate_median(updates: Sequence[Arrays]) -> dict[str, NDArray[np.generic]]:

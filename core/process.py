@@ -58,7 +58,7 @@ def processes_of(flwr_home: Path, program: str | None = None) -> list[int]:
         for proc in psutil.process_iter(["pid"]):
             try:
                 if (proc.pid != os.getpid() and proc.environ().get("FLWR_HOME") == marker
-                        and (program is None or any(Path(word).name == program for word in proc.cmdline()[:2]))):
+                        and (program is None or _runs(proc.cmdline(), program))):
                     found.append(proc.pid)
             except (psutil.Error, OSError):
                 continue
@@ -78,10 +78,27 @@ def _names(entry: Path, program: str) -> bool:
     """Whether the process ``/proc/PID`` runs ``program``: its executable or (a console script under an
     interpreter) its first argument is named so."""
     try:
-        argv = (entry / "cmdline").read_bytes().split(b"\0")[:2]
+        argv = [os.fsdecode(word) for word in (entry / "cmdline").read_bytes().split(b"\0")[:2]]
     except OSError:
         return False
-    return any(Path(os.fsdecode(word)).name == program for word in argv if word)
+    return _runs(argv, program)
+
+
+def _runs(argv: list[str], program: str) -> bool:
+    """Whether a command line runs ``program``: its executable or its first argument is named so."""
+    return any(Path(word).name == program for word in argv[:2] if word)
+
+
+def signal_processes(flwr_home: Path, *, term_s: float, kill_s: float, program: str | None = None) -> None:
+    """SIGTERM the processes of ``flwr_home`` (``program``: only those running it), SIGKILL what is left after
+    ``term_s``, and wait up to ``kill_s`` for those to go."""
+    for signum, wait_s in ((signal.SIGTERM, term_s), (signal.SIGKILL, kill_s)):
+        for pid in processes_of(flwr_home, program):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+        deadline = time.monotonic() + wait_s
+        while processes_of(flwr_home, program) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 def stop_processes(flwr_home: Path, first: list[subprocess.Popen[Any]], grace_s: float = 10.0) -> None:
@@ -96,10 +113,4 @@ def stop_processes(flwr_home: Path, first: list[subprocess.Popen[Any]], grace_s:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-    for signum in (signal.SIGTERM, signal.SIGKILL):
-        for pid in processes_of(flwr_home):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signum)
-        while processes_of(flwr_home) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        deadline = time.monotonic() + 5.0
+    signal_processes(flwr_home, term_s=max(0.0, deadline - time.monotonic()), kill_s=5.0)

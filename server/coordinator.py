@@ -20,7 +20,6 @@ dependency installation is off) and Flower's telemetry and update checks are off
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import logging
@@ -49,7 +48,14 @@ from fedge.config import DEFAULTS, Scalar, resolve_run_config
 from fedge.edge.signing import ensure_private_dir
 from fedge.errors import ConfigError, FedgeError
 from fedge.files import open_private_append
-from fedge.process import COORDINATOR_SUPEREXEC_POLL_S, flower_bin, flower_env, processes_of, stop_processes
+from fedge.process import (
+    COORDINATOR_SUPEREXEC_POLL_S,
+    flower_bin,
+    flower_env,
+    processes_of,
+    signal_processes,
+    stop_processes,
+)
 from fedge.server.pki import CoordinatorKeys
 from fedge.server.rejoins import REVOKED_ENV, revoked_nodes
 
@@ -522,7 +528,7 @@ class Coordinator:
         except (subprocess.TimeoutExpired, OSError, json.JSONDecodeError, KeyError, IndexError, TypeError):
             return ""
         details = str(run.get("status-details") or "")
-        return f"{run.get('status', '?')}" + (f" ({details})" if details and details != "N/A" else "")
+        return str(run.get("status", "?")) + (f" ({details})" if details and details != "N/A" else "")
 
     def end_lost_server_app(self, grace_s: float = 5.0) -> int:
         """Stop what is left of a ServerApp whose run the SuperLink ended; returns how many were stopped.
@@ -531,13 +537,8 @@ class Coordinator:
         wake up and write to the run directory: it must be gone before the run goes on.
         """
         lost = processes_of(self.flwr_home, "flwr-serverapp")
-        for signum in (signal.SIGTERM, signal.SIGKILL):
-            for pid in processes_of(self.flwr_home, "flwr-serverapp"):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signum)
-            deadline = time.monotonic() + grace_s
-            while processes_of(self.flwr_home, "flwr-serverapp") and time.monotonic() < deadline:
-                time.sleep(0.2)
+        if lost:
+            signal_processes(self.flwr_home, term_s=grace_s, kill_s=grace_s, program="flwr-serverapp")
         return len(lost)
 
     def _app_description(self) -> Path:

@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from numpy.typing import NDArray
 
 from fedge import knobs
-from fedge.aggregate import DEVICE_RULES, ROBUST_DEVICE_RULES, WeightedMeanAccumulator, clip_update
+from fedge.aggregate import DEVICE_RULES, ROBUST_DEVICE_RULES, WeightedMeanAccumulator, clip_update, trim_count
 from fedge.clients.gateway.protocol import (
     CHECK_IN_DEVICE,
     CLOCK_SKEW_S,
@@ -597,7 +597,7 @@ class GatewayRound:
     def _robust(self) -> dict[str, NDArray[np.generic]]:
         """The device rule over the kept updates: coordinate-wise median or trimmed mean (unweighted: a device's
         example count is its own claim), so one device moves the reply at most within the others' spread."""
-        if self.device_rule == "trimmed-mean" and int(self.trim_fraction * len(self._kept)) == 0:
+        if self.device_rule == "trimmed-mean" and trim_count(len(self._kept), self.trim_fraction) == 0:
             log.warning("round %d: the trimmed mean cuts no device at either end of %d (trim fraction %g): this "
                         "round's reply is their plain mean; a hostile device is not bounded by it",
                         self.server_round, len(self._kept), self.trim_fraction)
