@@ -419,12 +419,14 @@ def _run_outcome(run_dir: Path, output: Any, state_dir: Path, feed: Any) -> int:
 
 
 def _summary_failure(run_dir: Path) -> str | None:
-    """Why the run's ``summary.json`` says it failed (no update accepted, a model not finite), or None."""
+    """Why the run's ``summary.json`` says it failed (no update accepted, a model not finite), or None.
+
+    Its ``failure`` key; ``failed`` is the count of replies that failed, which a run that finished may have."""
     try:
-        failed = json.loads((run_dir / "summary.json").read_text()).get("failed")
+        failure = json.loads((run_dir / "summary.json").read_text()).get("failure")
     except (OSError, ValueError, AttributeError):
         return None
-    return str(failed) if failed else None
+    return str(failure) if failure else None
 
 
 def _status(args: argparse.Namespace) -> int:

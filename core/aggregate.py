@@ -450,12 +450,16 @@ def staleness_weight(staleness: int, exponent: float = 0.5) -> float:
 
 
 def apply_buffer(
-    global_arrays: Arrays, deltas: Sequence[Arrays], weights: Sequence[float], server_lr: float
+    global_arrays: Arrays, deltas: Sequence[Arrays], weights: Sequence[float], server_lr: float,
+    count: int | None = None,
 ) -> dict[str, NDArray[np.generic]]:
-    """FedBuff's server step: ``x <- x - server_lr * (1/K) sum_i w_i delta_i``, ``delta_i = x_start_i - x_i``."""
+    """FedBuff's server step: ``x <- x - server_lr * (1/K) sum_i w_i delta_i``, ``delta_i = x_start_i - x_i``;
+    ``K`` is ``count`` (the device results behind the deltas: a gateway's mean stands for several), else
+    ``len(deltas)``."""
     _require(deltas)
+    divisor = count if count is not None else len(deltas)
     return {k: _cast(np.asarray(g, np.float64) - server_lr * sum(
-                w * np.asarray(d[k], np.float64) for d, w in zip(deltas, weights, strict=True)) / len(deltas),
+                w * np.asarray(d[k], np.float64) for d, w in zip(deltas, weights, strict=True)) / divisor,
                 g.dtype)
             for k, g in global_arrays.items()}
 

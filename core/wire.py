@@ -60,6 +60,11 @@ CAPPED = "capped"
 # sets each round's device bound from these); the coordinator's train instruction to gateways carries the bound
 DEVICE_NORM_MEDIAN = "device-norm-median"
 DEVICE_NORM_BOUND = "device-norm-bound"
+# an asynchronous run's instruction (fedge.strategies.drivers.asynchronous): its staleness exponent, with which a
+# gateway folds a device's result for one of its earlier rounds into the round open now; and a gateway's reply:
+# how many of the devices behind its mean were such late results
+LATE_EXPONENT = "late-exponent"
+LATE = "late"
 EVAL_PREFIX = "eval-"  # a device's evaluation reply names each task metric "eval-<metric>"
 # the architecture hash of the run's signed training graph (onnx devices check theirs matches)
 TRAINING_GRAPH = "training-graph"
@@ -309,6 +314,7 @@ class ReplyMeta:
     clipped: int = 0  # a gateway's reply: its devices' updates it clipped to the run's norm bound
     capped: int = 0  # ... and whose weight it capped at max-device-examples
     device_norm_median: float | None = None  # ... and the median norm of its devices' updates before clipping
+    late: int = 0  # ... and how many of its devices' results answered one of its earlier rounds (asynchronous)
 
     @property
     def pooled(self) -> bool:
@@ -356,7 +362,7 @@ def read_reply_meta(content: RecordDict) -> ReplyMeta | None:
                      aggregate_of=_count(record, AGGREGATE_OF, low=1),
                      secure_pool=_count(record, SECURE_POOL, low=0), gateway=gateway,
                      clipped=_count(record, CLIPPED, low=0) or 0, capped=_count(record, CAPPED, low=0) or 0,
-                     device_norm_median=norm)
+                     device_norm_median=norm, late=_count(record, LATE, low=0) or 0)
 
 
 def _device_norm_median(record: ConfigRecord, *, plain_gateway: bool) -> float | None:

@@ -100,8 +100,11 @@ def build_strategy(config: RunConfig, num_nodes: int | None = None, *, buffer_na
     spec = strategy_spec(config.text(knobs.STRATEGY))
     extra = spec.options(config, num_nodes)
     if config[knobs.SECURE_AGGREGATION] and config[knobs.ASYNCHRONOUS]:
-        raise ConfigError("secure-aggregation runs synchronous rounds (it sums one round's masked updates); turn "
-                          "asynchronous off or drop secure-aggregation")
+        pools = (" (through gateways too: a pool's masks cancel only in the sum of the devices that shared keys in "
+                 "one round, so a device that answers late cannot join a later pool's sum, and pools formed as devices "
+                 "arrive are not built)") if config[knobs.GATEWAYS] else ""
+        raise ConfigError(f"secure-aggregation runs synchronous rounds (it sums one round's masked updates){pools}; "
+                          "turn asynchronous off or drop secure-aggregation")
     groups = config.integer(knobs.SECURE_GROUPS)
     if groups and (not config[knobs.SECURE_AGGREGATION] or config[knobs.GATEWAYS]):
         raise ConfigError(f"secure-groups = {groups} splits secure aggregation into groups: it needs "
@@ -205,8 +208,9 @@ def check_hierarchical(config: RunConfig, strategy: FedAvg) -> None:
         check_groups(rule, name, config.integer(knobs.CLIENTS_PER_ROUND), "gateways a round (clients-per-round)",
                      f" ({where})")
     refusals = {
-        knobs.ASYNCHRONOUS: (config[knobs.ASYNCHRONOUS] or strategy.driver.asynchronous,
-                         "a gateway answers once a round, so per-device staleness is lost"),
+        knobs.SECURE_AGGREGATION: (config[knobs.SECURE_AGGREGATION] and strategy.driver.asynchronous,
+                                   f"{name} runs asynchronously, and a gateway's secure pool sums one round's masked "
+                                   "inputs: a device that answers late cannot join a later pool's sum"),
         knobs.DP: (config.text(knobs.DP) not in ("off", DISTRIBUTED),
                    "central DP clips each device's update, and a gateway's reply is a mean of many; dp = "
                    "'distributed' with secure-aggregation composes: each pool's devices clip and add the noise"),

@@ -97,6 +97,7 @@ class RoundRecorder:
             "clipped_gateways": report.clipped_gateways if report else 0,
             "clipped_devices": report.clipped_devices if report else 0,
             "capped_devices": report.capped_devices if report else 0,
+            "stale_devices": report.stale_devices if report else 0,
             "secagg_clipped_entries": report.secagg_clipped_entries if report else 0,
             "secagg_clipped_devices": report.secagg_clipped_devices if report else 0,
             "secagg_capped_weights": report.secagg_capped_weights if report else 0,
@@ -215,7 +216,7 @@ class RoundRecorder:
         if why is None and self.config[knobs.EXPORT_ONNX]:
             summary.update(self._final_export(last["round"]))
         if why is not None:
-            summary["failed"] = why
+            summary["failure"] = why  # ("failed" counts the run's failed replies)
         write_json_atomic(self.run_dir / "summary.json", summary)
         if why is not None:
             raise RunFailed(f"{why}; nothing was signed or published (the run's records are in {self.run_dir})")

@@ -22,10 +22,14 @@ class Buffered(Rule):
     stale change would overshoot them).
 
     Not a weighted mean (it divides by ``K``, not by the weights' sum), so not offered to secure
-    aggregation; it holds the buffer's changes (O(K x model)).
+    aggregation; it holds the buffer's changes (O(K x model)). Through gateways (an asynchronous
+    run with ``gateways = true``) a gateway's partial mean of ``D`` device results counts as ``D``
+    of the ``K`` with ``D`` times its staleness weight: the paper's step over those devices, except
+    that within a partial the gateway weighs devices by their examples and their own staleness.
     """
 
     takes_stale_updates = True
+    hierarchical = True  # a gateway's partial mean of D devices' results counts as D of them (see the class doc)
 
     def __init__(self, *, server_learning_rate: float = 1.0) -> None:
         super().__init__()
@@ -35,6 +39,7 @@ class Buffered(Rule):
         super().begin(context)
         self.deltas: list[Arrays] = []
         self.weights: list[float] = []
+        self.devices = 0  # the device results behind the deltas (K: a gateway's mean of D counts D)
         self.statistics = WeightedMeanAccumulator()
 
     def fold(self, update: Update) -> None:
@@ -43,13 +48,15 @@ class Buffered(Rule):
         self.deltas.append({k: np.asarray(start[k], np.float64) - np.asarray(v, np.float64)
                             for k, v in update.arrays.items()})
         self.weights.append(update.weight)
+        self.devices += update.devices
         if statistics := self.context.statistics_of(update.arrays):
             self.statistics.add({k: update.arrays[k] for k in statistics}, update.weight)
 
     def result(self) -> Arrays | None:  # noqa: D102
         if not self.deltas:
             return None
-        new = apply_buffer(self.context.global_numpy(), self.deltas, self.weights, self.server_learning_rate)
+        new = apply_buffer(self.context.global_numpy(), self.deltas, self.weights, self.server_learning_rate,
+                           self.devices)
         if self.statistics.count:
             means = self.statistics.result()
             new = with_statistics(new, means, means)

@@ -66,6 +66,8 @@ class Update:
     window : Window, optional
         The part of the global model the device trained (a width-scaled sub-model, see
         :mod:`fedge.submodels`); None: the whole model.
+    devices : int
+        The device results behind it: 1, or a gateway's mean of several (FedBuff counts each).
     """
 
     node_id: int
@@ -75,6 +77,7 @@ class Update:
     metrics: Mapping[str, Any] = field(default_factory=dict)
     base: Mapping[str, NDArray[np.generic]] | None = None
     window: Window | None = None
+    devices: int = 1
 
 
 class RoundContext:

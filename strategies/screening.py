@@ -51,7 +51,7 @@ def aggregate_replies(rounds: Rounds, server_round: int, replies: Iterable[Messa
             if rounds.drops(verdict.node_id):
                 report.late += 1  # FedAvg drops stragglers
             elif (kept := report.sort(verdict)) is not None:
-                update = _counted(rounds, report, kept)
+                update = counted(rounds, report, kept)
                 records.append(RecordDict({"metrics": next(iter(kept.content.metric_records.values()))}))
                 metric_rows.append({k: float(v) for k, v in update.metrics.items() if k == wire.TRAIN_LOSS})
                 weights.append(update.weight)
@@ -77,7 +77,7 @@ def aggregate_replies(rounds: Rounds, server_round: int, replies: Iterable[Messa
     return ArrayRecord({k: Array(c_contiguous(v)) for k, v in aggregate.items()}), metrics
 
 
-def _counted(rounds: Rounds, report: RoundReport, accepted: AcceptedUpdate) -> Update:
+def counted(rounds: Rounds, report: RoundReport, accepted: AcceptedUpdate) -> Update:
     """An accepted reply counted in the report (inputs, bounds) and made the rule's :class:`Update`."""
     report.accepted += 1
     said = accepted.meta.inputs if accepted.meta is not None else None

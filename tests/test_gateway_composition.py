@@ -24,12 +24,12 @@ from tests.replies import global_arrays, good_arrays, train_reply
 
 COMPOSES = ["fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad"]
 # robust rules (median, trimmed mean, krum, bulyan) run over the gateways' means when there are enough gateways
-# for their bound (issue 42): tests/test_robust_groups.py
+# for their bound (issue 42): tests/test_robust_groups.py; asynchronous rounds (fedbuff, asynchronous = true)
+# compose, each gateway's round a partial flush (issue 43): tests/test_gateway_async.py
 REFUSED = [
     ({"strategy": "fednova"}, "needs each device's update"),
     ({"strategy": "qfedavg"}, "needs each device's update"),
-    ({"strategy": "fedbuff"}, "needs each device's update"),
-    ({"asynchronous": True}, "per-device staleness"),
+    ({"strategy": "fedbuff", "secure-aggregation": True}, "cannot join a later pool's sum"),
     ({"dp": "server-fixed"}, "clips each device's update"),
     ({"selector": "oort"}, "Oort ranks devices"),
 ]
@@ -47,6 +47,13 @@ def test_what_needs_each_device_is_refused_at_start_in_one_line(overrides: dict[
     with pytest.raises(ConfigError, match=re.escape(reason)) as refused:
         build_strategy(config, 20)
     assert "\n" not in str(refused.value) and "gateways-for-phones-and-browsers" in str(refused.value)
+
+
+def test_asynchronous_secure_pools_are_refused_naming_the_pools() -> None:
+    config = resolve_run_config({"gateways": True, "clients-per-round": 4, "asynchronous": True,
+                                 "secure-aggregation": True})
+    with pytest.raises(ConfigError, match="a device that answers late cannot join a later pool's sum"):
+        build_strategy(config, 20)
 
 
 def _gateway_reply(devices: int, secure_pool: int | None = None) -> Any:

@@ -54,7 +54,7 @@ def federation(tmp_path: Path) -> Iterator[LoopbackFederation]:
 
 
 def _start_gateway(federation: LoopbackFederation, index: int, port: int, deadline_s: float = 900.0,
-                   extra: tuple[str, ...] = ()) -> None:
+                   extra: tuple[str, ...] = (), per_round: int = DEVICES // 2) -> None:
     keys, cert = federation.keys, federation.keys.directory / "gateways" / f"gw{index}"
     if not cert.with_suffix(".crt").exists():  # its TLS certificate for devices, as an operator makes it
         assert main(["keys", "add-gateway", f"gw{index}", "--dir", str(keys.directory)]) == 0
@@ -64,7 +64,7 @@ def _start_gateway(federation: LoopbackFederation, index: int, port: int, deadli
          "--ca", str(keys.ca_cert), "--trust", str(federation.bundle_signing_key),
          "--cert", str(cert.with_suffix(".crt")), "--cert-key", str(cert.with_suffix(".key")), "--port", str(port),
          "--state-dir", str(federation.root / f"gw{index}"),
-         "--devices-per-round", str(DEVICES // 2), "--poll-interval", "0.5", "--round-deadline", str(deadline_s),
+         "--devices-per-round", str(per_round), "--poll-interval", "0.5", "--round-deadline", str(deadline_s),
          *extra], f"gateway{index}.log")
 
 
@@ -86,12 +86,16 @@ class ProtocolFleet:
     Each runs until its gateway says the run is over."""
 
     def __init__(self, federation: LoopbackFederation, ports: list[int], *, processes: int = 0,
-                 secure: bool = False, indices: tuple[int, ...] = tuple(range(DEVICES))) -> None:
+                 secure: bool = False, indices: tuple[int, ...] = tuple(range(DEVICES)),
+                 failover: bool = False) -> None:
         config = resolve_run_config({"partitioner": "iid"})
         task = load_task(config)
         shards = [task.partition(index, DEVICES, config) for index in range(DEVICES)]
         self.federation, self.stop, self.trained = federation, threading.Event(), [0] * DEVICES
-        self.devices = {index: ProtocolDevice(gateway=f"https://127.0.0.1:{ports[index % 2]}", name=f"phone{index}",
+        # device i's gateway, then (failover) the other one: it checks in there when its own cannot be reached
+        urls = {index: [f"https://127.0.0.1:{port}" for port in (ports[index % 2], ports[1 - index % 2])]
+                [:2 if failover else 1] for index in indices}
+        self.devices = {index: ProtocolDevice(gateway=urls[index], name=f"phone{index}",
                                               key=federation.root / "allow" / f"phone{index}.key",
                                               data=(tuple(shards[index].inputs), shards[index].targets),
                                               trust=federation.bundle_signing_key, ca=federation.keys.ca_cert,
@@ -104,7 +108,7 @@ class ProtocolFleet:
         self.processes = {}
         for index in indices[len(indices) - processes:]:
             np.savez(federation.root / f"phone{index}.npz", x=shards[index].inputs[0], y=shards[index].targets)
-            argv = ["protocol-device", "--gateway", f"https://127.0.0.1:{ports[index % 2]}", "--name",
+            argv = ["protocol-device", *(arg for url in urls[index] for arg in ("--gateway", url)), "--name",
                     f"phone{index}", "--key", str(federation.root / "allow" / f"phone{index}.key"), "--data",
                     str(federation.root / f"phone{index}.npz"), "--trust", str(federation.bundle_signing_key),
                     "--ca", str(federation.keys.ca_cert), "--state-dir", str(federation.root / f"phone{index}"),
@@ -135,7 +139,7 @@ class ProtocolFleet:
             if self.codes[index] == 0 and "stopped after " in log:
                 self.trained[index] = int(log.rsplit("stopped after ", 1)[1].split()[0])
 
-    def check_told(self, rounds: int) -> None:
+    def check_told(self, rounds: int, gateways: tuple[int, ...] = (0, 1)) -> None:
         """Every device stopped because its gateway told it the run was over after round ``rounds``, with one
         line; the processes exit 0 having logged one line per round they trained; each gateway said so."""
         over = f"round {rounds} of {rounds} was its last and the coordinator has closed"
@@ -148,7 +152,7 @@ class ProtocolFleet:
             sent = re.findall(rf"device phone{index}: round \d+: (?:trained on \d+ examples, loss [0-9.]+|its result, "
                               r"trained before, sent again), sent", log)
             assert len(sent) >= self.trained[index] > 0, log
-        for index in range(2):
+        for index in gateways:
             assert f"the run is over ({over})" in self.federation.log(f"gateway{index}")
 
 
@@ -160,7 +164,8 @@ def _summary_then_devices_told(federation: LoopbackFederation, fleet: ProtocolFl
 
 
 def _start(federation: LoopbackFederation, rounds: int, run_config: str = RUN,
-           gateway_deadline_s: float = 900.0, extra: dict[int, tuple[str, ...]] | None = None) -> list[int]:
+           gateway_deadline_s: float = 900.0, extra: dict[int, tuple[str, ...]] | None = None,
+           per_round: int = DEVICES // 2) -> list[int]:
     """Allow-list, coordinator (2 nodes a round: the gateways) and both gateways; their device ports."""
     for index in range(DEVICES):
         add_protocol_device(federation.root / "allow", f"phone{index}")
@@ -168,7 +173,7 @@ def _start(federation: LoopbackFederation, rounds: int, run_config: str = RUN,
     federation.wait_for(federation.bundle_signing_key.exists, 900, "the bundle signing key")
     ports = [free_port(), free_port()]
     for index, port in enumerate(ports):
-        _start_gateway(federation, index, port, gateway_deadline_s, (extra or {}).get(index, ()))
+        _start_gateway(federation, index, port, gateway_deadline_s, (extra or {}).get(index, ()), per_round)
     return ports
 
 
@@ -230,6 +235,50 @@ def test_a_gateway_restart_loses_at_most_its_round_in_flight(federation: Loopbac
     assert rows[-1]["participants"] == 2
     assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.3
     assert federation.log("gateway0").count("serves devices on https://") == 2
+
+
+def test_asynchronous_rounds_through_two_gateways_go_on_when_one_dies_and_its_devices_fail_over(
+        federation: LoopbackFederation) -> None:
+    # Prepare: FedBuff through two gateways, each flushing its first 2 device results (a third still training
+    # answers late, into its gateway's next flush); a model version every 2 device results. Every device names
+    # both gateways, its own first; gateway 0's three are `fedge protocol-device` processes (their logs are read)
+    flushes = 8
+    ports = _start(federation, flushes, RUN.replace("gateways=true", "gateways=true strategy='fedbuff' buffer-size=2"),
+                   per_round=2)
+    fleet = ProtocolFleet(federation, ports, processes=3, indices=(1, 3, 5, 0, 2, 4), failover=True)
+    try:
+        federation.wait_for(lambda: len(federation.rows()) >= 3, 900, "model version 2")
+        # Execute: gateway 0 dies outright (process group and Flower helpers) and stays down
+        gateway = federation.devices[100]
+        os.killpg(gateway.pid, signal.SIGKILL)
+        gateway.wait()
+        federation._kill_marked(str(federation.root / "gw0"))
+        killed_at = len(federation.rows()) - 1
+        _summary_then_devices_told(federation, fleet)
+    finally:
+        fleet.close()
+    fleet.check_told(flushes, gateways=(1,))
+    assert federation.coordinator is not None and federation.coordinator.wait(600) == 0, federation.log("coordinator")
+    rows = federation.rows()
+    # Assert: every version was published, the ones after the kill without waiting for gateway 0 (its instruction
+    # in flight would time out only after the 900 s round timeout), and the model learned
+    assert [row["round"] for row in rows] == list(range(flushes + 1)), federation.log("coordinator")
+    assert all(row["aggregated"] and row["rejected"] == 0 for row in rows[1:]), rows
+    assert killed_at <= flushes - 3
+    assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.3
+    # ... gateway 0's devices checked in at gateway 1 and trained there; each device's result counted once per
+    # version whichever gateway carried it (a device refuses to train a version again at another gateway)
+    moved = f"gateway 127.0.0.1:{ports[0]} cannot be reached; checking in at 127.0.0.1:{ports[1]}"
+    sent_there = 0
+    for index in (0, 2, 4):
+        log = federation.log(f"phone{index}")
+        assert moved in log, log
+        sent = re.findall(rf"device phone{index}: round (\d+): (?:trained on \d+ examples, loss [0-9.]+|its result, "
+                          r"trained before, sent again), sent", log)
+        assert len(sent) == len(set(sent)), log
+        sent_there += len(re.findall(r"round \d+: [^\n]*, sent", log.split(moved, 1)[1]))
+    assert sent_there > 0, "none of gateway 0's devices sent a result through gateway 1"
+    assert re.search(r"round \d+ \(train\): 2 device results", federation.log("gateway1"))
 
 
 # Each tab records what it sends (the frame's tensor names and dtypes) and its page's state

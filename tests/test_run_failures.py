@@ -6,12 +6,14 @@ Before: a run whose every update was rejected or failed went on for every round,
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from fedge.cli.deploy import _summary_failure
 from fedge.config import resolve_run_config
 from fedge.errors import ExportError, RunFailed
 from fedge.strategies.drivers.base import RoundReport
@@ -87,8 +89,17 @@ def test_a_run_with_no_accepted_update_exits_failed_and_publishes_nothing(fast_c
     message, run_dir = _failed_run(fast_config, rounds=1)
     # Assert: one line naming why; summary.json says so; no bundle was signed
     assert "no device update was accepted in 1 round(s) (2 left out; most often: device error: ValueError" in message
-    assert "no device update was accepted" in (run_dir / "summary.json").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "no device update was accepted" in summary["failure"] and summary["failed"] == 2
+    assert _summary_failure(run_dir) == summary["failure"]
     assert not list(run_dir.glob("bundles/*")) and not (run_dir / "model.onnx").exists()
+
+
+def test_a_finished_run_with_a_failed_reply_is_not_taken_for_a_failed_run(tmp_path: Path) -> None:
+    # Prepare: a finished run's summary: one device's reply failed in one round (a dead device)
+    (tmp_path / "summary.json").write_text(json.dumps({"rounds": 3, "failed": 1, "rejected": 0}))
+    # Execute / Assert: the coordinator reports it finished (it said "the run failed: 1" and exited 1)
+    assert _summary_failure(tmp_path) is None
 
 
 def test_a_model_that_is_not_finite_is_never_signed(tmp_path: Path, fast_config: dict[str, Any]) -> None:

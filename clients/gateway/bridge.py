@@ -7,7 +7,9 @@ gateway's loopback control address and the file holding the control token
 carries the weighted mean of the devices' trained weights (fp32), ``num-examples`` = the
 examples behind it, and the summed work, so the coordinator's FedAvg weights the gateway as
 the devices it stands for. Each round also tells the gateway the run's ``num-rounds``: how it
-knows, once the coordinator has closed after the last one, that the run is over.
+knows, once the coordinator has closed after the last one, that the run is over. In an
+asynchronous run the instruction's ``late-exponent`` goes with the round, and the reply says
+how many of its devices' results were late ones.
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ def gateway_content(msg: Message, context: Context, config: RunConfig, kind: str
     header = {"kind": kind, "server-round": server_round, NUM_ROUNDS: config.integer(knobs.NUM_ROUNDS), "graph": graph,
               "config": _config_of(msg, context, config, kind),
               "secure": secure_settings(config) if kind == "train" else None}
+    late = instruction.get(wire.LATE_EXPONENT) if instruction is not None and kind == "train" else None
+    if late is not None:  # an asynchronous run: the gateway folds its devices' late results, staleness-weighted
+        header[wire.LATE_EXPONENT] = late
     result, arrays = ask_gateway(context, header, weights)
     metrics = {str(k): float(v) for k, v in dict(result.get("metrics", {})).items()}
     if kind == "evaluate":
@@ -122,6 +127,7 @@ def gateway_content(msg: Message, context: Context, config: RunConfig, kind: str
                          wire.STEPS: max(1, int(result["steps"])), wire.AGGREGATE_OF: int(result["devices"]),
                          wire.SECURE_POOL: int(result.get("secure-pool", 0)), wire.GATEWAY: str(result["gateway"]),
                          wire.CLIPPED: int(result.get("clipped", 0)), wire.CAPPED: int(result.get("capped", 0)),
+                         wire.LATE: int(result.get("late", 0)),
                          **pool_clipping(result), **_norm_median(result)})
     reply_metrics = MetricRecord({wire.TRAIN_LOSS: metrics.get("train-loss", 0.0),
                                   wire.NUM_EXAMPLES: int(result["num-examples"])})

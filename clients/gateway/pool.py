@@ -37,7 +37,14 @@ from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from numpy.typing import NDArray
 
 from fedge import knobs
-from fedge.aggregate import DEVICE_RULES, ROBUST_DEVICE_RULES, WeightedMeanAccumulator, clip_update, trim_count
+from fedge.aggregate import (
+    DEVICE_RULES,
+    ROBUST_DEVICE_RULES,
+    WeightedMeanAccumulator,
+    clip_update,
+    staleness_weight,
+    trim_count,
+)
 from fedge.clients.gateway.protocol import (
     CHECK_IN_DEVICE,
     CLOCK_SKEW_S,
@@ -372,6 +379,7 @@ class RoundResult:
     pool_clipping: Mapping[str, int] = field(default_factory=dict)  # a secure round: what the devices' encodings
     # clipped, totals over the pool (fedge.strategies.validation.POOL_CLIPPING)
     device_norm_median: float | None = None  # a plain train round: its devices' median update norm before clipping
+    late: int = 0  # an asynchronous round: results folded in that answered one of this gateway's earlier rounds
 
 
 @dataclass(frozen=True)
@@ -424,6 +432,22 @@ def device_seed(run_seed: int, server_round: int, device: str) -> int:
     return (run_seed * 1_000_003 + server_round * 10_007 + number) % 2**53  # exact as a JSON number in JavaScript
 
 
+@dataclass(frozen=True)
+class LateResult:
+    """A device's checked result for a closed round of an asynchronous run, until a later round folds it in."""
+
+    device: str
+    change: dict[str, NDArray[np.float32]]  # its change from the model it was sent, bounded as its round bounds it
+    server_round: int  # the round (model version) it trained from
+    examples: int
+    weight: int  # its examples, capped at the run's max-device-examples
+    samples: int
+    steps: int
+    metrics: dict[str, float]
+    clipped: bool
+    norm: float  # its update's norm before clipping
+
+
 class GatewayRound:
     """One round of the coordinator's, run over this gateway's devices.
 
@@ -431,13 +455,24 @@ class GatewayRound:
     weights = example counts), so the gateway holds one model-sized float64 buffer however
     many devices answer; the coordinator then weights the gateway's mean by the examples
     behind it, which is FedAvg over every device (hierarchical FedAvg equals flat FedAvg).
+
+    In an asynchronous run (``late_exponent`` set: the coordinator's FedBuff driver) the round
+    is one partial flush: its first ``target`` results, and a device still training one of the
+    gateway's earlier rounds is not lost when it answers after that round closed. Its result is
+    tagged with the round (model version) it trained from (:meth:`late_result`), taken as its
+    change from that model applied to the round open then or next, and weighted
+    ``1 / (1 + s)^late_exponent`` for ``s`` versions of staleness (:meth:`fold_late`), as FedBuff
+    weighs stale updates (Nguyen et al., AISTATS 2022). fedge differs from the paper in where:
+    the gateway weighs its devices' staleness within its partial, the coordinator the partial's
+    own (so a late result's weight is the product of the two).
     """
 
     def __init__(self, *, kind: str, server_round: int, config: Mapping[str, Any], graph: str,
                  weights: Mapping[str, NDArray[np.generic]], target: int, max_num_examples: int,
                  bounds: DeviceBounds | None = None, device_rule: str = "mean", trim_fraction: float = 0.2,
-                 downlink: str = "fp32") -> None:
+                 downlink: str = "fp32", late_exponent: float | None = None) -> None:
         self.task_id = secrets.token_hex(8)
+        self.late_exponent = late_exponent  # an asynchronous run's: late results are folded in (None: refused)
         self.kind, self.server_round, self.graph = kind, server_round, graph
         self.config, self.weights, self.target = dict(config), dict(weights), max(1, target)
         self.spec = {name: (tuple(value.shape), str(value.dtype)) for name, value in weights.items()}
@@ -453,7 +488,7 @@ class GatewayRound:
         self._kept: list[dict[str, NDArray[np.generic]]] = []  # a robust device rule: every update (O(devices x P))
         self._metric_means: dict[str, float] = {}  # running float64 means, weighted by the devices' (capped) weights
         self._examples = self._samples = self._steps = self._devices = self._rejected = 0
-        self._clipped = self._capped = 0
+        self._clipped = self._capped = self._late = 0
         self._norms: list[float] = []  # the accepted train results' update norms before clipping
         self._answered: set[str] = set()  # device names whose result is in the sum
         self._taken: set[str] = set()  # device names handed this round's task
@@ -500,6 +535,53 @@ class GatewayRound:
         if means is None:
             self._reject(session, UpdateRejected("its metrics make this round's metric means overflow"))
 
+    def late_result(self, session: Session, frame: Frame, scales: Mapping[str, float]) -> LateResult:
+        """A device's result for this round after it closed (an asynchronous run): checked and bounded as
+        :meth:`accept` checks one, taken once per device, and kept as its change from this round's model
+        for a later round to fold in (:meth:`fold_late`). 409 when this round takes no late result."""
+        if self.late_exponent is None or self.kind != "train":
+            raise refused(409, "the round this result answers has closed, and this gateway's runs are not "
+                               "asynchronous; it was not counted")
+        try:
+            examples, weight, samples, steps = self._claims(frame.header)
+            metrics = self._metrics(frame.header)
+            arrays, clipped, norm = self._arrays(session, frame, scales)
+        except (UpdateRejected, DeviceProtocolError) as exc:
+            self._reject(session, exc)
+        with self._lock:
+            if session.device in self._answered:
+                raise refused(409, "this device already answered this task")
+            self._answered.add(session.device)
+        change = {name: (np.asarray(value, np.float64) - np.asarray(self.weights[name], np.float64)).astype(np.float32)
+                  for name, value in arrays.items()}
+        return LateResult(session.device, change, self.server_round, examples, weight, samples, steps, metrics,
+                          clipped, norm)
+
+    def fold_late(self, late: LateResult) -> bool:
+        """Fold ``late`` in (an asynchronous train round that is open): its change applied to this round's
+        model, weighted by its examples times ``1 / (1 + s)^late_exponent`` for ``s`` rounds of staleness.
+        False, folding nothing, when this round is closed or takes no late result."""
+        if self.late_exponent is None or self.kind != "train":
+            return False
+        rebased = {name: (np.asarray(self.weights[name], np.float64) + change).astype(self.weights[name].dtype)
+                   for name, change in late.change.items()}
+        mass = late.weight * staleness_weight(max(0, self.server_round - late.server_round), self.late_exponent)
+        with self._lock:
+            if self.closed:
+                return False
+            means = self._folded_means(late.metrics, late.weight)
+            if means is None:
+                self._rejected += 1
+                log.warning("round %d: rejected %s's late result: its metrics make this round's metric means "
+                            "overflow", self.server_round, late.device)
+                return True
+            self._fold(late.device, rebased, late.weight, means, late.samples, late.steps, mass=mass)
+            self._late += 1
+            self._clipped += late.clipped
+            self._norms.append(late.norm)
+            self._capped += late.weight < late.examples
+        return True
+
     def _reject(self, session: Session, exc: Exception) -> NoReturn:
         with self._lock:
             self._rejected += 1
@@ -527,17 +609,20 @@ class GatewayRound:
         return means if all(math.isfinite(v) for v in means.values()) else None
 
     def _fold(self, device: str, arrays: Mapping[str, NDArray[np.generic]], weight: int,
-              means: dict[str, float], samples: int, steps: int) -> None:
+              means: dict[str, float], samples: int, steps: int, *, mass: float | None = None) -> None:
+        """Add a result: its arrays weighted ``mass`` (its examples; a late result's, times its staleness
+        weight), its counts; a late result (``mass`` given) leaves ``device`` free to answer this round too."""
         if arrays and self.device_rule != "mean":
             self._kept.append(dict(arrays))
         elif arrays:
-            self._sum.add(arrays, float(weight))
+            self._sum.add(arrays, float(weight) if mass is None else mass)
         self._metric_means = means
         self._examples += weight
         self._samples += samples
         self._steps = max(self._steps, steps)
         self._devices += 1
-        self._answered.add(device)
+        if mass is None:
+            self._answered.add(device)
         if self._devices >= self.target:
             self.complete.set()
 
@@ -591,7 +676,7 @@ class GatewayRound:
             return RoundResult(kind=self.kind, arrays=arrays, num_examples=self._examples,
                                metrics=dict(self._metric_means), samples_processed=self._samples, steps=self._steps,
                                devices=self._devices, rejected=self._rejected, clipped=self._clipped,
-                               capped=self._capped,
+                               capped=self._capped, late=self._late,
                                device_norm_median=float(np.median(self._norms)) if self._norms else None)
 
     def _robust(self) -> dict[str, NDArray[np.generic]]:

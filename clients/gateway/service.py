@@ -52,6 +52,7 @@ from fedge.clients.gateway.pool import (
     AllowList,
     DeviceBounds,
     GatewayRound,
+    LateResult,
     RoundResult,
     Sessions,
     device_seed,
@@ -87,6 +88,7 @@ from fedge.clients.gateway.web import WebSite, check_origins, check_web, cors_mi
 from fedge.codec import FP32, TASK_ENCODINGS
 from fedge.errors import ConfigError, DeviceProtocolError, FedgeError
 from fedge.listeners import ListenerLimits, bind, server_tls, uvicorn_options
+from fedge.wire import LATE_EXPONENT
 
 log = logging.getLogger("fedge.gateway")
 
@@ -102,6 +104,8 @@ RUN_OVER_NEXT_IN_S = 600.0  # "done": when an app that wants to join a later run
 RUN_END_PROBE_S = 1.0  # after the run's last round, how often the gateway checks whether the coordinator closed
 ROUND_PROGRESS_S = 30.0  # while a round waits for its devices, how often the gateway says how many it has
 GRAPH_WAIT_SAY_S = 300.0  # while the training graph is not published, how often the gateway says it waits
+LATE_ROUNDS = 4  # an asynchronous run: how many closed train rounds a device's late result may still answer
+MAX_PENDING_LATE = 256  # ... and how many such results may wait for the next round (each holds a model's change)
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,9 @@ class Gateway:
         self.inference_bundle = inference_bundle  # the coordinator's latest, pulled and verified by this gateway
         self.round: GatewayRound | None = None
         self.exchange: SecureExchange | None = None  # a secure round's steps in flight
+        self.earlier: dict[str, GatewayRound] = {}  # an asynchronous run's last LATE_ROUNDS closed train rounds
+        self.pending: list[LateResult] = []  # their late results that arrived while no train round was open
+        self._late_lock = threading.Lock()
         self.in_flight = 0
         self.in_flight_by: Counter[str] = Counter()  # requests in progress per client address
         self.model_elements = 0  # the open round's model size: what bounds a result's body
@@ -263,15 +270,35 @@ class Gateway:
         return assemble_frame(header, task.entries, task.data)
 
     def result_limit(self) -> int:
-        """The most bytes a result for the round in flight can take (409 when none is in flight)."""
+        """The most bytes a result for the round in flight can take (409 when none is in flight; in an
+        asynchronous run, a result for one of its last closed train rounds is taken too)."""
         current = self.round
-        open_round = self.exchange is not None or (current is not None and not current.closed)
+        open_round = self.exchange is not None or (current is not None and not current.closed) or bool(self.earlier)
         if not open_round or not self.model_elements:
             if current is not None and current.closed and self.exchange is None:
                 raise refused(409, f"round {current.server_round} closed before this result arrived (it had its "
                                    "results, or its deadline passed); it was not counted")
             raise refused(409, "no round is open; ask for a task first (GET /v1/task)")
         return 8 * self.model_elements + MAX_RESULT_SLACK
+
+    def take_late(self, late: LateResult) -> None:
+        """Fold a late result into the train round open now, or keep it for the next one (at most
+        MAX_PENDING_LATE wait: beyond, 409 and not counted)."""
+        with self._late_lock:
+            current = self.round
+            if current is not None and current.fold_late(late):
+                return
+            if len(self.pending) >= MAX_PENDING_LATE:
+                raise refused(409, f"{MAX_PENDING_LATE} late results already wait for this gateway's next round; "
+                                   "this one was not counted")
+            self.pending.append(late)
+
+    def open_round(self, current: GatewayRound) -> None:
+        """Make ``current`` the round in flight, folding in the late results that waited for it."""
+        with self._late_lock:
+            self.round = current
+            waiting, self.pending = self.pending, []
+            self.pending = [late for late in waiting if not current.fold_late(late)]  # an evaluate round folds none
 
     def round_target(self) -> int:
         """How many device results complete a round."""
@@ -292,13 +319,14 @@ class Gateway:
                          header.get("server-round"), self.settings.downlink)
             return await asyncio.to_thread(self.run_secure_round, header, frame_tensors)
         current = GatewayRound(kind=str(kind), server_round=int(header.get("server-round", 0)),
+                               late_exponent=_late(header),
                                config=dict(header.get("config", {})), graph=str(header.get("graph", "")),
                                weights=frame_tensors, target=self.round_target(),
                                max_num_examples=self.settings.max_num_examples,
                                bounds=DeviceBounds.of(dict(header.get("config", {}))),
                                device_rule=self.settings.device_rule if kind == "train" else "mean",
                                trim_fraction=self.settings.device_trim_fraction, downlink=self.settings.downlink)
-        self.round = current
+        self.open_round(current)
         log.info("round %d (%s): offered to this gateway's devices, waiting for %d results (deadline %.0f s)",
                  current.server_round, kind, current.target, self.settings.round_deadline_s)
         deadline = time.monotonic() + self.settings.round_deadline_s
@@ -311,11 +339,14 @@ class Gateway:
             await asyncio.sleep(0.05)
         result = current.close()
         self.rounds_done += 1
+        if current.late_exponent is not None and kind == "train":  # its devices still training may answer late
+            self.earlier = dict(list(self.earlier.items())[-(LATE_ROUNDS - 1):]) | {current.task_id: current}
         if result is None:
             raise refused(504, f"round {current.server_round}: none of this gateway's devices answered within "
                                f"{self.settings.round_deadline_s:.0f} s ({len(self.sessions)} checked in)")
-        log.info("round %d (%s): %d device results (%d rejected, %d clipped to the norm bound, %d weights capped), "
-                 "%d examples", current.server_round, kind, result.devices, result.rejected, result.clipped,
+        late = f", {result.late} of them late (for an earlier round, staleness-weighted)" if result.late else ""
+        log.info("round %d (%s): %d device results%s (%d rejected, %d clipped to the norm bound, %d weights capped), "
+                 "%d examples", current.server_round, kind, result.devices, late, result.rejected, result.clipped,
                  result.capped, result.num_examples)
         return result
 
@@ -374,6 +405,16 @@ class Gateway:
 
 
 # --------------------------------------------------------------------------- the HTTP layer
+def _late(header: dict[str, Any]) -> float | None:
+    """The staleness exponent of an asynchronous run's round (``None``: a synchronous run, late results refused)."""
+    value = header.get(LATE_EXPONENT)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 16:
+        raise refused(400, f"control: '{LATE_EXPONENT}' must be a number in [0, 16], got {value!r:.20}")
+    return float(value)
+
+
 def _json(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Any:
     from starlette.responses import JSONResponse  # noqa: PLC0415 - only a serving process needs starlette
 
@@ -478,9 +519,13 @@ def device_app(gateway: Gateway, *, max_body: int = 64 << 20, web: WebSite | Non
                 raise refused(409, "no secure-aggregation round is in flight; ask for a task first (GET /v1/task)")
             exchange.answer(session.device, frame)
             return _json({"accepted": True, "next-in-s": gateway.next_in_s(session.device)})
-        if current is None:
+        origin = gateway.earlier.get(str(frame.header.get(TASK_ID)))
+        if origin is not None:  # an asynchronous run: a result for one of its closed train rounds (the last included)
+            gateway.take_late(origin.late_result(session, frame, scales))
+        elif current is None:
             raise refused(409, "no round is open; ask for a task first (GET /v1/task)")
-        current.accept(session, frame, scales)
+        else:
+            current.accept(session, frame, scales)
         return _json({"accepted": True, "next-in-s": gateway.next_in_s()})
 
     async def training_bundle(request: Any) -> Any:
@@ -525,7 +570,7 @@ def control_app(gateway: Gateway, token: str) -> Any:
                   "rejected": result.rejected, "samples-processed": result.samples_processed, "steps": result.steps,
                   "secure-pool": result.devices if result.secure else 0, "gateway": gateway.settings.name,
                   "clipped": result.clipped, "capped": result.capped, "pool-clipping": dict(result.pool_clipping),
-                  "device-norm-median": result.device_norm_median}
+                  "device-norm-median": result.device_norm_median, "late": result.late}
         return Response(encode_frame(header, result.arrays), media_type=FRAME_TYPE)
 
     async def status(request: Any) -> Any:

@@ -30,9 +30,10 @@ from fedge.config import Scalar
 from fedge.errors import ConfigError, UpdateRejected
 from fedge.strategies.drivers.base import EvaluateFn, RoundReport
 from fedge.strategies.registry import names_where
-from fedge.strategies.rule import RoundContext, Update
+from fedge.strategies.rule import RoundContext
+from fedge.strategies.screening import counted
 from fedge.strategies.timing import TimedGrid, timed, virtual
-from fedge.strategies.validation import Rejection, spec_of
+from fedge.strategies.validation import AcceptedUpdate, Rejection, spec_of
 
 if TYPE_CHECKING:
     from fedge.strategies.rounds import Rounds
@@ -273,7 +274,8 @@ class _AsyncRun:
         wanted = self.driver.concurrency - len(busy)
         chosen = rounds.selector.select(server_round, idle, wanted) if wanted > 0 else []
         rounds.state.stragglers = rounds.pick_stragglers(server_round * 1_009 + self.launches, chosen)
-        config = ConfigRecord({**self.config, wire.SERVER_ROUND: server_round})
+        config = ConfigRecord({**self.config, wire.SERVER_ROUND: server_round,
+                               wire.LATE_EXPONENT: self.driver.staleness_exponent})  # gateways weigh late results
         record = RecordDict({rounds.sampling.arrayrecord_key: self.arrays, rounds.sampling.configrecord_key: config})
         for node in chosen:
             self.launches += 1
@@ -291,18 +293,23 @@ class _AsyncRun:
         if rounds.downlink is not None:
             rounds.downlink.learn([reply])
         try:
-            arrays, _ = rounds.validator.check(reply.content, server_round=event.version + 1,
-                                                 spec=spec_of(self.arrays), reference=self.snapshots[event.version])
+            checked = rounds.validator.read(reply.content, server_round=event.version + 1, spec=spec_of(self.arrays),
+                                            reference=self.snapshots[event.version], node_id=node)
         except UpdateRejected as exc:
             log.warning("fedbuff: rejected update from node %d: %s", node, exc.reason)
             self.report.rejected.append(Rejection(node, exc.reason))
             return
-        stale = event.version != self.version
-        rounds.rule.fold(Update(node, arrays, self.driver.weight(self.version - event.version),
-                                  base=self.snapshots[event.version] if stale else None))
-        self.buffered += 1
+        update = counted(rounds, self.report, AcceptedUpdate(node, checked.arrays, checked.weight, reply.content,
+                                                             checked.meta, checked.clipped, checked.pool_clipping,
+                                                             checked.norm))
+        # a gateway's partial flush stands for its devices' results: each counts towards the buffer
+        update.devices = checked.meta.aggregate_of or 1 if checked.meta is not None else 1
+        update.weight = update.devices * self.driver.weight(self.version - event.version)
+        update.base = self.snapshots[event.version] if event.version != self.version else None
+        self.report.stale_devices += checked.meta.late if checked.meta is not None else 0
+        rounds.rule.fold(update)
+        self.buffered += update.devices
         self.replies.append(reply)
-        self.report.accepted += 1
 
     def _flush(self) -> None:
         new = self.rounds.rule.result()

@@ -34,6 +34,7 @@ class RoundReport:
     clipped_gateways: int = 0  # gateways' updates clipped to max-update-norm by the coordinator
     clipped_devices: int = 0  # devices' updates their gateways clipped to max-update-norm
     capped_devices: int = 0  # devices whose weight their gateways capped at max-device-examples
+    stale_devices: int = 0  # asynchronous through gateways: device results a gateway folded in for an earlier round
     secagg_clipped_entries: int = 0  # secure aggregation: update entries the devices clipped (round total)
     secagg_clipped_devices: int = 0  # ... devices that clipped any entry
     secagg_capped_weights: int = 0  # ... devices whose weight was capped at max-num-examples
