@@ -3,18 +3,16 @@ suite over pytest-xdist workers."""
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
-import time
 from collections.abc import Generator, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from flwr.supercore.task_identity import TaskIdentity
 
+from tests.deployment_slots import deployment_slot
 from tests.live_gateway import live, run  # noqa: F401 - the gateway tests' fixtures (a live gateway, its run)
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -116,10 +114,8 @@ def _interleaved(items: list[pytest.Item]) -> list[pytest.Item]:
 
 
 # Deployments (a coordinator, a SuperLink, devices or gateways, a ClientApp process per message: processes that each
-# import torch and Flower) run at most DEPLOYMENT_SLOTS at once across the xdist workers: four at once on two cores
-# slowed each one's processes past Flower's 60 s heartbeat window and a round's devices past their deadlines. A
-# worker waits for a free slot (a file lock shared by this run's workers), so the deployments' own waits stay events.
-DEPLOYMENT_SLOTS = 2
+# import torch and Flower) run at most DEPLOYMENT_SLOTS at once across the xdist workers (tests/deployment_slots.py);
+# a worker waits for a free slot, so the deployments' own waits stay events.
 DEPLOYMENTS = frozenset({
     "test_deployment.py", "test_gateway_deployment.py", "test_lifecycle.py", "test_device_rejoin.py",
     "test_operator_feedback.py", "test_operator_service.py", "test_role_installs.py", "test_task_deployment.py",
@@ -133,7 +129,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         yield
         return
     shared = item.config._tmp_path_factory.getbasetemp().parent  # type: ignore[attr-defined]  # this run's workers'
-    with _deployment_slot(shared):
+    with deployment_slot(shared):
         yield
 
 
@@ -141,20 +137,3 @@ def _is_deployment(item: pytest.Item) -> bool:
     return item.path.name in DEPLOYMENTS and item.get_closest_marker("slow") is not None
 
 
-@contextmanager
-def _deployment_slot(shared: Path) -> Iterator[None]:
-    """Hold one of DEPLOYMENT_SLOTS file locks in ``shared`` (the kernel releases it if the worker dies)."""
-    paths = [shared / f"deployment-slot-{index}" for index in range(DEPLOYMENT_SLOTS)]
-    while True:
-        for path in paths:
-            with open(path, "a") as handle:
-                try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                try:
-                    yield
-                finally:
-                    fcntl.flock(handle, fcntl.LOCK_UN)
-                return
-        time.sleep(0.2)

@@ -14,6 +14,7 @@ import pytest
 from fedge.server.checkpoint import load_checkpoint
 from fedge.server.pki import add_device
 from fedge.simulation.loopback import FEDGE, LoopbackFederation
+from tests.deployment_slots import slot_released
 
 pytestmark = pytest.mark.slow
 
@@ -77,8 +78,12 @@ def test_a_dead_device_is_left_out_and_the_round_goes_on(federation: LoopbackFed
     federation.wait_for(lambda: all(joined in federation.log(f"device{i}") for i in range(3)), 900,
                         "three devices connected")
     federation.kill_device(2)
-    # Execute
-    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
+    # Execute: the live two train, then the round waits (their processes idle) for the SuperLink to give the dead
+    # one up after Flower's fixed heartbeat window: another deployment may use this test's slot meanwhile
+    federation.wait_for(lambda: all("round 1: trained " in federation.log(f"device{i}") for i in range(2)), 900,
+                        "the live devices' round-1 training")
+    with slot_released():
+        federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
     # Assert: the round went on with the two that replied, and said who was missing
     rows = federation.rows()
     assert rows[1]["participants"] == 2 and rows[1]["aggregated"]
@@ -124,20 +129,6 @@ def test_insecure_mode_must_be_asked_for_and_warns(tmp_path: Path) -> None:
         assert fed.rows()[1]["participants"] == 2
     finally:
         fed.close()
-
-
-def test_fedbuff_runs_asynchronously_in_deployment(federation: LoopbackFederation) -> None:
-    # 3 devices, 2 training at a time, every 2 arrivals applied: 3 buffer flushes
-    federation.start_coordinator("--rounds", "3", "--clients-per-round", "2", "--run-config",
-                                 "model='mlp' local-epochs=2 export-onnx=false strategy='fedbuff' concurrency=2 "
-                                 "buffer-size=2 round-timeout=900.0 runtime='torch'")
-    for index in range(3):
-        federation.start_device(index)
-    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
-    rows = federation.rows()
-    assert [r["round"] for r in rows] == [0, 1, 2, 3]
-    assert all(r["participants"] == 2 and r["aggregated"] and r["bytes_up"] > 0 for r in rows[1:])
-    assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.2
 
 
 def test_deadline_with_over_selection_in_deployment(federation: LoopbackFederation) -> None:

@@ -281,6 +281,12 @@ class Gateway:
             raise refused(409, "no round is open; ask for a task first (GET /v1/task)")
         return 8 * self.model_elements + MAX_RESULT_SLACK
 
+    def remember(self, closed: GatewayRound) -> None:
+        """Keep a closed train round of an asynchronous run (its devices still training may answer late): the
+        last LATE_ROUNDS of them."""
+        if closed.late_exponent is not None and closed.kind == "train":
+            self.earlier = dict(list(self.earlier.items())[-(LATE_ROUNDS - 1):]) | {closed.task_id: closed}
+
     def take_late(self, late: LateResult) -> None:
         """Fold a late result into the train round open now, or keep it for the next one (at most
         MAX_PENDING_LATE wait: beyond, 409 and not counted)."""
@@ -339,8 +345,7 @@ class Gateway:
             await asyncio.sleep(0.05)
         result = current.close()
         self.rounds_done += 1
-        if current.late_exponent is not None and kind == "train":  # its devices still training may answer late
-            self.earlier = dict(list(self.earlier.items())[-(LATE_ROUNDS - 1):]) | {current.task_id: current}
+        self.remember(current)
         if result is None:
             raise refused(504, f"round {current.server_round}: none of this gateway's devices answered within "
                                f"{self.settings.round_deadline_s:.0f} s ({len(self.sessions)} checked in)")
