@@ -155,9 +155,25 @@ def _device_phases(accepted: list[tuple[int, float, float]]) -> dict[int, float]
     return {r: max(d for _, d in times) - min(t for t, _ in times) for r, times in by_round.items()}
 
 
+def start_gateway(federation: Any, index: int, port: int, options: list[str]) -> None:
+    """Start `fedge gateway start` number ``index`` of ``federation`` on ``port`` (its certificate made first; its
+    allow-list ``ROOT/allow``, its node key ``devINDEX``), with ``options`` and a 900 s round deadline."""
+    from fedge.cli.main import main as fedge
+
+    directory, root = federation.keys.directory, federation.root
+    assert fedge(["keys", "add-gateway", f"gw{index}", "--dir", str(directory)]) == 0
+    cert = directory / "gateways" / f"gw{index}"
+    federation.devices[100 + index] = federation.spawn(
+        ["gateway", "start", "--coordinator", f"127.0.0.1:{federation.port}", "--name", f"gw{index}",
+         "--devices", str(root / "allow"), "--key", str(federation.keys.devices / f"dev{index}.key"),
+         "--ca", str(federation.keys.ca_cert), "--trust", str(federation.bundle_signing_key),
+         "--cert", str(cert.with_suffix(".crt")), "--cert-key", str(cert.with_suffix(".key")),
+         "--port", str(port), "--state-dir", str(root / f"gw{index}"), "--round-deadline", "900", *options],
+        f"gateway{index}.log")
+
+
 def run_fleet(gateways: int, per_round: int, rounds: int, clients: int) -> dict[str, Any]:
     """One deployment with ``gateways`` gateways and ``per_round`` devices; its measures."""
-    from fedge.cli.main import main as fedge
     from fedge.clients.gateway.service import add_protocol_device
     from fedge.simulation.loopback import LoopbackFederation, free_port
 
@@ -177,18 +193,9 @@ def run_fleet(gateways: int, per_round: int, rounds: int, clients: int) -> dict[
         memory_before = _tree_rss(coordinator)
         ports = [free_port() for _ in range(gateways)]
         for index, port in enumerate(ports):
-            directory = federation.keys.directory
-            assert fedge(["keys", "add-gateway", f"gw{index}", "--dir", str(directory)]) == 0
-            cert = directory / "gateways" / f"gw{index}"
-            federation.devices[100 + index] = federation.spawn(
-                ["gateway", "start", "--coordinator", f"127.0.0.1:{federation.port}", "--name", f"gw{index}",
-                 "--devices", str(root / "allow"), "--key", str(federation.keys.devices / f"dev{index}.key"),
-                 "--ca", str(federation.keys.ca_cert), "--trust", str(federation.bundle_signing_key),
-                 "--cert", str(cert.with_suffix(".crt")), "--cert-key", str(cert.with_suffix(".key")),
-                 "--port", str(port), "--state-dir", str(root / f"gw{index}"), "--uplink", "int8-delta",
-                 "--devices-per-round", str(per_round // gateways), "--poll-interval", "1.0",
-                 "--round-deadline", "900", "--max-in-flight", "4096", "--max-per-address", "64"],
-                f"gateway{index}.log")
+            start_gateway(federation, index, port, ["--uplink", "int8-delta", "--devices-per-round",
+                                                    str(per_round // gateways), "--poll-interval", "1.0",
+                                                    "--max-in-flight", "4096", "--max-per-address", "64"])
         for index in range(gateways):
             federation.wait_for(lambda i=index: "serves devices on https://" in federation.log(f"gateway{i}"), 900,
                                 f"gateway {index}'s device listener")

@@ -51,6 +51,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from fedge.clients import secagg_device
 from fedge.clients.device_data import DeviceArrays, device_arrays
 from fedge.clients.gateway.protocol import (
+    ASYNCHRONOUS,
     CHECK_IN_DEVICE,
     COUNTER_HEADER,
     DEVICE_SEED,
@@ -454,9 +455,11 @@ class ProtocolDevice:
                         task.get("server-round"))
             return Outcome("refused", 5.0, int(task.get("server-round", 0)))
         server_round = int(task["server-round"])
-        if task["kind"] == "train" and server_round <= self._trained_round:
-            if self._unsent is not None and self._unsent[0] == task[TASK_ID]:  # this task's result did not reach
-                return self._sent_train(server_round, "its result, trained before, sent again")  # the gateway
+        if task["kind"] == "train" and self._unsent is not None and self._unsent[0] == task[TASK_ID]:
+            return self._sent_train(server_round, "its result, trained before, sent again")  # it did not arrive
+        # a synchronous run counts a device once a round, through whichever gateway; an asynchronous one hands a model
+        # version out again and again (each gateway flush), and each training of it is a result of its own
+        if task["kind"] == "train" and not task.get(ASYNCHRONOUS) and server_round <= self._trained_round:
             log.warning("device %s: not training round %d again: this device trained it already (its result went "
                         "through another gateway, where it is counted)", self.name, server_round)
             return Outcome("refused", 5.0, server_round)

@@ -81,13 +81,16 @@ class LiveGateway:
                               state_dir=self.root / name, secure=secure)
 
     def round(self, kind: str = "train", *, server_round: int = 1, secure: dict[str, Any] | None = None,
-              config: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-        """What the gateway's ClientApp does for one instruction: POST it to the control port."""
+              config: dict[str, Any] | None = None, late_exponent: float | None = None
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What the gateway's ClientApp does for one instruction: POST it to the control port (``late_exponent``:
+        an asynchronous run's)."""
         context = Context(run_id=1, node_id=9, state=RecordDict(), run_config={}, node_config={
             "gateway-control": f"127.0.0.1:{self.control.port}", "gateway-token": str(self.root / "token")})
         (self.root / "token").write_text(self.token)
         header = {"kind": kind, "server-round": server_round, "graph": self.run["architecture"],
-                  "config": {**CONFIG, **(config or {})}, "secure": secure}
+                  "config": {**CONFIG, **(config or {})}, "secure": secure,
+                  **({} if late_exponent is None else {"late-exponent": late_exponent})}
         return ask_gateway(context, header, self.run["weights"])
 
     def close(self) -> None:

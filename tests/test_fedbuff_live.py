@@ -63,3 +63,36 @@ def test_fedbuff_waits_for_devices_that_connect_after_it_starts() -> None:
     assert evaluated == [0, 1, 2, 3]
     assert [(r.accepted, r.aggregated) for r in strategy.reports] == [(2, True)] * 3
     assert float(result.arrays["w"].numpy()[0]) > 1.0
+
+
+class LeavingGrid(InlineGrid):
+    """Two devices online at the start; once the run has launched work, one of them goes away for good."""
+
+    synchronous = False
+
+    def __init__(self, app: ClientApp) -> None:
+        super().__init__(app, [{"partition-id": i, "profile": "laptop"} for i in range(2)], {})
+        self.pushed = 0
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        self.pushed += 1
+        return super().push_messages(messages)
+
+    def get_node_ids(self) -> Iterable[int]:
+        nodes = list(super().get_node_ids())
+        return nodes if not self.pushed else nodes[:1]
+
+
+def test_fedbuff_does_not_wait_again_for_a_device_that_left_once_the_run_has_started() -> None:
+    # Prepare: one device training at a time, every arrival applied; 2 devices needed to start, waited for up to
+    # 30 s; after the first launch only one is online (a gateway that died: nothing of it is in flight)
+    app = ClientApp()
+    app.train()(_plus_one)
+    grid = LeavingGrid(app)
+    strategy = FedBuff(concurrency=1, buffer_size=1, clients_per_round=2, wait_for_nodes_s=30.0)
+    started = time.monotonic()
+    # Execute
+    strategy.start(grid, ArrayRecord({"w": Array(np.zeros(3, np.float32))}), num_rounds=3, timeout=60.0)
+    # Assert: three flushes with the device that stayed, none of them waiting 30 s for the one that left
+    assert [(r.accepted, r.aggregated) for r in strategy.reports] == [(1, True)] * 3
+    assert time.monotonic() - started < 30.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from fedge.server.app import build_strategy
 from fedge.simulation.grid import InlineGrid
 from fedge.strategies.fedbuff import Buffered
 from fedge.strategies.rule import RoundContext, Update
+from tests.live_gateway import LiveGateway
 from tests.replies import good_arrays, train_reply
 
 W1 = {"w": np.zeros(3, np.float32)}  # round 1's model
@@ -259,3 +261,26 @@ def test_a_gateways_asynchronous_rounds_take_a_late_result_whenever_it_arrives(t
     assert limit > 0
     assert (one.devices, one.late, two.devices, two.late) == (1, 0, 1, 1)
     assert np.allclose(two.arrays["w"], 1.5, rtol=0, atol=1e-6)
+
+
+def test_a_device_trains_a_model_version_its_gateway_hands_out_again_with_a_seed_of_that_task(
+        tmp_path: Path, run: dict[str, Any]) -> None:
+    # Prepare: an asynchronous run's gateway flushing at 1 result; FedBuff's buffer was not full after the first
+    # flush, so the coordinator sends the same version (server round 1) again; phone0 polls on a thread
+    settings = GatewaySettings(name="gw-test", devices_per_round=1, round_deadline_s=60, idle_poll_s=0.2)
+    with LiveGateway(tmp_path, run, settings) as gateway:
+        device = gateway.device("phone0")
+        stop = threading.Event()
+        trained: list[int] = []
+        thread = threading.Thread(target=lambda: trained.append(device.run(stop=stop, max_wait_s=0.05)), daemon=True)
+        thread.start()
+        try:
+            # Execute: two flushes of version 0 (a device refusing the second would leave it to its deadline)
+            first, first_arrays = gateway.round(server_round=1, late_exponent=0.5)
+            second, second_arrays = gateway.round(server_round=1, late_exponent=0.5)
+        finally:
+            stop.set()
+            thread.join()
+    # Assert: it trained both; the two results differ (each task's own seed), though both start from version 0
+    assert (first["devices"], second["devices"], trained) == (1, 1, [2])
+    assert any(not np.array_equal(first_arrays[name], second_arrays[name]) for name in first_arrays)

@@ -68,6 +68,14 @@ def _start_gateway(federation: LoopbackFederation, index: int, port: int, deadli
          *extra], f"gateway{index}.log")
 
 
+def _kill_gateway(federation: LoopbackFederation, index: int) -> None:
+    """Kill gateway ``index`` outright: its process group and the Flower helpers under its state directory."""
+    gateway = federation.devices[100 + index]
+    os.killpg(gateway.pid, signal.SIGKILL)
+    gateway.wait()
+    federation._kill_marked(str(federation.root / f"gw{index}"))
+
+
 # `fedge protocol-device` in a process where importing Flower or torch fails, as on a device without them
 WITHOUT_FLOWER_OR_TORCH = (
     "import sys\n"
@@ -217,11 +225,8 @@ def test_a_gateway_restart_loses_at_most_its_round_in_flight(federation: Loopbac
     fleet = ProtocolFleet(federation, ports)
     try:
         federation.wait_for(lambda: len(federation.rows()) >= 2, 900, "round 1")
-        # Execute: gateway 0 dies outright (process group and Flower helpers), then starts again on the same state
-        gateway = federation.devices[100]
-        os.killpg(gateway.pid, signal.SIGKILL)
-        gateway.wait()
-        federation._kill_marked(str(federation.root / "gw0"))
+        # Execute: gateway 0 dies outright, then starts again on the same state
+        _kill_gateway(federation, 0)
         _start_gateway(federation, 0, ports[0])
         _summary_then_devices_told(federation, fleet)
     finally:
@@ -240,19 +245,17 @@ def test_a_gateway_restart_loses_at_most_its_round_in_flight(federation: Loopbac
 def test_asynchronous_rounds_through_two_gateways_go_on_when_one_dies_and_its_devices_fail_over(
         federation: LoopbackFederation) -> None:
     # Prepare: FedBuff through two gateways, each flushing its first 2 device results (a third still training
-    # answers late, into its gateway's next flush); a model version every 2 device results. Every device names
+    # answers late, into its gateway's next flush); a model version every 4 device results (the gateways' flushes:
+    # a gateway may be handed the same version again, and its devices train it again). Every device names
     # both gateways, its own first; gateway 0's three are `fedge protocol-device` processes (their logs are read)
     flushes = 8
-    ports = _start(federation, flushes, RUN.replace("gateways=true", "gateways=true strategy='fedbuff' buffer-size=2"),
+    ports = _start(federation, flushes, RUN.replace("gateways=true", "gateways=true strategy='fedbuff' buffer-size=4"),
                    per_round=2)
     fleet = ProtocolFleet(federation, ports, processes=3, indices=(1, 3, 5, 0, 2, 4), failover=True)
     try:
         federation.wait_for(lambda: len(federation.rows()) >= 3, 900, "model version 2")
-        # Execute: gateway 0 dies outright (process group and Flower helpers) and stays down
-        gateway = federation.devices[100]
-        os.killpg(gateway.pid, signal.SIGKILL)
-        gateway.wait()
-        federation._kill_marked(str(federation.root / "gw0"))
+        # Execute: gateway 0 dies outright and stays down
+        _kill_gateway(federation, 0)
         killed_at = len(federation.rows()) - 1
         _summary_then_devices_told(federation, fleet)
     finally:
@@ -266,16 +269,14 @@ def test_asynchronous_rounds_through_two_gateways_go_on_when_one_dies_and_its_de
     assert all(row["aggregated"] and row["rejected"] == 0 for row in rows[1:]), rows
     assert killed_at <= flushes - 3
     assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.3
-    # ... gateway 0's devices checked in at gateway 1 and trained there; each device's result counted once per
-    # version whichever gateway carried it (a device refuses to train a version again at another gateway)
+    # ... gateway 0's devices checked in at gateway 1 and their results were taken there (an asynchronous run has
+    # no round to count a device once in: each training is a result; a synchronous run's device trains a round
+    # once whichever gateway offers it, tests/test_gateway.py)
     moved = f"gateway 127.0.0.1:{ports[0]} cannot be reached; checking in at 127.0.0.1:{ports[1]}"
     sent_there = 0
     for index in (0, 2, 4):
         log = federation.log(f"phone{index}")
-        assert moved in log, log
-        sent = re.findall(rf"device phone{index}: round (\d+): (?:trained on \d+ examples, loss [0-9.]+|its result, "
-                          r"trained before, sent again), sent", log)
-        assert len(sent) == len(set(sent)), log
+        assert moved in log and "not training round" not in log, log
         sent_there += len(re.findall(r"round \d+: [^\n]*, sent", log.split(moved, 1)[1]))
     assert sent_there > 0, "none of gateway 0's devices sent a result through gateway 1"
     assert re.search(r"round \d+ \(train\): 2 device results", federation.log("gateway1"))

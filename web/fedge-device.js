@@ -321,14 +321,16 @@ export class FedgeDevice {
       return {kind: kind, nextInS: sent["next-in-s"], round: task["server-round"], metrics: result.metrics, ...numRounds,
               ...(sent.late ? {reason: sent.reason} : {})};
     }
-    if (task["server-round"] <= this.trainedRound) {
-      if (this.unsent && this.unsent.task === task.task) {  // this task's result did not reach the gateway: again
-        const again = await this.result(this.unsent.frame);
-        const work = this.unsent.work;
-        this.unsent = null;
-        return {kind: again.late ? "late" : "train", nextInS: again["next-in-s"], round: task["server-round"], ...work,
-                ...numRounds, resent: true, ...(again.late ? {reason: again.reason} : {})};
-      }
+    if (this.unsent && this.unsent.task === task.task) {  // this task's result did not reach the gateway: again
+      const again = await this.result(this.unsent.frame);
+      const work = this.unsent.work;
+      this.unsent = null;
+      return {kind: again.late ? "late" : "train", nextInS: again["next-in-s"], round: task["server-round"], ...work,
+              ...numRounds, resent: true, ...(again.late ? {reason: again.reason} : {})};
+    }
+    // a synchronous run counts a device once a round, through whichever gateway; an asynchronous one hands a model
+    // version out again and again (each gateway flush), and each training of it is a result of its own
+    if (!task.asynchronous && task["server-round"] <= this.trainedRound) {
       return {kind: "skipped", nextInS: 5, round: task["server-round"],  // trained, and sent through another gateway
               reason: "this device trained round " + task["server-round"] + " already (through another gateway)"};
     }

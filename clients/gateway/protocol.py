@@ -78,6 +78,7 @@ TASK_ID = "task"  # a task's id (task and secagg step headers), echoed by the de
 DEVICE_SEED = "seed"  # a task's seed for this device and round (its config's seed is the run's)
 NUM_ROUNDS = "num-rounds"  # the run's last round: in the coordinator's instruction to a gateway and in a task
 DEADLINE_S = "deadline-s"  # a task's seconds left to reply
+ASYNCHRONOUS = "asynchronous"  # true in an asynchronous run's train task: its model version may come again
 
 
 @dataclass(frozen=True)

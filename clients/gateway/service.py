@@ -60,6 +60,7 @@ from fedge.clients.gateway.pool import (
     refused,
 )
 from fedge.clients.gateway.protocol import (
+    ASYNCHRONOUS,
     COUNTER_HEADER,
     DEADLINE_S,
     DEVICE_SEED,
@@ -261,9 +262,14 @@ class Gateway:
         left = max(0.0, self.settings.round_deadline_s - (time.monotonic() - current.opened))
         header = {"kind": current.kind, TASK_ID: current.task_id, "server-round": current.server_round,
                   "graph": current.graph, "config": current.config, "uplink": self.settings.uplink,
-                  DEVICE_SEED: device_seed(int(current.config.get(knobs.SEED, 0)), current.server_round,
-                                           session.device),
                   DEADLINE_S: round(left, 1)}
+        # an asynchronous run hands one model version out again and again (each gateway flush): a device trains it
+        # again (no round to be counted twice in), with a seed of that task's, so no two of its results are the same
+        asynchronous = current.late_exponent is not None
+        header[DEVICE_SEED] = device_seed(int(current.config.get(knobs.SEED, 0)), current.server_round,
+                                          session.device + (current.task_id if asynchronous else ""))
+        if asynchronous:
+            header[ASYNCHRONOUS] = True
         if self.last_round > 0:  # the run's number of rounds: a device follows the run (the web demo page's progress)
             header[NUM_ROUNDS] = self.last_round
         task = current.task(session)

@@ -184,6 +184,7 @@ class _LiveArrivals:
         self.pending: dict[str, tuple[int, int, float]] = {}
         self.ready: list[_InFlight] = []
         self.sequence = 0
+        self.started = False  # work was launched: the run does not wait for devices to connect again
 
     def busy(self) -> set[int]:  # noqa: D102
         return {node for node, _, _ in self.pending.values()} | {event.node for event in self.ready}
@@ -192,14 +193,18 @@ class _LiveArrivals:
         return {version for _, version, _ in self.pending.values()} | {event.version for event in self.ready}
 
     def connected(self, rounds: Rounds, server_round: int) -> list[int]:
-        """The devices online now; with no work in flight, first waits for the devices a round
-        needs, as a synchronous round does: devices connect after the coordinator starts, and
-        with none online FedBuff would have nothing to wait for and stop."""
-        if self.pending or self.ready:
-            return list(self.grid.get_node_ids())
+        """The devices online now. Before the first launch, and whenever none is online and none
+        has work, first waits for the devices a round needs, as a synchronous round does: devices
+        connect after the coordinator starts, and with none online FedBuff would have nothing to
+        wait for and stop. Once the run has started it never waits for more than are online (a
+        gateway or device that went away must not hold up the others)."""
+        online = list(self.grid.get_node_ids())
+        if self.pending or self.ready or (self.started and online):
+            return online
         return rounds.wait_for_devices(server_round, self.grid)
 
     def launch(self, message: Message, node: int, version: int) -> None:  # noqa: D102
+        self.started = True
         for message_id in self.grid.push_messages([message]):
             self.pending[message_id] = (node, version, time.monotonic())
         if (clock := timed(self.grid)) is not None:
