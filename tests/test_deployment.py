@@ -14,7 +14,6 @@ import pytest
 from fedge.server.checkpoint import load_checkpoint
 from fedge.server.pki import add_device
 from fedge.simulation.loopback import FEDGE, LoopbackFederation
-from tests.deployment_slots import slot_released
 
 pytestmark = pytest.mark.slow
 
@@ -78,12 +77,8 @@ def test_a_dead_device_is_left_out_and_the_round_goes_on(federation: LoopbackFed
     federation.wait_for(lambda: all(joined in federation.log(f"device{i}") for i in range(3)), 900,
                         "three devices connected")
     federation.kill_device(2)
-    # Execute: the live two train, then the round waits (their processes idle) for the SuperLink to give the dead
-    # one up after Flower's fixed heartbeat window: another deployment may use this test's slot meanwhile
-    federation.wait_for(lambda: all("round 1: trained " in federation.log(f"device{i}") for i in range(2)), 900,
-                        "the live devices' round-1 training")
-    with slot_released():
-        federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
+    # Execute
+    federation.wait_for(lambda: (federation.run_dir / "summary.json").exists(), 900, "the summary")
     # Assert: the round went on with the two that replied, and said who was missing
     rows = federation.rows()
     assert rows[1]["participants"] == 2 and rows[1]["aggregated"]

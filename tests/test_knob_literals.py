@@ -58,6 +58,8 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("clients/gateway/protocol.py", "seed"): (1, "DEVICE_SEED: a task's seed for this device and round"),
     ("clients/gateway/protocol.py", "num-rounds"): (1, "NUM_ROUNDS: the run's last round, in a task's header"),
     ("clients/gateway/protocol.py", "deadline-s"): (1, "DEADLINE_S: a task's seconds left to reply"),
+    ("clients/gateway/protocol.py", "asynchronous"): (1, "ASYNCHRONOUS: a task's header says its version may "
+                                                         "come again"),
 }
 
 

@@ -26,7 +26,6 @@ import pytest
 from fedge.process import processes_of
 from fedge.server.checkpoint import load_checkpoint
 from fedge.simulation.loopback import LoopbackFederation
-from tests.deployment_slots import slot_released
 
 pytestmark = pytest.mark.slow
 
@@ -107,9 +106,8 @@ def test_a_server_app_frozen_past_flowers_heartbeat_is_replaced_and_the_run_goes
     # Execute: the ServerApp stops as a stalled machine stops it, until the SuperLink ends its run
     os.kill(frozen, signal.SIGSTOP)
     try:
-        with slot_released():  # Flower's fixed 60 s window, this deployment's processes idle: another may run
-            federation.wait_for(lambda: "was lost, not failed" in federation.log("coordinator"), 900,
-                                "the coordinator to see its ServerApp lost")
+        federation.wait_for(lambda: "was lost, not failed" in federation.log("coordinator"), 900,
+                            "the coordinator to see its ServerApp lost")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(frozen, signal.SIGCONT)

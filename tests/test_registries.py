@@ -55,7 +55,7 @@ def test_a_registered_linear_strategy_is_offered_where_linear_rules_work(user_st
 
 @pytest.mark.parametrize(("fits", "expected"), [
     (lambda rule: rule.linear, "fedadagrad, fedadam, fedavg, fedavgm, fednova, fedprox or fedyogi"),
-    (lambda rule: rule.hierarchical, "fedadagrad, fedadam, fedavg, fedavgm, fedprox or fedyogi"),
+    (lambda rule: rule.hierarchical, "fedadagrad, fedadam, fedavg, fedavgm, fedbuff, fedprox or fedyogi"),
     (lambda rule: rule.needs_each_update, "bulyan, krum, median or trimmed-mean"),
     (lambda rule: rule.takes_group_means, "bulyan, krum, median or trimmed-mean"),
 ])
