@@ -356,13 +356,17 @@ def read_reply_meta(content: RecordDict) -> ReplyMeta | None:
         raise UpdateRejected(f"reply meta '{GATEWAY}' must be 1-64 letters, digits, '.', '_' or '-', "
                              f"got {gateway!r:.40}")
     norm = _device_norm_median(record, plain_gateway=gateway is not None and not record.get(SECURE_POOL))
+    aggregate_of, late = _count(record, AGGREGATE_OF, low=1), _count(record, LATE, low=0) or 0
+    if late > (aggregate_of or 0):
+        raise UpdateRejected(f"reply meta '{LATE}' = {late} must count some of a gateway's '{AGGREGATE_OF}' = "
+                             f"{aggregate_of} results (a device's own reply has none late)")
     return ReplyMeta(server_round=_count(record, SERVER_ROUND, low=0), profile=profile,
                      samples_processed=_count(record, SAMPLES_PROCESSED, low=0) or 0,
                      steps=_count(record, STEPS, low=1), inputs=inputs,
-                     aggregate_of=_count(record, AGGREGATE_OF, low=1),
+                     aggregate_of=aggregate_of,
                      secure_pool=_count(record, SECURE_POOL, low=0), gateway=gateway,
                      clipped=_count(record, CLIPPED, low=0) or 0, capped=_count(record, CAPPED, low=0) or 0,
-                     device_norm_median=norm, late=_count(record, LATE, low=0) or 0)
+                     device_norm_median=norm, late=late)
 
 
 def _device_norm_median(record: ConfigRecord, *, plain_gateway: bool) -> float | None:

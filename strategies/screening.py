@@ -92,6 +92,7 @@ def counted(rounds: Rounds, report: RoundReport, accepted: AcceptedUpdate) -> Up
     if accepted.meta is not None:
         report.clipped_devices += accepted.meta.clipped
         report.capped_devices += accepted.meta.capped
+        report.stale_devices += accepted.meta.late
         if accepted.meta.device_norm_median is not None:
             report.device_norm_medians.append(accepted.meta.device_norm_median)
     update = update_of(accepted, uniform=rounds.central_privacy is not None)  # central DP: the uniform mean

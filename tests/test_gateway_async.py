@@ -21,7 +21,7 @@ from fedge.clients.gateway.pool import DeviceBounds, GatewayRound, Session
 from fedge.clients.gateway.protocol import Frame, assemble_frame, decode_frame, frame_tensors
 from fedge.clients.gateway.service import Gateway, GatewaySettings, _late
 from fedge.config import resolve_run_config
-from fedge.errors import DeviceProtocolError
+from fedge.errors import DeviceProtocolError, UpdateRejected
 from fedge.server.app import build_strategy
 from fedge.simulation.grid import InlineGrid
 from fedge.strategies.fedbuff import Buffered
@@ -284,3 +284,30 @@ def test_a_device_trains_a_model_version_its_gateway_hands_out_again_with_a_seed
     # Assert: it trained both; the two results differ (each task's own seed), though both start from version 0
     assert (first["devices"], second["devices"], trained) == (1, 1, [2])
     assert any(not np.array_equal(first_arrays[name], second_arrays[name]) for name in first_arrays)
+
+
+@pytest.mark.parametrize(("aggregate_of", "late"), [(4, 5), (None, 1)])
+def test_a_reply_claiming_more_late_results_than_it_holds_is_rejected(aggregate_of: int | None, late: int) -> None:
+    # Prepare: a gateway's reply of 4 results claiming 5 late, and a device's own reply claiming one
+    reply = train_reply(3, good_arrays(1.0), num_examples=300)
+    meta = reply.content[wire.REPLY_META]
+    assert isinstance(meta, ConfigRecord)
+    if aggregate_of is not None:
+        meta[wire.AGGREGATE_OF], meta[wire.GATEWAY] = aggregate_of, "gw0"
+    meta[wire.LATE] = late
+    # Execute / Assert
+    with pytest.raises(UpdateRejected, match="'late' = .* must count some of a gateway's"):
+        wire.read_reply_meta(reply.content)
+
+
+def test_a_gateway_keeps_its_last_four_closed_rounds_for_late_results(tmp_path: Path) -> None:
+    # Prepare
+    gateway = Gateway(GatewaySettings(), tmp_path, None)
+    rounds = [_round(server_round, W1) for server_round in range(1, 6)]
+    # Execute: five asynchronous train rounds close, and one synchronous one
+    for closed in rounds:
+        closed.close()
+        gateway.remember(closed)
+    gateway.remember(_round(6, W1, late=None))
+    # Assert: a result for the oldest is no longer taken (409 at the HTTP layer: it answers no task it knows)
+    assert list(gateway.earlier) == [closed.task_id for closed in rounds[1:]]

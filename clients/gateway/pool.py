@@ -527,11 +527,8 @@ class GatewayRound:
             if means is None:
                 self._rejected += 1
             else:
-                self._fold(session.device, arrays, weight, means, samples, steps)
-                self._clipped += clipped
-                if norm is not None:
-                    self._norms.append(norm)
-                self._capped += weight < examples
+                self._fold(session.device, arrays, weight, means, samples, steps, clipped=clipped, norm=norm,
+                           capped=weight < examples)
         if means is None:
             self._reject(session, UpdateRejected("its metrics make this round's metric means overflow"))
 
@@ -575,11 +572,9 @@ class GatewayRound:
                 log.warning("round %d: rejected %s's late result: its metrics make this round's metric means "
                             "overflow", self.server_round, late.device)
                 return True
-            self._fold(late.device, rebased, late.weight, means, late.samples, late.steps, mass=mass)
+            self._fold(late.device, rebased, late.weight, means, late.samples, late.steps, mass=mass,
+                       clipped=late.clipped, norm=late.norm, capped=late.weight < late.examples)
             self._late += 1
-            self._clipped += late.clipped
-            self._norms.append(late.norm)
-            self._capped += late.weight < late.examples
         return True
 
     def _reject(self, session: Session, exc: Exception) -> NoReturn:
@@ -609,9 +604,11 @@ class GatewayRound:
         return means if all(math.isfinite(v) for v in means.values()) else None
 
     def _fold(self, device: str, arrays: Mapping[str, NDArray[np.generic]], weight: int,
-              means: dict[str, float], samples: int, steps: int, *, mass: float | None = None) -> None:
+              means: dict[str, float], samples: int, steps: int, *, mass: float | None = None, clipped: bool = False,
+              norm: float | None = None, capped: bool = False) -> None:
         """Add a result: its arrays weighted ``mass`` (its examples; a late result's, times its staleness
-        weight), its counts; a late result (``mass`` given) leaves ``device`` free to answer this round too."""
+        weight), its counts and what the bounds did to it (``clipped``, its ``norm`` before, its weight
+        ``capped``); a late result (``mass`` given) leaves ``device`` free to answer this round too."""
         if arrays and self.device_rule != "mean":
             self._kept.append(dict(arrays))
         elif arrays:
@@ -621,6 +618,10 @@ class GatewayRound:
         self._samples += samples
         self._steps = max(self._steps, steps)
         self._devices += 1
+        self._clipped += clipped
+        self._capped += capped
+        if norm is not None:
+            self._norms.append(norm)
         if mass is None:
             self._answered.add(device)
         if self._devices >= self.target:

@@ -309,8 +309,7 @@ class Gateway:
         """Make ``current`` the round in flight, folding in the late results that waited for it."""
         with self._late_lock:
             self.round = current
-            waiting, self.pending = self.pending, []
-            self.pending = [late for late in waiting if not current.fold_late(late)]  # an evaluate round folds none
+            self.pending = [late for late in self.pending if not current.fold_late(late)]  # an evaluate round: none
 
     def round_target(self) -> int:
         """How many device results complete a round."""

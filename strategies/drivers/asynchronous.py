@@ -308,10 +308,9 @@ class _AsyncRun:
                                                              checked.meta, checked.clipped, checked.pool_clipping,
                                                              checked.norm))
         # a gateway's partial flush stands for its devices' results: each counts towards the buffer
-        update.devices = checked.meta.aggregate_of or 1 if checked.meta is not None else 1
+        update.devices = (checked.meta.aggregate_of or 1) if checked.meta is not None else 1
         update.weight = update.devices * self.driver.weight(self.version - event.version)
         update.base = self.snapshots[event.version] if event.version != self.version else None
-        self.report.stale_devices += checked.meta.late if checked.meta is not None else 0
         rounds.rule.fold(update)
         self.buffered += update.devices
         self.replies.append(reply)
