@@ -88,6 +88,16 @@ def c_contiguous(array: NDArray[np.generic]) -> NDArray[np.generic]:
     return array if array.flags.c_contiguous else np.array(array, order="C")
 
 
+def squared_norm(vector: NDArray[np.floating]) -> float:
+    """``sum(vector ** 2)`` of a 1-d array, in its own precision, without BLAS.
+
+    numpy's ``dot`` (and ``linalg.norm``) hand a long vector to OpenBLAS, whose threads wait for
+    cores a loaded machine does not have: 5-16 ms for 100,000 entries on this 2-core machine under
+    load, against 0.06-0.14 ms for ``einsum``'s single-threaded loop (``bench/README.md``, issue 41 §3).
+    """
+    return float(np.einsum("i,i", vector, vector))
+
+
 def update_norm(trained: Arrays, reference: Arrays) -> float:
     """The L2 norm of ``trained - reference`` over every floating-point tensor (each tensor's squared norm in
     its own precision, their sum in float64)."""
@@ -96,7 +106,7 @@ def update_norm(trained: Arrays, reference: Arrays) -> float:
         array = np.asarray(value)
         if np.issubdtype(array.dtype, np.floating):  # the difference in the tensor's own precision, summed in float64
             delta = (array - np.asarray(reference[name], array.dtype)).ravel()
-            total += float(np.dot(delta, delta))
+            total += squared_norm(delta)
     return float(np.sqrt(total))
 
 

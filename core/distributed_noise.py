@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from fedge.aggregate import squared_norm
 from fedge.secagg import Vector, to_ring
 
 DISTRIBUTED = "distributed"
@@ -163,7 +164,7 @@ class DistributedNoise:
         itself: its norm is a statistic of its data).
         """
         values = np.asarray(update, np.float64)
-        norm = float(np.linalg.norm(values))
+        norm = math.sqrt(squared_norm(values.ravel()))
         clipped = norm > self.clip
         factor = self.scale * (self.clip / norm if clipped else 1.0)
         integers = np.rint(values * factor).astype(np.int64)
