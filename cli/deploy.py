@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fedge import knobs
+from fedge.clients.supernode import HEARTBEAT_S, IDLE_PULL_S
 from fedge.config import parse_run_config_args, resolve_run_config
 from fedge.errors import ConfigError, FedgeError, Stopped
 from fedge.profiles import RUNTIMES
@@ -102,6 +103,15 @@ def _device_options(device: argparse.ArgumentParser) -> None:
     device.add_argument("--offline-limit", type=float, default=300.0, metavar="SECONDS",
                         help="once joined, stop (status 0) after the coordinator has been unreachable this long: its "
                              "run is over or it stopped (default 300)")
+    device.add_argument("--idle-pull-s", type=float, default=IDLE_PULL_S, metavar="SECONDS",
+                        help="seconds between asks for work while idle: sooner starts each round's work sooner, "
+                             f"at one request to the coordinator each (default {IDLE_PULL_S:g}, Flower's)")
+    device.add_argument("--heartbeat-s", type=int, default=HEARTBEAT_S, metavar="SECONDS",
+                        help="the heartbeat interval announced: the coordinator takes this device for gone 2 x "
+                             f"that after its last one (10-1800, default {HEARTBEAT_S}, Flower's)")
+    device.add_argument("--cold-clientapps", action="store_true",
+                        help="start each message's ClientApp as a new process (Flower's way) instead of forking "
+                             "it from a parent that imported Flower, fedge and the runtime once")
     device.add_argument("--verbose", action="store_true",
                         help="Flower's own log lines on the console too (default: only in STATE_DIR/supernode.log)")
     device.set_defaults(handler=_device)
@@ -486,4 +496,5 @@ def _device(args: argparse.Namespace) -> int:
                                     fleet_file=args.fleet_file, max_wait_s=args.max_wait,
                                     state_dir=args.state_dir, task=args.task, runtime=args.runtime,
                                     trust=args.trust, bundles=args.bundles, verbose=args.verbose,
-                                    offline_limit_s=args.offline_limit))
+                                    offline_limit_s=args.offline_limit, idle_pull_s=args.idle_pull_s,
+                                    heartbeat_s=args.heartbeat_s, warm_clientapps=not args.cold_clientapps))

@@ -36,6 +36,7 @@ from fedge.clients.device_session import (
     previous_session,
     remember_session,
 )
+from fedge.clients.supernode import HEARTBEAT_S, IDLE_PULL_S
 from fedge.edge.signing import ensure_private_dir
 from fedge.errors import ConfigError, FedgeError, Stopped
 from fedge.profiles import RUNTIMES, parse_fleet, runtime
@@ -74,6 +75,9 @@ class DeviceOptions:
     # a gateway's node (fedge.clients.gateway.service): its loopback control address and token file; no data of its own
     gateway_control: str = ""
     gateway_token: Path | None = None
+    idle_pull_s: float = IDLE_PULL_S  # seconds between the SuperNode's pulls while it has no message
+    heartbeat_s: int = HEARTBEAT_S  # the heartbeat interval it announces (gone after 2 x that without one)
+    warm_clientapps: bool = True  # fork each message's ClientApp from a warm parent (fedge.clients.warm_clientapp)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -251,9 +255,7 @@ def _free_port() -> int:
 
 
 def supernode_command(options: DeviceOptions, training_bundle: Path | None = None) -> list[str]:
-    """The ``flower-supernode`` command line for ``options``."""
-    from fedge.process import flower_bin
-
+    """The SuperNode's command line for ``options``: Flower's, paced by :mod:`fedge.clients.supernode`."""
     # The device's runtime, paths and trust anchors, always its own (fedge.clients.common.own_settings)
     data = "" if options.gateway_control else options.data.resolve()
     node_config = f'profile="{options.profile}" data-path="{data}" runtime="{options.runtime}"'
@@ -267,7 +269,10 @@ def supernode_command(options: DeviceOptions, training_bundle: Path | None = Non
         node_config += (f' training-bundle="{training_bundle.resolve()}" '
                         f'trusted-key="{options.trust.resolve()}"')
         node_config += refresh_settings(options, training_bundle)
-    command = [flower_bin("flower-supernode"), "--superlink", options.coordinator,
+    paced = ["--idle-pull-s", str(options.idle_pull_s), "--heartbeat-s", str(options.heartbeat_s)]
+    if options.warm_clientapps:  # a gateway's node runs no training runtime
+        paced += ["--warm-runtime", "" if options.gateway_control else options.runtime]
+    command = [sys.executable, "-m", "fedge.clients.supernode", *paced, "--superlink", options.coordinator,
                "--node-config", node_config, "--port", str(_free_port())]
     if options.insecure:
         return [*command, "--insecure"]

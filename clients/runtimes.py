@@ -53,11 +53,15 @@ class RuntimeHandlers:
         ``(msg, context, config, order, task) -> content``: train on the instruction, the reply's content.
     evaluate : Callable
         ``(msg, context, config, task) -> content``: evaluate the model the message carries.
+    warm : tuple of str
+        Modules a deployed device's warm ClientApp parent imports ahead of its messages
+        (:mod:`fedge.clients.warm_clientapp`): what the handlers import on first use.
     """
 
     name: str
     train: Train
     evaluate: Evaluate
+    warm: tuple[str, ...] = ()
 
 
 HANDLERS: dict[str, RuntimeHandlers] = {}
@@ -123,8 +127,8 @@ def _onnx_evaluate(msg: Message, context: Context, config: RunConfig, task: Task
     return onnx_evaluate_content(msg, context, config, onnx_data(task, context, config))
 
 
-register_handlers(RuntimeHandlers("torch", _torch_train, _torch_evaluate))
-register_handlers(RuntimeHandlers("onnx", _onnx_train, _onnx_evaluate))
+register_handlers(RuntimeHandlers("torch", _torch_train, _torch_evaluate, warm=("fedge.clients.torch_client",)))
+register_handlers(RuntimeHandlers("onnx", _onnx_train, _onnx_evaluate, warm=("fedge.clients.onnx_client",)))
 
 
 def onnx_data(task: Task | None, context: Context, config: RunConfig) -> DeviceArrays:

@@ -114,17 +114,12 @@ def _interleaved(items: list[pytest.Item]) -> list[pytest.Item]:
 
 
 # Deployments (a coordinator, a SuperLink, devices or gateways, a ClientApp process per message: processes that each
-# import torch and Flower) run at most DEPLOYMENT_SLOTS at once across the xdist workers (tests/deployment_slots.py);
-# a worker waits for a free slot, so the deployments' own waits stay events.
-DEPLOYMENTS = frozenset({
-    "test_deployment.py", "test_gateway_deployment.py", "test_lifecycle.py", "test_device_rejoin.py",
-    "test_operator_feedback.py", "test_operator_service.py", "test_role_installs.py", "test_task_deployment.py",
-    "test_web_federation.py", "test_coordinator_console.py", "test_delivery.py", "test_submodels.py",
-    "test_robust_gateway_deployment.py"})
-
-
+# import torch and Flower; marked @pytest.mark.deployment) run at most DEPLOYMENT_SLOTS at once across the xdist
+# workers (tests/deployment_slots.py); a worker waits for a free slot, so the deployments' own waits stay events. The
+# slot is held for the test's call only: its fixtures (keys, data, a role's venv to install) are made and torn down
+# beside the other deployments.
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     if not _is_deployment(item) or not hasattr(item.config, "workerinput"):
         yield
         return
@@ -134,6 +129,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def _is_deployment(item: pytest.Item) -> bool:
-    return item.path.name in DEPLOYMENTS and item.get_closest_marker("slow") is not None
+    return item.get_closest_marker("deployment") is not None
 
 

@@ -57,6 +57,7 @@ def _syncing(federation: LoopbackFederation) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.deployment
 def test_a_coordinator_with_no_device_says_it_waits_at_once_and_each_line_once(
         federation: LoopbackFederation) -> None:
     # Prepare: a coordinator for 2 devices, none of them started

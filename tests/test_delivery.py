@@ -417,6 +417,7 @@ def test_key_fingerprint_is_ssh_keygens(pki: CoordinatorKeys) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.deployment
 def test_a_coordinator_publishes_and_a_device_pulls(tmp_path: Path) -> None:
     from fedge.simulation.loopback import FEDGE, LoopbackFederation, free_port
 

@@ -28,6 +28,7 @@ def federation(tmp_path: Path) -> Iterator[LoopbackFederation]:
     fed.close()
 
 
+@pytest.mark.deployment
 def test_two_rounds_with_tls_and_auth_and_an_unregistered_device_refused(federation: LoopbackFederation) -> None:
     # Prepare: coordinator + 3 devices, 2 rounds; a fourth key the coordinator never saw
     stranger, _ = add_device(federation.root / "elsewhere", "stranger")
@@ -63,9 +64,10 @@ def test_two_rounds_with_tls_and_auth_and_an_unregistered_device_refused(federat
     assert "does not know this device's key" in federation.log("device3")
 
 
+@pytest.mark.deployment
 def test_a_dead_device_is_left_out_and_the_round_goes_on(federation: LoopbackFederation) -> None:
     # Prepare: 3 devices connect, then one dies before the round (still listed online by the SuperLink,
-    # until its heartbeats are 2 x 30 s late). The deadline is generous: live devices on a loaded machine
+    # until its heartbeats are 2 x 15 s late: the loopback devices' --heartbeat-s) The deadline is generous: live devices on a loaded machine
     # need 30-40 s for a first round, and what is tested is that the round ends without the dead one and
     # names it, whichever comes first (the deadline, or the SuperLink's 'Node Unavailable' reply)
     federation.start_coordinator("--rounds", "1", "--clients-per-round", "3", "--run-config",
@@ -86,6 +88,7 @@ def test_a_dead_device_is_left_out_and_the_round_goes_on(federation: LoopbackFed
     assert "1 failed: dev2" in round_line or "1 of 3 devices did not reply" in federation.log("coordinator")
 
 
+@pytest.mark.deployment
 def test_coordinator_killed_mid_run_resumes_to_the_same_round_count(federation: LoopbackFederation) -> None:
     # Prepare: a 3-round run, killed with SIGKILL after round 1 (a round takes 10 s or more: processes start)
     config = "model='mlp' local-epochs=5 export-onnx=false round-timeout=900.0 runtime='torch'"
@@ -107,6 +110,7 @@ def test_coordinator_killed_mid_run_resumes_to_the_same_round_count(federation: 
     assert all(device.poll() is None for device in federation.devices.values()), "devices kept running"
 
 
+@pytest.mark.deployment
 def test_insecure_mode_must_be_asked_for_and_warns(tmp_path: Path) -> None:
     fed = LoopbackFederation(tmp_path, num_devices=2)
     try:
@@ -126,6 +130,7 @@ def test_insecure_mode_must_be_asked_for_and_warns(tmp_path: Path) -> None:
         fed.close()
 
 
+@pytest.mark.deployment
 def test_deadline_with_over_selection_in_deployment(federation: LoopbackFederation) -> None:
     # K = 2 with over-selection 1.5: 3 devices asked, the first 2 replies within 60 s kept
     federation.start_coordinator("--rounds", "2", "--clients-per-round", "2", "--run-config",
@@ -150,6 +155,7 @@ def _dashboard_status(port: int) -> str | None:
         return None
 
 
+@pytest.mark.deployment
 def test_secure_aggregation_in_deployment(federation: LoopbackFederation) -> None:
     # The five secure-aggregation steps over a real SuperLink, TLS and device auth on; the
     # coordinator also serves its dashboard (before any device connects, the run is "starting")

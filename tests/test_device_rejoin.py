@@ -20,6 +20,7 @@ JOINED = re.compile(r"joined the coordinator as node (\d+)")
 
 
 @pytest.mark.slow
+@pytest.mark.deployment
 def test_a_device_killed_outright_rejoins_at_once_then_stops_once_its_coordinator_is_gone(tmp_path: Path) -> None:
     fed = LoopbackFederation(tmp_path, num_devices=2)  # two registered, one started
     try:

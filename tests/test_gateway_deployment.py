@@ -185,6 +185,7 @@ def _start(federation: LoopbackFederation, rounds: int, run_config: str = RUN,
     return ports
 
 
+@pytest.mark.deployment
 def test_two_gateways_train_protocol_devices_to_the_accuracy_of_a_flat_federation(
         federation: LoopbackFederation) -> None:
     # Prepare: six devices' keys; the coordinator and two gateways
@@ -217,6 +218,7 @@ def test_two_gateways_train_protocol_devices_to_the_accuracy_of_a_flat_federatio
     assert np.isfinite(rows[-1]["loss"])
 
 
+@pytest.mark.deployment
 def test_a_gateway_restart_loses_at_most_its_round_in_flight(federation: LoopbackFederation) -> None:
     # Prepare: a 4-round run through two gateways
     rounds = 4
@@ -242,6 +244,7 @@ def test_a_gateway_restart_loses_at_most_its_round_in_flight(federation: Loopbac
     assert federation.log("gateway0").count("serves devices on https://") == 2
 
 
+@pytest.mark.deployment
 def test_asynchronous_rounds_through_two_gateways_go_on_when_one_dies_and_its_devices_fail_over(
         federation: LoopbackFederation) -> None:
     # Prepare: FedBuff through two gateways, each flushing its first 2 device results (a third still training
@@ -329,6 +332,7 @@ def _wait_page(driver: Any, condition: Any) -> dict[str, Any]:
     return state
 
 
+@pytest.mark.deployment
 def test_distributed_dp_through_two_gateways_trains_protocol_devices_and_browser_tabs(
         federation: LoopbackFederation) -> None:
     # Prepare: secure aggregation with distributed DP (the devices add the noise). gateway0's pool: phone0, phone2,

@@ -52,6 +52,7 @@ def received(federation: LoopbackFederation, index: int) -> int:
     return path.read_text(errors="replace").count("Received successfully") if path.exists() else 0
 
 
+@pytest.mark.deployment
 def test_a_device_restarted_mid_round_counts_and_sigterm_leaves_no_process(federation: LoopbackFederation) -> None:
     # Prepare: a long run with two devices, round 1 done, device 1 holding round 2's instruction
     federation.start_coordinator("--rounds", "200", "--clients-per-round", "2", "--run-config", LONG)
@@ -94,6 +95,7 @@ def checkpointed(federation: LoopbackFederation) -> int:
     return load_checkpoint(path).server_round if path.exists() else -1
 
 
+@pytest.mark.deployment
 def test_a_server_app_frozen_past_flowers_heartbeat_is_replaced_and_the_run_goes_on(
         federation: LoopbackFederation) -> None:
     # Prepare: three rounds, one device, round 1 checkpointed

@@ -62,6 +62,7 @@ def test_round_lines_name_devices_and_say_why_a_round_was_skipped(tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.deployment
 def test_a_run_reports_rounds_names_and_metrics_and_a_failing_run_one_line(federation: LoopbackFederation) -> None:
     # Prepare: two rounds, two devices, the dashboard on a free port
     port = free_port()

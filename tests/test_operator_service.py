@@ -188,6 +188,7 @@ def federation(tmp_path: Path) -> Iterator[LoopbackFederation]:
 
 
 @pytest.mark.slow
+@pytest.mark.deployment
 def test_metrics_without_the_dashboard_then_a_revoked_and_a_rotated_key(federation: LoopbackFederation) -> None:
     # Prepare: a long run, three devices, two a round; /health and /metrics on a port of their own, no dashboard.
     # dev2 gives up 10 s after it is refused (90 s by default)
@@ -263,6 +264,7 @@ def test_metrics_without_the_dashboard_then_a_revoked_and_a_rotated_key(federati
 
 
 @pytest.mark.slow
+@pytest.mark.deployment
 def test_backup_and_restore_into_a_fresh_directory_resumes_the_run(tmp_path: Path) -> None:
     # Prepare: a run two devices have completed a round of
     fed = LoopbackFederation(tmp_path / "old", num_devices=2)

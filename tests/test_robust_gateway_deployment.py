@@ -79,6 +79,7 @@ def _devices(federation: LoopbackFederation, port: int) -> dict[int, RecordingDe
     return devices
 
 
+@pytest.mark.deployment
 def test_a_hostile_protocol_device_is_bounded_by_a_median_gateway_and_the_norm_bounds_follow_the_median(
         federation: LoopbackFederation) -> None:
     # Prepare: the allow-list, the coordinator (its one node a round: the gateway), a gateway whose rounds take all

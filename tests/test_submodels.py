@@ -509,6 +509,7 @@ def test_onnx_devices_train_their_widths_graph_as_torch_devices_train_the_sub_mo
 
 
 @pytest.mark.slow
+@pytest.mark.deployment
 def test_deployed_devices_train_their_widths_over_a_real_superlink(tmp_path: Path) -> None:
     # Prepare: a TLS coordinator whose fleet file gives "small" devices half the model; two small devices and a
     # laptop (the whole model), all unknown to it until they reply

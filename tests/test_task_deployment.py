@@ -41,6 +41,7 @@ class Pixels(Task):
 '''
 
 
+@pytest.mark.deployment
 def test_a_task_outside_fedge_trains_in_deployment(tmp_path: Path) -> None:
     # Prepare: the task's module lives in the user's folder, importable on both sides
     code = tmp_path / "code"

@@ -121,6 +121,7 @@ def _python_baseline(root: Path, shards: list[Any]) -> tuple[LoopbackFederation,
     return baseline, stop, threads
 
 
+@pytest.mark.deployment
 def test_three_browsers_and_a_python_device_train_like_an_all_python_fleet(federation: LoopbackFederation,
                                                                              tmp_path: Path) -> None:
     # Prepare: the federation; Chromium trusting the gateway's certificate only; four devices' examples; the

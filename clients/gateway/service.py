@@ -107,6 +107,9 @@ ROUND_PROGRESS_S = 30.0  # while a round waits for its devices, how often the ga
 GRAPH_WAIT_SAY_S = 300.0  # while the training graph is not published, how often the gateway says it waits
 LATE_ROUNDS = 4  # an asynchronous run: how many closed train rounds a device's late result may still answer
 MAX_PENDING_LATE = 256  # ... and how many such results may wait for the next round (each holds a model's change)
+# A gateway's node asks the coordinator for work every second while idle, not Flower's 3 s (fedge.clients.supernode):
+# a coordinator has few gateways (one per ~1,000 phones), and each round's instruction reaches its phones sooner
+GATEWAY_IDLE_PULL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -772,7 +775,7 @@ def run_gateway(options: GatewayOptions) -> int:
             coordinator=options.coordinator, profile=options.profile, data=Path("."), key=options.key, ca=options.ca,
             insecure=options.insecure, max_wait_s=options.max_wait_s, state_dir=node_state, runtime="onnx",
             trust=options.trust, bundles=options.bundles, gateway_control=f"127.0.0.1:{control.port}",
-            gateway_token=token_file))
+            gateway_token=token_file, idle_pull_s=GATEWAY_IDLE_PULL_S))
         if gateway.over is None and not coordinator_reachable(options.coordinator):
             gateway.finish("the coordinator has gone away: its run is over, or it stopped")
         if gateway.over is not None:
