@@ -98,10 +98,6 @@ def _bindable(port: int) -> bool:
     return True
 
 
-DEVICE_PACE = ("--idle-pull-s", "1", "--heartbeat-s", "15")
-"""A loopback device's idle pull and heartbeat (``fedge device`` options; Flower's: 3 s and 30 s)."""
-
-
 class LoopbackFederation:
     """Keys, device data, one coordinator and N devices, all under ``root``; :meth:`close` cleans up.
 
@@ -154,13 +150,9 @@ class LoopbackFederation:
 
     def start_device(self, index: int, key: Path | None = None, *extra: str,
                      fedge: str = FEDGE) -> subprocess.Popen[bytes]:
-        """``fedge device`` number ``index`` (its own key unless ``key`` is given; ``fedge``: which install).
-
-        A loopback fleet is a few devices, so they pull every second and announce a 15 s heartbeat
-        (:data:`DEVICE_PACE`; ``extra`` may say otherwise).
-        """
+        """``fedge device`` number ``index`` (its own key unless ``key`` is given; ``fedge``: which install)."""
         self.devices[index] = self.spawn(
-            ["device", *DEVICE_PACE, "--coordinator", f"127.0.0.1:{self.port}", "--profile", "laptop",
+            ["device", "--coordinator", f"127.0.0.1:{self.port}", "--profile", "laptop",
              "--data", str(self.root / f"dev{index}.npz"),
              "--key", str(key or self.root / "keys" / "devices" / f"dev{index}.key"),
              "--ca", str(self.keys.ca_cert), "--state-dir", str(self.root / f"device{index}"), *extra],

@@ -115,11 +115,11 @@ def _interleaved(items: list[pytest.Item]) -> list[pytest.Item]:
 
 # Deployments (a coordinator, a SuperLink, devices or gateways, a ClientApp process per message: processes that each
 # import torch and Flower; marked @pytest.mark.deployment) run at most DEPLOYMENT_SLOTS at once across the xdist
-# workers (tests/deployment_slots.py); a worker waits for a free slot, so the deployments' own waits stay events. The
-# slot is held for the test's call only: its fixtures (keys, data, a role's venv to install) are made and torn down
-# beside the other deployments.
+# workers (tests/deployment_slots.py); a worker waits for a free slot, so the deployments' own waits stay events.
+# (Holding the slot for the test's call only, its fixtures made beside the other deployments, was tried: the fresh
+# clone that had it and the loopback devices' 1 s idle pull took 1767 s against 1242 s before; see bench/README.)
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
     if not _is_deployment(item) or not hasattr(item.config, "workerinput"):
         yield
         return

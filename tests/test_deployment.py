@@ -67,7 +67,7 @@ def test_two_rounds_with_tls_and_auth_and_an_unregistered_device_refused(federat
 @pytest.mark.deployment
 def test_a_dead_device_is_left_out_and_the_round_goes_on(federation: LoopbackFederation) -> None:
     # Prepare: 3 devices connect, then one dies before the round (still listed online by the SuperLink,
-    # until its heartbeats are 2 x 15 s late: the loopback devices' --heartbeat-s) The deadline is generous: live devices on a loaded machine
+    # until its heartbeats are 2 x 30 s late) The deadline is generous: live devices on a loaded machine
     # need 30-40 s for a first round, and what is tested is that the round ends without the dead one and
     # names it, whichever comes first (the deadline, or the SuperLink's 'Node Unavailable' reply)
     federation.start_coordinator("--rounds", "1", "--clients-per-round", "3", "--run-config",

@@ -97,16 +97,10 @@ def test_the_edge_install_verifies_and_runs_a_bundle_without_torch_or_flower(tmp
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
-@pytest.fixture
-def device_role(tmp_path: Path) -> Path:
-    """The device role's install (no torch), made before the test takes a deployment slot; its bin directory."""
-    return _venv(tmp_path / "device-venv", "device")
-
-
 @pytest.mark.deployment
-def test_an_onnx_device_without_torch_trains_in_a_deployment(tmp_path: Path, device_role: Path) -> None:
+def test_an_onnx_device_without_torch_trains_in_a_deployment(tmp_path: Path) -> None:
     # Prepare: the device role's install (no torch), a coordinator and 3 devices: two torch, one onnx
-    bin_dir = device_role
+    bin_dir = _venv(tmp_path / "device-venv", "device")
     present = json.loads(_run(bin_dir / "python", NOTHING_HEAVY))
     federation = LoopbackFederation(tmp_path / "fleet", num_devices=3)
     try:
