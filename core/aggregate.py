@@ -88,7 +88,7 @@ def c_contiguous(array: NDArray[np.generic]) -> NDArray[np.generic]:
     return array if array.flags.c_contiguous else np.array(array, order="C")
 
 
-def squared_norm(vector: NDArray[np.floating]) -> float:
+def squared_norm(vector: NDArray[np.generic]) -> float:
     """``sum(vector ** 2)`` of a 1-d array, in its own precision, without BLAS.
 
     numpy's ``dot`` (and ``linalg.norm``) hand a long vector to OpenBLAS, whose threads wait for
