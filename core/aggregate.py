@@ -6,6 +6,7 @@ An update is a mapping ``name -> np.ndarray`` (one entry per model tensor).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -88,7 +89,7 @@ def c_contiguous(array: NDArray[np.generic]) -> NDArray[np.generic]:
     return array if array.flags.c_contiguous else np.array(array, order="C")
 
 
-def squared_norm(vector: NDArray[np.generic]) -> float:
+def squared_norm(vector: NDArray[Any]) -> float:
     """``sum(vector ** 2)`` of a 1-d array, in its own precision, without BLAS.
 
     numpy's ``dot`` (and ``linalg.norm``) hand a long vector to OpenBLAS, whose threads wait for
