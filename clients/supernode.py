@@ -34,7 +34,7 @@ import inspect
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -46,32 +46,31 @@ HEARTBEAT_S = 30
 """The heartbeat interval a device announces by default: Flower's (its Fleet API's floor: 10 s)."""
 
 
-class _WarmSuperExec:
-    """``subprocess`` as Flower's SuperNode sees it: its SuperExec is fedge's (:mod:`fedge.clients.warm_clientapp`)."""
+class Swapped:
+    """``module`` as one of Flower's modules sees it once fedge set it: some attributes swapped (``overrides``)."""
 
-    def __init__(self, runtime: str) -> None:
-        self.runtime = runtime
+    def __init__(self, module: ModuleType, **overrides: Any) -> None:
+        self._module = module
+        self.__dict__.update(overrides)
 
-    def Popen(self, args: Any, *rest: Any, **options: Any) -> Any:  # noqa: N802 - subprocess's name
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _paced_sleep(idle_s: float) -> Callable[[float], None]:
+    """``time.sleep`` with Flower's idle pause replaced by ``idle_s``."""
+    def sleep(seconds: float) -> None:
+        time.sleep(idle_s if seconds == FLOWER_IDLE_PULL_S else seconds)
+    return sleep
+
+
+def _warm_superexec(runtime: str) -> Callable[..., Any]:
+    """``subprocess.Popen`` that starts fedge's SuperExec (:mod:`fedge.clients.warm_clientapp`) for Flower's."""
+    def popen(args: Any, *rest: Any, **options: Any) -> Any:
         if isinstance(args, list) and args and args[0] == "flower-superexec":
-            args = [sys.executable, "-m", "fedge.clients.warm_clientapp", "--runtime", self.runtime, *args[1:]]
+            args = [sys.executable, "-m", "fedge.clients.warm_clientapp", "--runtime", runtime, *args[1:]]
         return subprocess.Popen(args, *rest, **options)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(subprocess, name)
-
-
-class _PacedTime:
-    """The ``time`` module as Flower's SuperNode loop sees it: its idle pause replaced by ``idle_s``."""
-
-    def __init__(self, idle_s: float) -> None:
-        self.idle_s = idle_s
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(self.idle_s if seconds == FLOWER_IDLE_PULL_S else seconds)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
+    return popen
 
 
 def pace(*, idle_pull_s: float, heartbeat_s: int, warm_runtime: str | None = None) -> list[str]:
@@ -92,13 +91,13 @@ def pace(*, idle_pull_s: float, heartbeat_s: int, warm_runtime: str | None = Non
     if idle_pull_s <= 0:
         raise ValueError(f"--idle-pull-s {idle_pull_s}: give a positive number of seconds")
     if warm_runtime is not None:
-        start_client_internal.subprocess = _WarmSuperExec(warm_runtime)  # type: ignore[assignment]
+        start_client_internal.subprocess = Swapped(subprocess, Popen=_warm_superexec(warm_runtime))  # type: ignore[assignment]
     fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL = heartbeat_s  # type: ignore[attr-defined]
     heartbeat.HEARTBEAT_DEFAULT_INTERVAL = heartbeat_s  # type: ignore[attr-defined]
     if not _has_idle_pause(start_client_internal):
         return [f"WARNING: this Flower's SuperNode loop has no {FLOWER_IDLE_PULL_S} s idle pause to shorten: "
                 "the device pulls at Flower's own pace (--idle-pull-s has no effect)"]
-    start_client_internal.time = _PacedTime(idle_pull_s)  # type: ignore[assignment]
+    start_client_internal.time = Swapped(time, sleep=_paced_sleep(idle_pull_s))  # type: ignore[assignment]
     return []
 
 

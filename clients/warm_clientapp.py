@@ -114,13 +114,13 @@ def _redirect(*, quiet: bool) -> None:
 
 
 class _WarmLauncher:
-    """``subprocess`` as Flower's SuperExec launcher sees it: ``flwr-clientapp`` goes to the warm parent."""
+    """``subprocess.Popen`` for Flower's SuperExec launcher: ``flwr-clientapp`` goes to the warm parent."""
 
     def __init__(self, parent: subprocess.Popen[str]) -> None:
         self.parent = parent
         self.fell_back = False
 
-    def Popen(self, args: Any, *rest: Any, **options: Any) -> Any:  # noqa: N802 - subprocess's name
+    def popen(self, args: Any, *rest: Any, **options: Any) -> Any:
         if isinstance(args, list) and args and args[0] == CLIENTAPP and self._send(args, options):
             return None  # Flower keeps no handle on its ClientApp processes
         return subprocess.Popen(args, *rest, **options)
@@ -138,9 +138,6 @@ class _WarmLauncher:
                 print("WARNING: the warm ClientApp parent is gone; each message starts a cold ClientApp process",
                       file=sys.stderr, flush=True)
             return False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(subprocess, name)
 
 
 def start_parent(runtime: str) -> subprocess.Popen[str]:
@@ -162,7 +159,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from flwr.supercore.cli.flower_superexec import flower_superexec
     from flwr.supercore.superexec.executor import subprocess_executor
 
-    subprocess_executor.subprocess = _WarmLauncher(parent)  # type: ignore[assignment]
+    from fedge.clients.supernode import Swapped
+
+    subprocess_executor.subprocess = Swapped(subprocess, Popen=_WarmLauncher(parent).popen)  # type: ignore[assignment]
     sys.argv = ["flower-superexec", *flowers]
     try:
         flower_superexec()

@@ -116,8 +116,9 @@ def _interleaved(items: list[pytest.Item]) -> list[pytest.Item]:
 # Deployments (a coordinator, a SuperLink, devices or gateways, a ClientApp process per message: processes that each
 # import torch and Flower; marked @pytest.mark.deployment) run at most DEPLOYMENT_SLOTS at once across the xdist
 # workers (tests/deployment_slots.py); a worker waits for a free slot, so the deployments' own waits stay events.
-# (Holding the slot for the test's call only, its fixtures made beside the other deployments, was tried: the fresh
-# clone that had it and the loopback devices' 1 s idle pull took 1767 s against 1242 s before; see bench/README.)
+# (Holding the slot for the test's call only, its fixtures made beside the other deployments, was tried with the
+# loopback devices pulling every second: that fresh clone took 1767 s, the next one without either 1704 s, both
+# slower than the 1242 s before for reasons not found; no gain was measured, so it was dropped. See bench/README.)
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
     if not _is_deployment(item) or not hasattr(item.config, "workerinput"):

@@ -32,7 +32,7 @@ def flower_restored(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(heartbeat, "HEARTBEAT_DEFAULT_INTERVAL", 30)
 
 
-def test_pace_shortens_the_idle_pause_sets_the_heartbeat_and_starts_feges_superexec(
+def test_pace_shortens_the_idle_pause_sets_the_heartbeat_and_starts_fedges_superexec(
         flower_restored: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: record the pauses the paced module takes and the SuperExec command it starts
     pauses: list[float] = []
@@ -105,10 +105,10 @@ def test_the_launcher_sends_clientapps_to_the_warm_parent_and_starts_anything_el
                               stdin=subprocess.PIPE, text=True)
     launcher = warm_clientapp._WarmLauncher(parent)
     # Execute
-    kept = launcher.Popen(["flwr-clientapp", "--token", "t1"])
-    quiet = launcher.Popen(["flwr-clientapp", "--token", "t2"], stdout=subprocess.DEVNULL,
+    kept = launcher.popen(["flwr-clientapp", "--token", "t1"])
+    quiet = launcher.popen(["flwr-clientapp", "--token", "t2"], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
-    other = launcher.Popen([sys.executable, "-c", "pass"])
+    other = launcher.popen([sys.executable, "-c", "pass"])
     assert parent.stdin is not None
     parent.stdin.close()
     parent.wait(60)
@@ -127,7 +127,7 @@ def test_with_its_parent_gone_the_launcher_starts_flowers_own_process_and_says_s
     monkeypatch.setattr(warm_clientapp.subprocess, "Popen", lambda args, *a, **k: started.append(args))
     launcher = warm_clientapp._WarmLauncher(parent)
     for token in ("t1", "t2"):
-        launcher.Popen(["flwr-clientapp", "--token", token])
+        launcher.popen(["flwr-clientapp", "--token", token])
     assert started == [["flwr-clientapp", "--token", "t1"], ["flwr-clientapp", "--token", "t2"]]
     assert capsys.readouterr().err.count("warm ClientApp parent is gone") == 1
 
