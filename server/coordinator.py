@@ -45,6 +45,7 @@ from cryptography.hazmat.primitives import serialization
 
 from fedge import knobs
 from fedge.config import DEFAULTS, Scalar, resolve_run_config
+from fedge.edge.graph_cache import GRAPH_CACHE_ENV
 from fedge.edge.signing import ensure_private_dir
 from fedge.errors import ConfigError, FedgeError
 from fedge.files import open_private_append
@@ -258,13 +259,17 @@ class Coordinator:
         """Environment of every Flower process this coordinator starts.
 
         ``FEDGE_PUBLISH_DIR`` tells the ServerApp (a process the SuperLink starts, which
-        inherits this environment) where to publish the bundles it signs.
+        inherits this environment) where to publish the bundles it signs; ``FEDGE_GRAPH_CACHE``
+        where it keeps the ONNX translations of its training graphs (``STATE_DIR/graph-cache``
+        unless the environment names one), so a restart, a resume or the next run does not
+        translate the same graph again (:mod:`fedge.edge.graph_cache`).
         """
         from fedge.server.publish import PUBLISH_ENV
 
         return {**flower_env(self.flwr_home, superexec_poll_s=COORDINATOR_SUPEREXEC_POLL_S),
                 PUBLISH_ENV: str(self.published.resolve()), NAMES_ENV: str(self.names_file.resolve()),
-                REVOKED_ENV: str(self.revoked_file.resolve())}
+                REVOKED_ENV: str(self.revoked_file.resolve()),
+                GRAPH_CACHE_ENV: os.environ.get(GRAPH_CACHE_ENV) or str((self.state_dir / "graph-cache").resolve())}
 
     @property
     def revoked_file(self) -> Path:

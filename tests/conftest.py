@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedge.edge.graph_cache import GRAPH_CACHE_ENV
 from tests.deployment_slots import deployment_slot
 from tests.live_gateway import live, run  # noqa: F401 - the gateway tests' fixtures (a live gateway, its run)
 
@@ -23,6 +24,16 @@ logging.getLogger("flwr").setLevel(logging.ERROR)
 def _task_identity() -> None:
     """Messages need a process-wide run/node identity, as in a ServerApp process."""
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _graph_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One cache of ONNX translations (fedge.edge.graph_cache) for this run: its workers and every coordinator they
+    start. The digits MLP's training step is translated once a run, not in each of the ~40 tests and deployments that
+    export it; a new run starts empty (the cache lies in the run's own temporary folder)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if hasattr(request.config, "workerinput") else base  # the workers' run folder
+    os.environ.setdefault(GRAPH_CACHE_ENV, str(shared / "graph-cache"))
 
 
 @pytest.fixture
@@ -75,7 +86,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return  # not an xdist worker under --dist loadgroup: the suite runs as collected
     rank = {name: index for index, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as collected
-    items[:] = _interleaved(items)
+    grouped = [item for item in items if _group(item) is not None]
+    items[:] = grouped + _interleaved([item for item in items if _group(item) is None])
+
+
+def _group(item: pytest.Item) -> str | None:
+    """The named xdist group of ``item``: its tests run one after another on one worker, so a group goes first
+    (the "ray" group, 7 minutes of one worker, started 22 minutes into a fresh clone's run and ran alone at its
+    end)."""
+    marker = item.get_closest_marker("xdist_group")
+    return str(marker.args[0]) if marker is not None and marker.args else None
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -96,9 +116,8 @@ def _interleaved(items: list[pytest.Item]) -> list[pytest.Item]:
     tests to run, not a slot to wait for. Alternating test by test instead put a deployment before every other
     test, and the workers waited on the slots (38 tests in a fresh clone's first 20 minutes)."""
     units: list[tuple[str, list[pytest.Item]]] = []
-    for item in items:  # a unit: a named group's tests, else a file's
-        marker = item.get_closest_marker("xdist_group")
-        key = str(marker.args[0]) if marker is not None and marker.args else item.path.name
+    for item in items:  # a unit: a file's tests
+        key = item.path.name
         if units and units[-1][0] == key:
             units[-1][1].append(item)
         else:
@@ -119,14 +138,37 @@ def _interleaved(items: list[pytest.Item]) -> list[pytest.Item]:
 # (Holding the slot for the test's call only, its fixtures made beside the other deployments, was tried with the
 # loopback devices pulling every second: that fresh clone took 1767 s, the next one without either 1704 s, both
 # slower than the 1242 s before for reasons not found; no gain was measured, so it was dropped. See bench/README.)
+# A test marked @pytest.mark.deployment(slot="call") takes its slot for its call alone: its fixtures build what
+# deploys nothing (a role's fresh virtualenv: a pip install) beside the other deployments.
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
-    if not _is_deployment(item) or not hasattr(item.config, "workerinput"):
+    if _slot(item) != "protocol":
         yield
         return
-    shared = item.config._tmp_path_factory.getbasetemp().parent  # type: ignore[attr-defined]  # this run's workers'
-    with deployment_slot(shared):
+    with deployment_slot(_shared(item)):
         yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    if _slot(item) != "call":
+        yield
+        return
+    with deployment_slot(_shared(item)):
+        yield
+
+
+def _slot(item: pytest.Item) -> str | None:
+    """What a deployment test holds its slot for (``protocol``: setup, call and teardown; ``call``), or None."""
+    marker = item.get_closest_marker("deployment")
+    if marker is None or not hasattr(item.config, "workerinput"):
+        return None
+    return str(marker.kwargs.get("slot", "protocol"))
+
+
+def _shared(item: pytest.Item) -> Path:
+    """The folder this run's workers share (the slots' lock files)."""
+    return Path(item.config._tmp_path_factory.getbasetemp().parent)  # type: ignore[attr-defined]
 
 
 def _is_deployment(item: pytest.Item) -> bool:

@@ -11,13 +11,15 @@ for minutes, the waiting tests ran 1.5-2x slower and the killed-coordinator depl
 from __future__ import annotations
 
 import fcntl
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-DEPLOYMENT_SLOTS = 2
+# FEDGE_TEST_DEPLOYMENT_SLOTS overrides it (to measure another number on another machine)
+DEPLOYMENT_SLOTS = int(os.environ.get("FEDGE_TEST_DEPLOYMENT_SLOTS", "2"))
 
 
 def _take(shared: Path) -> IO[str]:

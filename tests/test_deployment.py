@@ -67,14 +67,15 @@ def test_two_rounds_with_tls_and_auth_and_an_unregistered_device_refused(federat
 @pytest.mark.deployment
 def test_a_dead_device_is_left_out_and_the_round_goes_on(federation: LoopbackFederation) -> None:
     # Prepare: 3 devices connect, then one dies before the round (still listed online by the SuperLink,
-    # until its heartbeats are 2 x 30 s late) The deadline is generous: live devices on a loaded machine
-    # need 30-40 s for a first round, and what is tested is that the round ends without the dead one and
-    # names it, whichever comes first (the deadline, or the SuperLink's 'Node Unavailable' reply)
+    # until its heartbeats are 2 x 10 s late: the devices announce a 10 s heartbeat, not Flower's 30 s) The
+    # deadline is generous: live devices on a loaded machine need 30-40 s for a first round, and what is tested
+    # is that the round ends without the dead one and names it, whichever comes first (the deadline, or the
+    # SuperLink's 'Node Unavailable' reply)
     federation.start_coordinator("--rounds", "1", "--clients-per-round", "3", "--run-config",
                                  "model='mlp' local-epochs=2 export-onnx=false round-timeout=300.0 runtime='torch' "
                                  "min-train-replies=2")
     for index in range(3):
-        federation.start_device(index)
+        federation.start_device(index, None, "--heartbeat-s", "10")
     joined = "joined the coordinator as node"
     federation.wait_for(lambda: all(joined in federation.log(f"device{i}") for i in range(3)), 900,
                         "three devices connected")

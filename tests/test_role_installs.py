@@ -97,10 +97,16 @@ def test_the_edge_install_verifies_and_runs_a_bundle_without_torch_or_flower(tmp
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
-@pytest.mark.deployment
-def test_an_onnx_device_without_torch_trains_in_a_deployment(tmp_path: Path) -> None:
+@pytest.fixture
+def device_role(tmp_path: Path) -> Path:
+    """The device role's install (no torch) in a fresh venv: its bin directory (built outside the deployment slot)."""
+    return _venv(tmp_path / "device-venv", "device")
+
+
+@pytest.mark.deployment(slot="call")
+def test_an_onnx_device_without_torch_trains_in_a_deployment(device_role: Path, tmp_path: Path) -> None:
     # Prepare: the device role's install (no torch), a coordinator and 3 devices: two torch, one onnx
-    bin_dir = _venv(tmp_path / "device-venv", "device")
+    bin_dir = device_role
     present = json.loads(_run(bin_dir / "python", NOTHING_HEAVY))
     federation = LoopbackFederation(tmp_path / "fleet", num_devices=3)
     try:
