@@ -445,6 +445,8 @@ class _Traced:
             if (hit := cached(cache, key)) is not None:
                 _check_no_weights(onnx.load_from_string(hit[0]), self.state)
                 self.hits.append(key)
+                log.info("%s graph: torch's ONNX translation reused from %s (%s...)", "training" if train else
+                         "evaluation", cache, key[:12])
                 return hit[0], specs, hit[1]
             try:
                 onnx_program = torch.onnx.export(program, dynamo=True, input_names=input_names,

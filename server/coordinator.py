@@ -26,7 +26,6 @@ import logging
 import os
 import re
 import secrets
-import signal
 import socket
 import ssl
 import subprocess
@@ -57,6 +56,7 @@ from fedge.process import (
     signal_processes,
     stop_processes,
 )
+from fedge.server.fleet_link import FleetLink
 from fedge.server.pki import CoordinatorKeys
 from fedge.server.rejoins import REVOKED_ENV, revoked_nodes
 
@@ -68,49 +68,6 @@ NAMES_ENV = "FEDGE_DEVICE_NAMES"  # the ServerApp finds the node id -> device na
 # "sync", makes them follow the allow-list KEYS/devices/*.pub: a key not registered yet is registered,
 # a node whose key left the directory is unregistered (revoked). Each node is named by the registered
 # key file it matches: names derive from the operator's keys, never from the device.
-_FLEET = """
-import json, sys
-from pathlib import Path
-from flwr.cli.flower_config import read_superlink_connection
-from flwr.cli.utils import init_http_client_from_connection
-from flwr.proto.control_pb2 import (ListNodesRequest, ListRunsRequest, RegisterNodeRequest, StopRunRequest,
-                                    UnregisterNodeRequest)
-modes = sys.argv[2].split(",")
-sync = "sync" in modes
-keys = {pem.encode(): name for pem, name in json.loads(sys.stdin.read()).items()}
-out = {"registered": [], "unregistered": [], "revoked_keys": [], "failed": {}, "stopped_runs": []}
-client = init_http_client_from_connection(read_superlink_connection(sys.argv[1]))
-try:
-    if "stop-stale" in modes:
-        for run_id, run in client.ListRuns(ListRunsRequest()).run_dict.items():
-            if run.status.status != "finished":
-                client.StopRun(StopRunRequest(run_id=run_id))
-                out["stopped_runs"].append(str(run_id))
-    nodes = list(client.ListNodes(ListNodesRequest()).nodes_info)
-    if sync:
-        seen = {n.public_key: n for n in nodes}
-        for key, name in keys.items():
-            if key not in seen:
-                try:
-                    client.RegisterNode(RegisterNodeRequest(public_key=key, name=name))
-                    out["registered"].append(name)
-                except Exception as exc:
-                    out["failed"][name] = str(exc)
-            elif seen[key].status == "unregistered":
-                out["revoked_keys"].append(name)
-        for node in nodes:
-            if node.status != "unregistered" and node.public_key and node.public_key not in keys:
-                client.UnregisterNode(UnregisterNodeRequest(node_id=node.node_id))
-                out["unregistered"].append(str(node.node_id))
-        if out["registered"] or out["unregistered"]:
-            nodes = list(client.ListNodes(ListNodesRequest()).nodes_info)
-finally:
-    client.close()
-out["nodes"] = [{"node_id": str(n.node_id), "status": n.status, "name": keys.get(n.public_key, "")}
-                for n in nodes]
-print(json.dumps(out))
-"""
-
 CONNECTION = "fedge"
 CLEAN_STOP = "last-stop.json"  # in STATE_DIR and RUN_DIR: a coordinator stopped by a signal, mid-run, wrote it
 
@@ -232,6 +189,7 @@ class Coordinator:
     bundles: Any = field(default=None, repr=False)  # the running BundleService, if any
     stopped: bool = field(default=False, init=False, repr=False)  # stop() was called: the SuperLink is down on purpose
     fleet: FleetStatus | None = field(default=None, init=False, repr=False)  # the last look at the devices
+    fleet_link: FleetLink | None = field(default=None, init=False, repr=False)  # the device looks' helper process
     _warned: set[str] = field(default_factory=set, init=False, repr=False)  # revoked keys already reported
 
     @property
@@ -451,12 +409,9 @@ class Coordinator:
         """
         allowed = {} if self.keys is None else allow_list(self.keys.device_public_keys(), warned=self._warned)
         mode = ("list" if self.keys is None else "sync") + (",stop-stale" if stop_stale_runs else "")
-        done = subprocess.run([sys.executable, "-c", _FLEET, CONNECTION, mode], input=json.dumps(allowed),
-                              env=self.env(), capture_output=True, text=True, timeout=60, check=False)
-        try:
-            out = json.loads(done.stdout.strip().splitlines()[-1])
-        except (json.JSONDecodeError, IndexError):
-            raise FedgeError(f"listing the coordinator's devices failed: {_why_failed(done)}") from None
+        if self.fleet_link is None:
+            self.fleet_link = FleetLink(self.env, self.state_dir / "fleet-link.log")
+        out = self.fleet_link.ask(connection=CONNECTION, modes=mode.split(","), keys=allowed)
         if out["failed"]:
             name, why = next(iter(out["failed"].items()))
             raise FedgeError(f"registering device key {name} failed: {why[-300:]}")
@@ -590,6 +545,8 @@ class Coordinator:
         if self.bundles is not None:
             self.bundles.stop()
             self.bundles = None
+        if self.fleet_link is not None:
+            self.fleet_link.close()
         first = [p for p in (self.runner, self.superlink) if p is not None]
         stop_processes(self.flwr_home, first)
 
@@ -667,20 +624,6 @@ class FleetWatch:
         return {"superlink": state, "run": self.outcome,
                 "devices_online": None if status is None else status.count("online"),
                 "devices_registered": None if status is None else status.count("online", "offline", "registered")}
-
-
-def _why_failed(done: subprocess.CompletedProcess[str]) -> str:
-    """Why a helper process gave no answer, in one line: its last error line, else how it ended."""
-    lines = [line.strip() for line in (done.stderr or done.stdout or "").splitlines() if line.strip()]
-    if lines:
-        return lines[-1][-300:]
-    if done.returncode < 0:
-        try:
-            name = signal.Signals(-done.returncode).name
-        except ValueError:
-            name = f"signal {-done.returncode}"
-        return f"its helper process was stopped by {name} before it answered"
-    return f"its helper process exited with status {done.returncode} and printed nothing"
 
 
 class DeviceWait:

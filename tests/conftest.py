@@ -86,16 +86,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return  # not an xdist worker under --dist loadgroup: the suite runs as collected
     rank = {name: index for index, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as collected
-    grouped = [item for item in items if _group(item) is not None]
-    items[:] = grouped + _interleaved([item for item in items if _group(item) is None])
-
-
-def _group(item: pytest.Item) -> str | None:
-    """The named xdist group of ``item``: its tests run one after another on one worker, so a group goes first
-    (the "ray" group, 7 minutes of one worker, started 22 minutes into a fresh clone's run and ran alone at its
-    end)."""
-    marker = item.get_closest_marker("xdist_group")
-    return str(marker.args[0]) if marker is not None and marker.args else None
+    items[:] = _interleaved(items)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -116,8 +107,9 @@ def _interleaved(items: list[pytest.Item]) -> list[pytest.Item]:
     tests to run, not a slot to wait for. Alternating test by test instead put a deployment before every other
     test, and the workers waited on the slots (38 tests in a fresh clone's first 20 minutes)."""
     units: list[tuple[str, list[pytest.Item]]] = []
-    for item in items:  # a unit: a file's tests
-        key = item.path.name
+    for item in items:  # a unit: a named group's tests, else a file's
+        marker = item.get_closest_marker("xdist_group")
+        key = str(marker.args[0]) if marker is not None and marker.args else item.path.name
         if units and units[-1][0] == key:
             units[-1][1].append(item)
         else:

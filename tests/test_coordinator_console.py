@@ -29,6 +29,7 @@ from flwr.clientapp import ClientApp
 from fedge.config import resolve_run_config
 from fedge.errors import ConfigError, FedgeError
 from fedge.server.coordinator import Coordinator, FleetStatus, FleetWatch, RunOutput
+from fedge.server.fleet_link import why_no_answer
 from fedge.server.run_restarts import run_with_restarts, was_lost
 from fedge.simulation.grid import InlineGrid
 from fedge.simulation.loopback import LoopbackFederation
@@ -112,22 +113,36 @@ def test_the_coordinators_wait_line_stops_when_the_serverapp_says_it() -> None:
 REFUSED = "httpx.ConnectError: [Errno 111] Connection refused"
 
 
-@pytest.mark.parametrize(("stdout", "stderr", "code", "reason"), [
-    ("", "", -15, "its helper process was stopped by SIGTERM before it answered"),
-    ("", f"Traceback (most recent call last):\n  File \"x\", line 1\n{REFUSED}\n", 1, REFUSED),
-    ("", "", 0, "its helper process exited with status 0 and printed nothing"),
+@pytest.mark.parametrize(("returncode", "log", "reason"), [
+    (-15, "", "its helper process was stopped by SIGTERM before it answered"),
+    (1, f"Traceback (most recent call last):\n  File \"x\", line 1\n{REFUSED}\n", REFUSED),
+    (0, "", "its helper process exited with status 0 and printed nothing"),
 ])
-def test_a_failed_device_look_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stdout: str, stderr: str,
-                                       code: int, reason: str) -> None:
-    # Prepare: the look's helper process ends as given
-    import fedge.server.coordinator as module
+def test_a_helper_that_gave_no_answer_says_why(returncode: int, log: str, reason: str) -> None:
+    # Execute / Assert: the reason is the helper's last error line, else how it ended; never empty
+    assert why_no_answer(returncode, log.splitlines()) == reason
 
+
+def test_a_failed_device_look_says_why_and_the_next_look_asks_the_same_helper(tmp_path: Path) -> None:
+    # Prepare: a coordinator whose SuperLink was never started (no Control API connection configured)
     coordinator = Coordinator(tmp_path / "state", None)
-    monkeypatch.setattr(module.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, code, stdout, stderr))
-    # Execute / Assert: the error names the reason, never an empty one
-    with pytest.raises(FedgeError) as raised:
-        coordinator.sync_devices()
-    assert str(raised.value) == f"listing the coordinator's devices failed: {reason}"
+    try:
+        # Execute: two looks
+        with pytest.raises(FedgeError) as first:
+            coordinator.sync_devices()
+        assert coordinator.fleet_link is not None
+        helper = coordinator.fleet_link._process
+        with pytest.raises(FedgeError) as second:
+            coordinator.sync_devices()
+        # Assert: each names the reason in one line; one helper answered both (started once), then stops
+        for raised in (first, second):
+            assert str(raised.value).startswith("listing the coordinator's devices failed: ")
+            assert "SuperLink connection 'fedge' not found" in str(raised.value), raised.value
+        assert helper is not None and coordinator.fleet_link._process is helper and helper.poll() is None
+    finally:
+        if coordinator.fleet_link is not None:
+            coordinator.fleet_link.close()
+    assert helper.poll() is not None
 
 
 class _Stopping:
