@@ -7,7 +7,8 @@ Started for each look, the helper cost about 1 CPU-second of imports every 10 s,
 a core for an idle coordinator (and 13 % of the CPU the test suite's deployments used).
 Now it is started once and answers one JSON line per request. It ends when its stdin
 closes (the coordinator gone, however it went) and is stopped with Flower's processes (it
-runs with the coordinator's ``FLWR_HOME``). Its stderr goes to ``STATE_DIR/fleet-link.log``.
+runs with the coordinator's ``FLWR_HOME``). The tracebacks of its failed looks go to
+``STATE_DIR/fleet-link.log``.
 
 Why not Flower's ``flwr supernode list`` CLI: one command per operation (list, register,
 unregister, stop a run), a process each, and no stop of stale runs in one look.
@@ -32,9 +33,10 @@ ANSWER_S = 60.0  # a look the SuperLink has not answered in this long is given u
 
 _HELPER = """
 import json, os, sys, traceback
-# answers go to the real stdout; whatever Flower prints goes to stderr (the log), never into an answer
+# answers go to the real stdout; what Flower prints ("Using SuperLink: ..." at every look) goes nowhere, never
+# into an answer (its errors come back as answers, their tracebacks in the log)
 answers = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
+os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 from flwr.cli.flower_config import read_superlink_connection
 from flwr.cli.utils import init_http_client_from_connection
 from flwr.proto.control_pb2 import (ListNodesRequest, ListRunsRequest, RegisterNodeRequest, StopRunRequest,

@@ -14,6 +14,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedge.edge.graph_cache import GRAPH_CACHE_ENV
 from tests.deployment_slots import deployment_slot
+from tests.leftovers import leftover_warning
 from tests.live_gateway import live, run  # noqa: F401 - the gateway tests' fixtures (a live gateway, its run)
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -34,6 +35,18 @@ def _graph_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if hasattr(request.config, "workerinput") else base  # the workers' run folder
     os.environ.setdefault(GRAPH_CACHE_ENV, str(shared / "graph-cache"))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Name the processes an earlier run left running (tests/leftovers.py): they slow this one down."""
+    config = session.config
+    if hasattr(config, "workerinput"):
+        return
+    base = Path(config._tmp_path_factory.getbasetemp())  # type: ignore[attr-defined]
+    warning = leftover_warning(base.parent, base.name)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if warning and reporter is not None:
+        reporter.write_line(warning, yellow=True)
 
 
 @pytest.fixture
