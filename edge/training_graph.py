@@ -28,6 +28,7 @@ under onnxruntime + numpy from the same weights and batches must end within
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import re
 import warnings
@@ -441,7 +442,7 @@ class _Traced:
             target_shape = _target_shape(targets, specs, arrays)
             cache = graph_cache()
             key = translation_key(graph, signature=(input_names, outputs, specs, target_shape),
-                                  source=Path(__file__).read_bytes()) if cache is not None else ""
+                                  source=_own_source()) if cache is not None else ""
             if (hit := cached(cache, key)) is not None:
                 _check_no_weights(onnx.load_from_string(hit[0]), self.state)
                 self.hits.append(key)
@@ -518,6 +519,12 @@ class _Traced:
         return ExportError(f"{where}: the backward of {detail} {what} ({type(exc).__name__}: "
                            f"{_first_line(exc, 300)}); replace that layer with standard torch layers (Linear, "
                            "Conv, GroupNorm, LSTM...) for on-device training, or export without training")
+
+
+@functools.cache
+def _own_source() -> bytes:
+    """This module's source (part of a translation's cache key: its decompositions and clean-up), read once."""
+    return Path(__file__).read_bytes()
 
 
 def _unstrip(path: str, module: nn.Module) -> str:

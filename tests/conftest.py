@@ -30,15 +30,15 @@ def _task_identity() -> None:
 @pytest.fixture(scope="session", autouse=True)
 def _graph_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
     """One cache of ONNX translations (fedge.edge.graph_cache) for this run: its workers and every coordinator they
-    start. The digits MLP's training step is translated once a run, not in each of the ~40 tests and deployments that
-    export it; a new run starts empty (the cache lies in the run's own temporary folder)."""
+    start. The digits MLP's training step is translated once a run, not in each test and deployment that exports it;
+    a new run starts empty (the cache lies in the run's own temporary folder)."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if hasattr(request.config, "workerinput") else base  # the workers' run folder
     os.environ.setdefault(GRAPH_CACHE_ENV, str(shared / "graph-cache"))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Name the processes an earlier run left running (tests/leftovers.py): they slow this one down."""
+    """Name the processes of other test runs still running (tests/leftovers.py): they slow this one down."""
     config = session.config
     if hasattr(config, "workerinput"):
         return
